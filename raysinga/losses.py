@@ -1,0 +1,39 @@
+"""Losses: each returns ``(loss, d_loss/d_output)`` with the loss summed and divided by ``denom``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import kernels as K
+
+
+def softmax_cross_entropy(logits: Any, labels: Any, denom: float) -> tuple[Any, Any]:
+    """Fused softmax + cross-entropy on integer class labels."""
+    if denom <= 0:
+        raise ValueError(f"denom must be positive, got {denom}")
+    loss, probs = K.softmax_xent_forward(logits, labels, denom)
+    return loss, K.softmax_xent_backward(probs, labels, denom)
+
+
+def mean_squared_error(pred: Any, target: Any, denom: float) -> tuple[Any, Any]:
+    """Squared error summed over outputs and batch, divided by ``denom * outputs``: with
+    ``denom`` the batch size this is the mean over all elements (PyTorch's ``MSELoss``)."""
+    if denom <= 0:
+        raise ValueError(f"denom must be positive, got {denom}")
+    target = target.reshape(pred.shape).astype(pred.dtype, copy=False)
+    per = pred[0].size if len(pred) else 1
+    diff = pred - target
+    scale = pred.dtype.type(1.0 / (denom * per))
+    return (diff * diff).sum() * scale, diff * (2 * scale)
+
+
+def accuracy(logits: Any, labels: Any) -> float:
+    """Fraction of rows whose largest logit is the label."""
+    return float((logits.argmax(axis=1) == labels).mean())
+
+
+LOSSES: dict[str, Callable[[Any, Any, float], tuple[Any, Any]]] = {
+    "softmax_cross_entropy": softmax_cross_entropy,
+    "mse": mean_squared_error,
+}

@@ -1,0 +1,169 @@
+"""The model spec (a net of named layers) and the net that computes loss and gradients with it.
+
+A :class:`ModelSpec` is plain data: it crosses actor boundaries, goes into job files and
+checkpoints, and hashes to a stable digest. :class:`Net` builds layers from it; parameters get
+stable hierarchical names (``fc1/W``, ``fc1/b``) and are passed in as a flat dict, never owned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import kernels as K
+from .layers import LAYERS, Layer, StepContext, param_rng
+from .losses import LOSSES, accuracy
+
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    kind: str
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, **self.options}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    input_shape: tuple[int, ...]
+    layers: tuple[LayerSpec, ...]
+    loss: str = "softmax_cross_entropy"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
+        """From a job file's ``model`` section; errors name the offending key path."""
+        if not isinstance(d, dict):
+            raise ValueError(f"model: expected a mapping, got {type(d).__name__}")
+        unknown = set(d) - {"input_shape", "layers", "loss"}
+        if unknown:
+            raise ValueError(f"model: unknown key(s) {sorted(unknown)}; allowed: input_shape, "
+                             "layers, loss")
+        for key in ("input_shape", "layers"):
+            if key not in d:
+                raise ValueError(f"model.{key}: missing")
+        shape = d["input_shape"]
+        if (not isinstance(shape, (list, tuple)) or not shape
+                or not all(isinstance(v, int) and v > 0 for v in shape)):
+            raise ValueError(f"model.input_shape: expected a list of positive integers, got {shape!r}")
+        if not isinstance(d["layers"], list) or not d["layers"]:
+            raise ValueError("model.layers: expected a non-empty list of layers")
+        layers = []
+        for i, ld in enumerate(d["layers"]):
+            if not isinstance(ld, dict) or "kind" not in ld or "name" not in ld:
+                raise ValueError(f"model.layers[{i}]: expected a mapping with 'kind' and 'name'")
+            opts = {k: v for k, v in ld.items() if k not in ("kind", "name")}
+            layers.append(LayerSpec(ld["kind"], ld["name"], opts))
+        spec = cls(tuple(shape), tuple(layers), d.get("loss", "softmax_cross_entropy"))
+        spec.validate()
+        return spec
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "input_shape": list(self.input_shape),
+            "layers": [ls.to_dict() for ls in self.layers],
+            "loss": self.loss,
+        }
+
+    def digest(self) -> str:
+        """SHA-256 of the canonical JSON form: equal specs, equal digests, across processes."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def validate(self) -> None:
+        """Build every layer once so bad options fail when the config is read."""
+        Net(self)
+
+
+class Net:
+    """Layers built from a spec, with the loss at the end."""
+
+    def __init__(self, spec: ModelSpec, dtype: str = "float32") -> None:
+        if dtype not in K.common.FLOAT_DTYPES:
+            raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
+        if spec.loss not in LOSSES:
+            raise ValueError(f"model.loss: unknown loss {spec.loss!r}; allowed: {sorted(LOSSES)}")
+        self.spec, self.dtype = spec, np.dtype(dtype)
+        self.layers: list[Layer] = []
+        names: set[str] = set()
+        shape = tuple(spec.input_shape)
+        for i, ls in enumerate(spec.layers):
+            if ls.kind not in LAYERS:
+                raise ValueError(
+                    f"model.layers[{i}].kind: unknown layer kind {ls.kind!r}; "
+                    f"allowed: {', '.join(sorted(LAYERS))}"
+                )
+            if not ls.name or not set(ls.name) <= _NAME_CHARS or ls.name in names:
+                raise ValueError(
+                    f"model.layers[{i}].name: {ls.name!r} must be unique and use only letters, "
+                    "digits, '_', '-' and '.'"
+                )
+            names.add(ls.name)
+            layer = LAYERS[ls.kind](ls.name, **ls.options)
+            shape = layer.build(shape)
+            self.layers.append(layer)
+        self.output_shape = shape
+        self.loss_fn = LOSSES[spec.loss]
+
+    # -- names, shapes, initial values
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every trainable parameter, in layer order: ``{"fc1/W": (784, 1024), ...}``."""
+        return {ly.key(k): s for ly in self.layers for k, s in ly.param_shapes().items()}
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Non-trainable state (batch-norm running statistics)."""
+        return {ly.key(k): s for ly in self.layers for k, s in ly.state_shapes().items()}
+
+    def init_params(self, seed: int) -> dict[str, np.ndarray]:
+        """Initial parameters as NumPy arrays; each depends only on (seed, its name)."""
+        out = {}
+        for ly in self.layers:
+            for local, shape in ly.param_shapes().items():
+                key = ly.key(local)
+                out[key] = np.asarray(ly.init_param(local, shape, param_rng(seed, key)), self.dtype)
+        return out
+
+    def init_state(self) -> dict[str, np.ndarray]:
+        return {
+            ly.key(k): np.asarray(ly.init_state(k, s), self.dtype)
+            for ly in self.layers
+            for k, s in ly.state_shapes().items()
+        }
+
+    # -- compute
+    def forward(self, params: dict, state: dict, x: Any, ctx: StepContext) -> Any:
+        for ly in self.layers:
+            local = {k: params[ly.key(k)] for k in ly.param_shapes()}
+            x = ly.forward(local, state, x, ctx)
+        return x
+
+    def backward(self, dout: Any) -> dict[str, Any]:
+        grads: dict[str, Any] = {}
+        for ly in reversed(self.layers):
+            dout, g = ly.backward(dout)
+            grads.update({ly.key(k): v for k, v in g.items()})
+        return {k: grads[k] for k in self.param_shapes()}
+
+    def loss_and_grads(
+        self, params: dict, state: dict, x: Any, y: Any, ctx: StepContext, denom: int | None = None
+    ) -> tuple[float, dict[str, Any], Any]:
+        """``(loss, grads, output)``; the loss is summed over the batch and divided by ``denom``
+        (default: the batch size). A worker of a group passes the group's batch size, so that the
+        group's gradient is the plain sum of its workers' gradients."""
+        out = self.forward(params, state, x, ctx)
+        loss, dout = self.loss_fn(out, y, len(x) if denom is None else denom)
+        return float(loss), self.backward(dout), out
+
+    def evaluate(self, params: dict, state: dict, x: Any, y: Any) -> tuple[float, float | None]:
+        """``(mean loss, accuracy or None)`` on one batch in inference mode."""
+        out = self.forward(params, state, x, StepContext(train=False))
+        loss, _ = self.loss_fn(out, y, len(x))
+        acc = accuracy(out, y) if self.spec.loss == "softmax_cross_entropy" else None
+        return float(loss), acc

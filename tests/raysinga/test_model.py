@@ -1,0 +1,150 @@
+"""Whole nets against an independent reference (PyTorch on CPU), and the model spec itself."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from raysinga import ModelSpec, Net, StepContext
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+MLP = {
+    "input_shape": [20],
+    "layers": [
+        {"kind": "dense", "name": "fc1", "units": 33, "activation": "relu"},
+        {"kind": "dropout", "name": "drop1", "rate": 0.25},
+        {"kind": "dense", "name": "fc2", "units": 17, "activation": "tanh"},
+        {"kind": "batchnorm", "name": "bn"},
+        {"kind": "dense", "name": "fc3", "units": 12, "activation": "sigmoid"},
+        {"kind": "dense", "name": "out", "units": 10},
+    ],
+}
+CNN = {
+    "input_shape": [1, 12, 12],
+    "layers": [
+        {"kind": "conv2d", "name": "conv1", "filters": 6, "kernel": 3, "padding": 1,
+         "activation": "relu"},
+        {"kind": "batchnorm", "name": "bn1"},
+        {"kind": "maxpool", "name": "pool1", "kernel": 2},
+        {"kind": "conv2d", "name": "conv2", "filters": 5, "kernel": 3, "stride": 2,
+         "activation": "tanh"},
+        {"kind": "avgpool", "name": "pool2", "kernel": 2, "stride": 1},
+        {"kind": "flatten", "name": "flat"},
+        {"kind": "dropout", "name": "drop", "rate": 0.3},
+        {"kind": "dense", "name": "out", "units": 7},
+    ],
+}
+
+ACTS = {"relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "linear": lambda t: t}
+
+
+def torch_forward(net: Net, params: dict, x, ctx: StepContext, masks: dict):
+    """The same net written directly in PyTorch, sharing only the parameters and dropout masks."""
+    for ly in net.layers:
+        o = ly.opts
+        if ly.kind == "dense":
+            x = ACTS[o["activation"]](x @ params[f"{ly.name}/W"] + params[f"{ly.name}/b"])
+        elif ly.kind == "conv2d":
+            z = F.conv2d(x, params[f"{ly.name}/W"], params[f"{ly.name}/b"], stride=o["stride"],
+                         padding=o["padding"])
+            x = ACTS[o["activation"]](z)
+        elif ly.kind == "maxpool":
+            x = F.max_pool2d(x, o["kernel"], o["stride"], o["padding"])
+        elif ly.kind == "avgpool":
+            x = F.avg_pool2d(x, o["kernel"], o["stride"], o["padding"])
+        elif ly.kind == "flatten":
+            x = x.reshape(x.shape[0], -1)
+        elif ly.kind == "dropout":
+            x = x * masks[ly.name]
+        elif ly.kind == "batchnorm":
+            x = F.batch_norm(x, None, None, params[f"{ly.name}/gamma"], params[f"{ly.name}/beta"],
+                             training=True, eps=o["eps"])
+        else:
+            raise AssertionError(ly.kind)
+    return x
+
+
+@pytest.mark.parametrize("spec_dict,batch", [(MLP, 16), (MLP, 5), (CNN, 8), (CNN, 3)])
+def test_gradients_match_pytorch_float32(spec_dict, batch):
+    spec = ModelSpec.from_dict(spec_dict)
+    net = Net(spec, dtype="float32")
+    params, state = net.init_params(seed=1), net.init_state()
+    rng = np.random.default_rng(batch)
+    x = rng.normal(size=(batch, *spec.input_shape)).astype(np.float32)
+    y = rng.integers(0, net.output_shape[0], size=batch)
+    ctx = StepContext(train=True, seed=9, step=4)
+    loss, grads, _ = net.loss_and_grads(params, state, x, y, ctx)
+
+    masks = {ly.name: torch.from_numpy(ly._cache[0]) for ly in net.layers if ly.kind == "dropout"}
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    tloss = F.cross_entropy(torch_forward(net, tp, torch.from_numpy(x), ctx, masks),
+                            torch.from_numpy(y))
+    tloss.backward()
+    np.testing.assert_allclose(loss, tloss.item(), rtol=1e-5)
+    for k, t in tp.items():
+        ref = t.grad.numpy()
+        err = np.abs(grads[k] - ref).max() / max(np.abs(ref).max(), 1e-12)
+        assert err <= 1e-5, f"{k}: relative error {err:.2e}"
+
+
+def test_batchnorm_running_statistics_match_pytorch():
+    spec = ModelSpec.from_dict({"input_shape": [3, 4, 4], "layers": [
+        {"kind": "batchnorm", "name": "bn", "momentum": 0.2}]})
+    net = Net(spec, dtype="float64")
+    params, state = net.init_params(0), net.init_state()
+    bn = torch.nn.BatchNorm2d(3, momentum=0.2).double()
+    rng = np.random.default_rng(0)
+    for step in range(3):
+        x = rng.normal(size=(5, 3, 4, 4)) * (step + 1)
+        net.forward(params, state, x, StepContext(train=True, step=step))
+        bn(torch.from_numpy(x))
+    np.testing.assert_allclose(state["bn/running_mean"], bn.running_mean.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(state["bn/running_var"], bn.running_var.numpy(), rtol=1e-12)
+    x = rng.normal(size=(2, 3, 4, 4))
+    bn.eval()
+    np.testing.assert_allclose(
+        net.forward(params, state, x, StepContext(train=False)),
+        bn(torch.from_numpy(x)).detach().numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_parameter_names_and_initialisation_are_stable():
+    net = Net(ModelSpec.from_dict(CNN))
+    assert list(net.param_shapes()) == [
+        "conv1/W", "conv1/b", "bn1/gamma", "bn1/beta", "conv2/W", "conv2/b", "out/W", "out/b"]
+    assert net.param_shapes()["out/W"] == (5 * 1 * 1, 7)  # 12 -> 12 -> 6 -> 2 -> 1
+    assert list(net.state_shapes()) == ["bn1/running_mean", "bn1/running_var"]
+    a, b = net.init_params(3), Net(ModelSpec.from_dict(CNN)).init_params(3)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    assert not np.array_equal(a["conv1/W"], net.init_params(4)["conv1/W"])
+    # A parameter's initial value does not depend on the layers around it.
+    alone = Net(ModelSpec.from_dict({"input_shape": [1, 12, 12], "layers": [CNN["layers"][0]]}))
+    np.testing.assert_array_equal(alone.init_params(3)["conv1/W"], a["conv1/W"])
+
+
+def test_spec_round_trip_and_digest():
+    spec = ModelSpec.from_dict(MLP)
+    again = ModelSpec.from_dict(spec.to_dict())
+    assert again == spec and again.digest() == spec.digest()
+    changed = dict(MLP, layers=[*MLP["layers"][:-1], {"kind": "dense", "name": "out", "units": 9}])
+    assert ModelSpec.from_dict(changed).digest() != spec.digest()
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"layers": []}, r"model.input_shape: missing"),
+    ({"input_shape": [0], "layers": [{"kind": "relu", "name": "r"}]}, r"input_shape"),
+    ({"input_shape": [4], "layers": [{"kind": "softmax", "name": "s"}]},
+     r"model.layers\[0\].kind: unknown layer kind 'softmax'"),
+    ({"input_shape": [4], "layers": [{"kind": "relu", "name": "a"}, {"kind": "relu", "name": "a"}]},
+     r"model.layers\[1\].name"),
+    ({"input_shape": [4], "layers": [{"kind": "relu", "name": "a/b"}]}, r"model.layers\[0\].name"),
+    ({"input_shape": [4], "layers": [{"kind": "relu", "name": "a"}], "optimizer": {}},
+     r"unknown key"),
+    ({"input_shape": [4], "layers": [{"kind": "relu", "name": "a"}], "loss": "hinge"},
+     r"unknown loss 'hinge'"),
+])
+def test_bad_specs_are_refused_with_the_key_path(bad, match):
+    with pytest.raises(ValueError, match=match):
+        ModelSpec.from_dict(bad)
