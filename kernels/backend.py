@@ -73,10 +73,10 @@ def cupy_module() -> Any:
 
 def get_array_module(*arrays: Any) -> Any:
     """``cupy`` if any argument is a CuPy array, else ``numpy`` (as ``cupy.get_array_module``)."""
-    if _cupy is not None:
-        for a in arrays:
-            if isinstance(a, _cupy.ndarray):
-                return _cupy
+    for a in arrays:
+        # By module name, so no CuPy import or device probe is needed to recognise NumPy input.
+        if type(a).__module__.startswith("cupy"):
+            return cupy_module()
     return np
 
 
@@ -88,8 +88,8 @@ def xp_for(dev: str | None = None) -> Any:
 
 def to_numpy(a: Any) -> np.ndarray:
     """A NumPy array from a NumPy or CuPy array (a copy only when the data lives on the GPU)."""
-    if _cupy is not None and isinstance(a, _cupy.ndarray):
-        return _cupy.asnumpy(a)
+    if type(a).__module__.startswith("cupy"):
+        return cupy_module().asnumpy(a)
     return np.asarray(a)
 
 
