@@ -1,0 +1,176 @@
+"""Job configuration: a YAML file in the spirit of SINGA's job.conf, validated when it is read.
+
+Every error names the key path (``updater.momentum``) and what was expected, so a typo fails at
+once rather than a hundred steps into a run. ``--set key.path=value`` overrides go through the same
+checks.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .model import ModelSpec
+
+
+class ConfigError(ValueError):
+    """A job file that cannot run; the message starts with the offending key path."""
+
+
+TOP_KEYS = {
+    "name": "a name for the run (used for the run directory)",
+    "seed": "integer seed of initialisation, data order and dropout",
+    "dtype": "float32 | float64",
+    "device": "auto | cpu | gpu",
+    "model": "the net: input_shape, layers, loss",
+    "data": "train / test data sets and batch_size",
+    "updater": "optimizer name, lr (number or schedule), its options, clip_norm",
+    "train_steps": "number of training steps",
+    "test_freq": "evaluate on the test set every N steps (0: only at the end)",
+    "disp_freq": "print training metrics every N steps",
+    "run_dir": "where metrics.jsonl is written (default: runs/<name>)",
+}
+DATA_KEYS = {"train", "test", "batch_size", "shuffle", "eval_batch_size"}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: dict[str, Any]
+    test: dict[str, Any] | None = None
+    batch_size: int = 64
+    shuffle: bool = True
+    eval_batch_size: int = 1024
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    model: ModelSpec
+    data: DataConfig
+    updater: dict[str, Any]
+    train_steps: int
+    name: str = "run"
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "auto"
+    test_freq: int = 0
+    disp_freq: int = 100
+    run_dir: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def clip_norm(self) -> float | None:
+        return self.updater.get("clip_norm")
+
+
+def _int(path: str, v: Any, minimum: int) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise ConfigError(f"{path}: expected an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _choice(path: str, v: Any, allowed: tuple[str, ...]) -> str:
+    if v not in allowed:
+        raise ConfigError(f"{path}: expected one of {', '.join(allowed)}, got {v!r}")
+    return v
+
+
+def _mapping(path: str, v: Any) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {type(v).__name__} {v!r}")
+    return v
+
+
+def _data(d: Any) -> DataConfig:
+    d = _mapping("data", d)
+    unknown = set(d) - DATA_KEYS
+    if unknown:
+        raise ConfigError(f"data: unknown key(s) {sorted(unknown)}; allowed: {sorted(DATA_KEYS)}")
+    if "train" not in d:
+        raise ConfigError("data.train: missing (a data set, e.g. {kind: digits})")
+    if not isinstance(d.get("shuffle", True), bool):
+        raise ConfigError(f"data.shuffle: expected true or false, got {d['shuffle']!r}")
+    return DataConfig(
+        train=_mapping("data.train", d["train"]),
+        test=None if d.get("test") is None else _mapping("data.test", d["test"]),
+        batch_size=_int("data.batch_size", d.get("batch_size", 64), 1),
+        shuffle=d.get("shuffle", True),
+        eval_batch_size=_int("data.eval_batch_size", d.get("eval_batch_size", 1024), 1),
+    )
+
+
+def _updater(d: Any) -> dict[str, Any]:
+    from .optim import make_optimizer  # noqa: PLC0415 - keeps config importable on its own
+
+    d = dict(_mapping("updater", d))
+    clip = d.pop("clip_norm", None)
+    if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
+        raise ConfigError(f"updater.clip_norm: expected a positive number, got {clip!r}")
+    try:
+        make_optimizer(d)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"updater: {e}") from None
+    return {**d, "clip_norm": clip} if clip is not None else d
+
+
+def from_dict(d: Any) -> JobConfig:
+    d = _mapping("(top level)", d)
+    unknown = set(d) - set(TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"{sorted(unknown)[0]}: unknown key; allowed: {', '.join(TOP_KEYS)}")
+    for key in ("model", "data", "updater", "train_steps"):
+        if key not in d:
+            raise ConfigError(f"{key}: missing ({TOP_KEYS[key]})")
+    try:
+        model = ModelSpec.from_dict(d["model"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    name = d.get("name", "run")
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ConfigError(f"name: expected a non-empty string without '/', got {name!r}")
+    return JobConfig(
+        model=model,
+        data=_data(d["data"]),
+        updater=_updater(d["updater"]),
+        train_steps=_int("train_steps", d["train_steps"], 1),
+        name=name,
+        seed=_int("seed", d.get("seed", 0), 0),
+        dtype=_choice("dtype", d.get("dtype", "float32"), ("float32", "float64")),
+        device=_choice("device", d.get("device", "auto"), ("auto", "cpu", "gpu")),
+        test_freq=_int("test_freq", d.get("test_freq", 0), 0),
+        disp_freq=_int("disp_freq", d.get("disp_freq", 100), 1),
+        run_dir=d.get("run_dir"),
+        raw=copy.deepcopy(d),
+    )
+
+
+def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``["updater.lr=0.05", "train_steps=10"]`` applied to a copy of ``d``; values are YAML."""
+    d = copy.deepcopy(d)
+    for item in overrides:
+        path, sep, text = item.partition("=")
+        if not sep or not path:
+            raise ConfigError(f"--set {item!r}: expected key.path=value")
+        keys = path.split(".")
+        node = d
+        for i, k in enumerate(keys[:-1]):
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{'.'.join(keys[: i + 1])}: is not a mapping, cannot set {path}")
+        node[keys[-1]] = yaml.safe_load(text)
+    return d
+
+
+def load(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
+    """Read and validate a YAML job file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{path}: no such job file")
+    try:
+        d = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    return from_dict(apply_overrides(d or {}, overrides or []))

@@ -1,0 +1,160 @@
+"""The single-process trainer: the exact reference that the distributed trainer reproduces.
+
+One step is: take batch ``step`` of the plan (a pure function of seed and step), compute loss and
+gradients, clip, and let the optimizer update every parameter in name order. Nothing here depends
+on wall-clock time or on arrival order, so two runs with one config give the same bits.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import kernels as K
+from .config import JobConfig
+from .data import BatchPlan, Dataset, load_dataset
+from .layers import StepContext
+from .model import Net
+from .optim import clip_grad_norm, make_optimizer
+
+
+@dataclass
+class TrainResult:
+    params: dict[str, np.ndarray]
+    state: dict[str, np.ndarray]
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def final_eval(self) -> dict[str, Any] | None:
+        evals = [r for r in self.history if r["kind"] == "eval"]
+        return evals[-1] if evals else None
+
+
+def evaluate(
+    net: Net, params: dict, state: dict, data: Dataset, batch_size: int, xp: Any, dtype: Any
+) -> dict[str, float]:
+    """Mean loss and accuracy over a whole data set, in inference mode."""
+    total_loss, correct, n = 0.0, 0.0, len(data)
+    for start in range(0, n, batch_size):
+        idx = np.arange(start, min(start + batch_size, n))
+        x, y = data.get(idx)
+        loss, acc = net.evaluate(params, state, xp.asarray(x, dtype), xp.asarray(y))
+        total_loss += loss * len(idx)
+        correct += (acc or 0.0) * len(idx)
+    out = {"test_loss": total_loss / n}
+    if net.spec.loss == "softmax_cross_entropy":
+        out["test_accuracy"] = correct / n
+    return out
+
+
+class Trainer:
+    """Runs a :class:`JobConfig` in this process (no Ray)."""
+
+    def __init__(self, cfg: JobConfig, log: Callable[[str], None] = print) -> None:
+        self.cfg, self.log = cfg, log
+        self.device = _resolve_device(cfg.device)
+        self.xp = K.xp_for(self.device)
+        self.net = Net(cfg.model, dtype=cfg.dtype)
+        self.train_data = load_dataset(cfg.data.train, split="train")
+        self.test_data = load_dataset(cfg.data.test or cfg.data.train, split="test")
+        _check_fits(self.net, self.train_data)
+        self.plan = BatchPlan(len(self.train_data), cfg.data.batch_size, cfg.seed, cfg.data.shuffle)
+        self.optimizer = make_optimizer({k: v for k, v in cfg.updater.items() if k != "clip_norm"})
+        self.run_dir = Path(cfg.run_dir or Path("runs") / cfg.name)
+
+    def fit(self) -> TrainResult:
+        cfg, xp, dtype = self.cfg, self.xp, self.net.dtype
+        params = {k: xp.asarray(v) for k, v in self.net.init_params(cfg.seed).items()}
+        state = {k: xp.asarray(v) for k, v in self.net.init_state().items()}
+        result = TrainResult({}, {})
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        metrics = (self.run_dir / "metrics.jsonl").open("w")
+        self.log(
+            f"raysinga: training {cfg.name!r} on {self.device} for {cfg.train_steps} steps, "
+            f"batch {cfg.data.batch_size}, {len(self.train_data)} training samples, "
+            f"{sum(int(np.prod(s)) for s in self.net.param_shapes().values()):,} parameters"
+        )
+
+        def record(rec: dict[str, Any]) -> None:
+            result.history.append(rec)
+            metrics.write(json.dumps(rec) + "\n")
+            metrics.flush()
+
+        window_loss, window_steps, t0 = 0.0, 0, time.perf_counter()
+        with metrics:
+            for step in range(cfg.train_steps):
+                epoch, _ = self.plan.cursor(step)
+                x, y = self.train_data.get(self.plan.indices(step))
+                ctx = StepContext(train=True, seed=cfg.seed, step=step)
+                loss, grads, _ = self.net.loss_and_grads(
+                    params, state, xp.asarray(x, dtype), xp.asarray(y), ctx
+                )
+                if not np.isfinite(loss):
+                    raise FloatingPointError(
+                        f"loss is {loss} at step {step}: lower updater.lr or set updater.clip_norm"
+                    )
+                grad_norm = clip_grad_norm(grads, cfg.clip_norm) if cfg.clip_norm else None
+                lr = self.optimizer.lr(step)
+                self.optimizer.update_all(step, params, grads)
+                window_loss, window_steps = window_loss + loss, window_steps + 1
+
+                done = step + 1
+                if done % cfg.disp_freq == 0 or done == cfg.train_steps:
+                    dt = time.perf_counter() - t0
+                    rec = {"kind": "train", "step": done, "epoch": epoch,
+                           "loss": window_loss / window_steps, "lr": lr,
+                           "samples_per_s": window_steps * cfg.data.batch_size / max(dt, 1e-9)}
+                    if grad_norm is not None:
+                        rec["grad_norm"] = grad_norm
+                    record(rec)
+                    self.log(_format(rec, cfg.train_steps))
+                    window_loss, window_steps, t0 = 0.0, 0, time.perf_counter()
+                if (cfg.test_freq and done % cfg.test_freq == 0) or done == cfg.train_steps:
+                    rec = {"kind": "eval", "step": done, **evaluate(
+                        self.net, params, state, self.test_data, cfg.data.eval_batch_size, xp,
+                        dtype)}
+                    record(rec)
+                    self.log(_format(rec, cfg.train_steps))
+                    t0 = time.perf_counter()  # evaluation time is not training throughput
+        result.params = {k: K.to_numpy(v) for k, v in params.items()}
+        result.state = {k: K.to_numpy(v) for k, v in state.items()}
+        return result
+
+
+def _resolve_device(want: str) -> str:
+    if want == "auto":
+        return K.device()
+    if want == "gpu" and not K.gpu_available():
+        raise RuntimeError(f"device: gpu requested but no GPU is usable: "
+                           f"{K.gpu_unavailable_reason()}")
+    return want
+
+
+def _check_fits(net: Net, data: Dataset) -> None:
+    if tuple(data.sample_shape) != tuple(net.spec.input_shape):
+        raise ValueError(
+            f"model.input_shape {list(net.spec.input_shape)} does not match the data's sample "
+            f"shape {list(data.sample_shape)}; set data.train.sample_shape or the model's input"
+        )
+    classes = getattr(data, "num_classes", None)
+    if net.spec.loss == "softmax_cross_entropy" and classes and net.output_shape != (classes,):
+        raise ValueError(
+            f"the net's output shape {list(net.output_shape)} does not match the "
+            f"{classes} classes of the data"
+        )
+
+
+def _format(rec: dict[str, Any], total: int) -> str:
+    width = len(str(total))
+    head = f"step {rec['step']:>{width}}/{total}"
+    if rec["kind"] == "eval":
+        acc = f"  test_accuracy {rec['test_accuracy']:.4f}" if "test_accuracy" in rec else ""
+        return f"{head}  test_loss {rec['test_loss']:.4f}{acc}"
+    return (f"{head}  epoch {rec['epoch']}  loss {rec['loss']:.4f}  lr {rec['lr']:.4g}  "
+            f"{rec['samples_per_s']:,.0f} samples/s")
