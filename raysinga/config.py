@@ -8,6 +8,7 @@ checks.
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,28 @@ from typing import Any
 import yaml
 
 from .model import ModelSpec
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-3`` as a string; learning rates are written that way, so accept it."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+][0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 class ConfigError(ValueError):
@@ -160,7 +183,7 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{'.'.join(keys[: i + 1])}: is not a mapping, cannot set {path}")
-        node[keys[-1]] = yaml.safe_load(text)
+        node[keys[-1]] = parse_yaml(text)
     return d
 
 
@@ -170,7 +193,7 @@ def load(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
     if not p.is_file():
         raise ConfigError(f"{path}: no such job file")
     try:
-        d = yaml.safe_load(p.read_text())
+        d = parse_yaml(p.read_text())
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     return from_dict(apply_overrides(d or {}, overrides or []))
