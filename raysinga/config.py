@@ -50,20 +50,19 @@ TOP_KEYS = {
     "dtype": "float32 | float64",
     "device": "auto | cpu | gpu",
     "model": "the net: input_shape, layers, loss",
-    "data": "train / test data sets and batch_size",
+    "data": "source (a data set; its held-out split is the test set) and batch_size",
     "updater": "optimizer name, lr (number or schedule), its options, clip_norm",
     "train_steps": "number of training steps",
     "test_freq": "evaluate on the test set every N steps (0: only at the end)",
     "disp_freq": "print training metrics every N steps",
     "run_dir": "where metrics.jsonl is written (default: runs/<name>)",
 }
-DATA_KEYS = {"train", "test", "batch_size", "shuffle", "eval_batch_size"}
+DATA_KEYS = {"source", "batch_size", "shuffle", "eval_batch_size"}
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    train: dict[str, Any]
-    test: dict[str, Any] | None = None
+    source: dict[str, Any]  # a data set spec (raysinga.data.load_dataset); "test" is its held-out split
     batch_size: int = 64
     shuffle: bool = True
     eval_batch_size: int = 1024
@@ -112,13 +111,12 @@ def _data(d: Any) -> DataConfig:
     unknown = set(d) - DATA_KEYS
     if unknown:
         raise ConfigError(f"data: unknown key(s) {sorted(unknown)}; allowed: {sorted(DATA_KEYS)}")
-    if "train" not in d:
-        raise ConfigError("data.train: missing (a data set, e.g. {kind: digits})")
+    if "source" not in d:
+        raise ConfigError("data.source: missing (a data set, e.g. {kind: digits})")
     if not isinstance(d.get("shuffle", True), bool):
         raise ConfigError(f"data.shuffle: expected true or false, got {d['shuffle']!r}")
     return DataConfig(
-        train=_mapping("data.train", d["train"]),
-        test=None if d.get("test") is None else _mapping("data.test", d["test"]),
+        source=_mapping("data.source", d["source"]),
         batch_size=_int("data.batch_size", d.get("batch_size", 64), 1),
         shuffle=d.get("shuffle", True),
         eval_batch_size=_int("data.eval_batch_size", d.get("eval_batch_size", 1024), 1),

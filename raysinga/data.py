@@ -33,6 +33,7 @@ __all__ = [
     "ParquetDataset",
     "TeacherDataset",
     "digits",
+    "has_split",
     "load_dataset",
 ]
 
@@ -82,6 +83,12 @@ def _file_spec(spec: Mapping[str, Any], split: str) -> dict[str, Any]:
     merged = {**base, **test}
     _check_keys(spec["kind"], merged, "data set spec 'test' entry")
     return merged
+
+
+def has_split(spec: Mapping[str, Any], split: str) -> bool:
+    """Whether ``load_dataset(spec, split)`` has data: built-in sets always do; files need a
+    ``"test"`` entry for the test split."""
+    return split == "train" or spec.get("kind") in ("digits", "teacher") or "test" in spec
 
 
 def load_dataset(spec: Mapping[str, Any], split: str = "train") -> Dataset:

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import kernels as K
 from .config import JobConfig
-from .data import BatchPlan, Dataset, load_dataset
+from .data import BatchPlan, Dataset, has_split, load_dataset
 from .layers import StepContext
 from .model import Net
 from .optim import clip_grad_norm, make_optimizer
@@ -61,8 +61,11 @@ class Trainer:
         self.device = _resolve_device(cfg.device)
         self.xp = K.xp_for(self.device)
         self.net = Net(cfg.model, dtype=cfg.dtype)
-        self.train_data = load_dataset(cfg.data.train, split="train")
-        self.test_data = load_dataset(cfg.data.test or cfg.data.train, split="test")
+        self.train_data = load_dataset(cfg.data.source, split="train")
+        self.test_data = (
+            load_dataset(cfg.data.source, split="test") if has_split(cfg.data.source, "test")
+            else None
+        )
         _check_fits(self.net, self.train_data)
         self.plan = BatchPlan(len(self.train_data), cfg.data.batch_size, cfg.seed, cfg.data.shuffle)
         self.optimizer = make_optimizer({k: v for k, v in cfg.updater.items() if k != "clip_norm"})
@@ -115,7 +118,8 @@ class Trainer:
                     record(rec)
                     self.log(_format(rec, cfg.train_steps))
                     window_loss, window_steps, t0 = 0.0, 0, time.perf_counter()
-                if (cfg.test_freq and done % cfg.test_freq == 0) or done == cfg.train_steps:
+                at_test = (cfg.test_freq and done % cfg.test_freq == 0) or done == cfg.train_steps
+                if at_test and self.test_data is not None:
                     rec = {"kind": "eval", "step": done, **evaluate(
                         self.net, params, state, self.test_data, cfg.data.eval_batch_size, xp,
                         dtype)}
@@ -140,7 +144,7 @@ def _check_fits(net: Net, data: Dataset) -> None:
     if tuple(data.sample_shape) != tuple(net.spec.input_shape):
         raise ValueError(
             f"model.input_shape {list(net.spec.input_shape)} does not match the data's sample "
-            f"shape {list(data.sample_shape)}; set data.train.sample_shape or the model's input"
+            f"shape {list(data.sample_shape)}; set data.source.sample_shape or the model's input"
         )
     classes = getattr(data, "num_classes", None)
     if net.spec.loss == "softmax_cross_entropy" and classes and net.output_shape != (classes,):

@@ -42,7 +42,7 @@ def test_every_example_job_file_loads(name):
     ("data.batch_size", 0, r"^data.batch_size: expected an integer >= 1"),
     ("data.shuffle", "yes", r"^data.shuffle: expected true or false"),
     ("data.bacth_size", 3, r"^data: unknown key\(s\) \['bacth_size'\]"),
-    ("data.train", None, r"^data.train: missing"),
+    ("data.source", None, r"^data.source: missing"),
     ("data", [1, 2], r"^data: expected a mapping"),
     ("updater.name", "lbfgs", r"^updater: .*lbfgs"),
     ("updater.momentum", -1, r"^updater: .*momentum"),
