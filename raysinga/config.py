@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from .actors.topology import Topology, TopologyError
 from .model import ModelSpec
 
 
@@ -56,6 +57,7 @@ TOP_KEYS = {
     "test_freq": "evaluate on the test set every N steps (0: only at the end)",
     "disp_freq": "print training metrics every N steps",
     "run_dir": "where metrics.jsonl is written (default: runs/<name>)",
+    "topology": "servers, groups, workers per group, resources (absent: one process, no Ray)",
 }
 DATA_KEYS = {"source", "batch_size", "shuffle", "eval_batch_size"}
 
@@ -81,6 +83,7 @@ class JobConfig:
     test_freq: int = 0
     disp_freq: int = 100
     run_dir: str | None = None
+    topology: Topology | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -152,9 +155,21 @@ def from_dict(d: Any) -> JobConfig:
     name = d.get("name", "run")
     if not isinstance(name, str) or not name or "/" in name:
         raise ConfigError(f"name: expected a non-empty string without '/', got {name!r}")
+    topology = None
+    if d.get("topology") is not None:
+        try:
+            topology = Topology.from_dict(_mapping("topology", d["topology"]))
+        except (TopologyError, TypeError) as e:
+            raise ConfigError(str(e) if str(e).startswith("topology") else f"topology: {e}") \
+                from None
+    data = _data(d["data"])
+    if topology is not None and data.batch_size < topology.workers_per_group:
+        raise ConfigError(f"data.batch_size: {data.batch_size} is smaller than "
+                          f"topology.workers_per_group ({topology.workers_per_group}): every "
+                          "worker needs at least one sample")
     return JobConfig(
         model=model,
-        data=_data(d["data"]),
+        data=data,
         updater=_updater(d["updater"]),
         train_steps=_int("train_steps", d["train_steps"], 1),
         name=name,
@@ -164,6 +179,7 @@ def from_dict(d: Any) -> JobConfig:
         test_freq=_int("test_freq", d.get("test_freq", 0), 0),
         disp_freq=_int("disp_freq", d.get("disp_freq", 100), 1),
         run_dir=d.get("run_dir"),
+        topology=topology,
         raw=copy.deepcopy(d),
     )
 

@@ -123,12 +123,16 @@ class Net:
 
     def init_params(self, seed: int) -> dict[str, np.ndarray]:
         """Initial parameters as NumPy arrays; each depends only on (seed, its name)."""
-        out = {}
+        return {key: self.init_param(key, seed) for key in self.param_shapes()}
+
+    def init_param(self, key: str, seed: int) -> np.ndarray:
+        """The initial value of one parameter, so that a server creates only what it owns."""
+        layer_name, _, local = key.rpartition("/")
         for ly in self.layers:
-            for local, shape in ly.param_shapes().items():
-                key = ly.key(local)
-                out[key] = np.asarray(ly.init_param(local, shape, param_rng(seed, key)), self.dtype)
-        return out
+            if ly.name == layer_name and local in ly.param_shapes():
+                shape = ly.param_shapes()[local]
+                return np.asarray(ly.init_param(local, shape, param_rng(seed, key)), self.dtype)
+        raise KeyError(f"no parameter {key!r} in this model")
 
     def init_state(self) -> dict[str, np.ndarray]:
         return {

@@ -1,0 +1,136 @@
+"""Flat buffers of named arrays, shared zero-copy within a node and through the object store across.
+
+Moving parameters and gradients through ``ray.put`` costs a fresh allocation and copy per step
+(about 24 ms for 16 MB on a 2-core machine, against 0.8 ms for a plain copy). So each writer owns
+one persistent buffer, laid out once, and writes into it in place. Readers on the writer's node
+map the same file in ``/dev/shm`` (no copy at all); readers on other nodes get an ObjectRef of a
+snapshot, taken only when such a reader exists.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ALIGN = 64  # bytes: every array starts on a cache line
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int  # bytes from the start of the buffer
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Layout:
+    entries: tuple[Entry, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, arrays: dict[str, tuple[tuple[int, ...], str]]) -> Layout:
+        """A layout of ``{name: (shape, dtype)}`` in the given order."""
+        entries, off = [], 0
+        for name, (shape, dtype) in arrays.items():
+            e = Entry(name, tuple(int(s) for s in shape), str(np.dtype(dtype)), off)
+            entries.append(e)
+            off += -(-e.nbytes // ALIGN) * ALIGN
+        return cls(tuple(entries), off)
+
+    def views(self, buf: Any) -> dict[str, np.ndarray]:
+        """Arrays over ``buf`` (anything exposing the buffer protocol, writable or not)."""
+        raw = np.frombuffer(buf, dtype=np.uint8, count=self.nbytes)
+        return {
+            e.name: raw[e.offset : e.offset + e.nbytes].view(e.dtype).reshape(e.shape)
+            for e in self.entries
+        }
+
+
+def _shm_dir() -> Path:
+    d = Path("/dev/shm")
+    return d if d.is_dir() and os.access(d, os.W_OK) else Path(tempfile.gettempdir())
+
+
+@dataclass(frozen=True)
+class ShmHandle:
+    """How a reader on the same node finds a buffer: the file and its layout."""
+
+    path: str
+    layout: Layout
+    node_id: str
+
+
+class SharedBuffer:
+    """A writer's persistent buffer, backed by a file in ``/dev/shm``."""
+
+    def __init__(self, tag: str, layout: Layout, node_id: str = "") -> None:
+        self.layout, self.node_id = layout, node_id
+        self.path = str(_shm_dir() / f"raysinga-{tag}-{os.getpid()}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, max(layout.nbytes, 1))
+            self._map = mmap.mmap(fd, max(layout.nbytes, 1))
+        finally:
+            os.close(fd)
+        self.arrays = layout.views(self._map)
+        self.flat = np.frombuffer(self._map, dtype=np.uint8, count=layout.nbytes)
+
+    def handle(self) -> ShmHandle:
+        return ShmHandle(self.path, self.layout, self.node_id)
+
+    def snapshot(self) -> np.ndarray:
+        """A private copy of the bytes, for a reader on another node."""
+        return self.flat.copy()
+
+    def close(self) -> None:
+        self.arrays, self.flat = {}, np.empty(0, np.uint8)
+        try:
+            self._map.close()
+        except BufferError:  # a view is still alive somewhere; the mapping dies with it
+            pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class Attachments:
+    """A reader's cache of mapped buffers, one mapping per file for the process's life."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
+
+    def _attach(self, handle: ShmHandle) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        hit = self._maps.get(handle.path)
+        if hit is None:
+            fd = os.open(handle.path, os.O_RDONLY)
+            try:
+                m = mmap.mmap(fd, max(handle.layout.nbytes, 1), prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            flat = np.frombuffer(m, dtype=np.uint8, count=handle.layout.nbytes)
+            hit = (flat, handle.layout.views(m))
+            self._maps[handle.path] = hit
+        return hit
+
+    def views(self, handle: ShmHandle) -> dict[str, np.ndarray]:
+        return self._attach(handle)[1]
+
+    def flat(self, handle: ShmHandle) -> np.ndarray:
+        """The whole buffer as read-only bytes."""
+        return self._attach(handle)[0]
+
+    def close(self) -> None:
+        self._maps.clear()  # mappings close when the last view is gone

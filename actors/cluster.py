@@ -1,0 +1,123 @@
+"""Connecting to Ray, checking that a topology fits, placing and spawning the roles.
+
+A topology that cannot fit fails here within seconds with what is missing, instead of hanging on a
+pending placement group. Actor classes are plain classes made remote at spawn time, so tests can
+pass in failing or slow variants.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .topology import Resources, Topology
+
+
+class ResourceError(RuntimeError):
+    """The cluster cannot hold the topology; the message names what is missing."""
+
+
+def connect(address: str | None = None) -> None:
+    """Join the cluster at ``address`` / ``RAY_ADDRESS``, or start an embedded local one."""
+    import ray  # noqa: PLC0415
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    kwargs: dict[str, Any] = {"include_dashboard": False} if not address else {}
+    ray.init(address=address, log_to_driver=True, **kwargs)
+
+
+def check_fits(topo: Topology) -> None:
+    """Refuse a topology larger than the cluster, naming the resources that fall short."""
+    import ray  # noqa: PLC0415
+
+    total = ray.cluster_resources()
+    need = topo.total()
+    short = [f"{k}: needs {v:g}, cluster has {total.get(k, 0):g}"
+             for k, v in need.items() if v > total.get(k, 0) + 1e-9]
+    if short:
+        raise ResourceError(
+            f"the topology ({topo.n_servers} servers, {topo.n_groups} groups x "
+            f"{topo.workers_per_group} workers) does not fit the cluster: " + "; ".join(short)
+            + ". Lower the counts or the per-role resources (topology.worker/server/stub)."
+        )
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    for role, res in (("worker", topo.worker), ("server", topo.server), ("stub", topo.stub)):
+        bundle = res.as_bundle()
+        if not any(all(node.get(k, 0) + 1e-9 >= v for k, v in bundle.items()) for node in nodes):
+            raise ResourceError(f"no node can hold one {role} ({bundle}); the largest node has "
+                                f"{max(nodes, key=lambda n: n.get('CPU', 0)) if nodes else {}}")
+
+
+@dataclass
+class Placement:
+    """A placement group and the bundle index of every role instance."""
+
+    pg: Any
+    workers: list[list[int]] = field(default_factory=list)  # [group][worker] -> bundle
+    servers: list[int] = field(default_factory=list)
+    stubs: list[int] = field(default_factory=list)
+
+
+def _merge(*rs: Resources) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for r in rs:
+        for k, v in r.as_bundle().items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def place(topo: Topology, timeout_s: float = 30.0) -> Placement:
+    """Reserve the topology's resources; ``allreduce`` puts server ``i`` with worker ``i``."""
+    import ray  # noqa: PLC0415
+    from ray.util.placement_group import placement_group, remove_placement_group  # noqa: PLC0415
+
+    bundles: list[dict[str, float]] = []
+    p = Placement(pg=None)
+    colocate = topo.preset == "allreduce"
+    for g in range(topo.n_groups):
+        row = []
+        for i in range(topo.workers_per_group):
+            row.append(len(bundles))
+            if colocate:
+                p.servers.append(len(bundles))
+                bundles.append(_merge(topo.worker, topo.server))
+            else:
+                bundles.append(_merge(topo.worker))
+        p.workers.append(row)
+    if not colocate:
+        for _ in range(topo.n_servers):
+            p.servers.append(len(bundles))
+            bundles.append(_merge(topo.server))
+    for _ in range(topo.n_groups):
+        p.stubs.append(len(bundles))
+        bundles.append(_merge(topo.stub))
+    p.pg = placement_group(bundles, strategy="PACK")
+    ready, _ = ray.wait([p.pg.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(p.pg)
+        raise ResourceError(
+            f"the cluster did not grant {len(bundles)} bundles ({topo.total()}) within "
+            f"{timeout_s:g} s: other jobs may hold them (ray status shows what is in use)"
+        )
+    return p
+
+
+def spawn(cls: type, placement: Placement, bundle: int, res: Resources, *args: Any) -> Any:
+    """Make ``cls`` remote now, pinned to one bundle of the placement group."""
+    import ray  # noqa: PLC0415
+    from ray.util.scheduling_strategies import (  # noqa: PLC0415
+        PlacementGroupSchedulingStrategy,
+    )
+
+    strategy = PlacementGroupSchedulingStrategy(
+        placement_group=placement.pg, placement_group_bundle_index=bundle)
+    opts: dict[str, Any] = {"num_cpus": res.cpus, "scheduling_strategy": strategy,
+                            "max_restarts": 0, "max_concurrency": 1}
+    if res.gpus:
+        opts["num_gpus"] = res.gpus
+    if res.memory:
+        opts["memory"] = res.memory
+    return ray.remote(cls).options(**opts).remote(*args)

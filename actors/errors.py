@@ -1,0 +1,110 @@
+"""Errors that say which role failed: worker 1 of group 0, server 2, the stub of group 1.
+
+Each actor method runs under :func:`reports_role`, so an exception raised inside an actor reaches
+the driver as a :class:`RoleError` carrying the role, index and the remote traceback, whatever
+chain of actors it passed through on the way.
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class RoleError(RuntimeError):
+    """An exception raised by the code of one role (a bug, bad data, a failed write ...)."""
+
+    def __init__(self, role: str, index: int, group: int | None, message: str, tb: str) -> None:
+        super().__init__(role, index, group, message, tb)
+        self.role, self.index, self.group, self.message, self.tb = role, index, group, message, tb
+
+    @property
+    def where(self) -> str:
+        g = f" of group {self.group}" if self.group is not None and self.role == "worker" else ""
+        return f"{self.role} {self.index}{g}"
+
+    def __str__(self) -> str:
+        return f"{self.where} failed: {self.message}\n--- traceback in {self.where} ---\n{self.tb}"
+
+
+class ActorLost(RuntimeError):
+    """A role's process or node is gone (killed, crashed, node removed)."""
+
+    def __init__(self, role: str, index: int, group: int | None, detail: str) -> None:
+        super().__init__(role, index, group, detail)
+        self.role, self.index, self.group, self.detail = role, index, group, detail
+
+    def __str__(self) -> str:
+        g = f" of group {self.group}" if self.group is not None and self.role == "worker" else ""
+        return f"{self.role} {self.index}{g} was lost: {self.detail}"
+
+
+def unwrap(e: BaseException) -> BaseException:
+    """The RoleError or ActorLost inside Ray's wrappers, or ``e`` itself."""
+    seen = 0
+    while seen < 8:
+        seen += 1
+        if isinstance(e, (RoleError, ActorLost)):
+            return e
+        cause = getattr(e, "cause", None) or e.__cause__
+        if cause is None or cause is e:
+            return e
+        e = cause
+    return e
+
+
+def reports_role(method: F) -> F:
+    """Re-raise any exception of ``method`` as a RoleError naming ``self``'s role and index."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (RoleError, ActorLost):
+            raise
+        except Exception as e:
+            inner = unwrap(e)
+            if isinstance(inner, (RoleError, ActorLost)):
+                raise inner from None
+            raise RoleError(
+                self.role, self.index, getattr(self, "group", None),
+                f"{type(e).__name__}: {e}", traceback.format_exc()
+            ) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def get_all(refs: list[Any], role: str, group: int | None = None,
+            timeout: float | None = None) -> list[Any]:
+    """``ray.get`` of one call per ``role`` instance (index = position), naming who failed.
+
+    An exception in a role's code arrives as its RoleError; a dead process or node as ActorLost
+    naming the first instance whose call died.
+    """
+    import ray  # noqa: PLC0415
+    from ray.exceptions import RayActorError, RayTaskError  # noqa: PLC0415
+
+    try:
+        return ray.get(refs, timeout=timeout)
+    except RayTaskError as e:
+        inner = unwrap(e)
+        if isinstance(inner, (RoleError, ActorLost)):
+            raise inner from None
+        raise RoleError(role, _failed_index(refs), group, str(e), "") from None
+    except RayActorError as e:
+        raise ActorLost(role, _failed_index(refs), group, str(e).splitlines()[0]) from None
+
+
+def _failed_index(refs: list[Any]) -> int:
+    import ray  # noqa: PLC0415
+
+    for i, r in enumerate(refs):
+        try:
+            ray.get(r, timeout=0)
+        except Exception:  # noqa: BLE001 - looking for the one that failed
+            return i
+    return 0

@@ -1,0 +1,119 @@
+"""The parameter server: owns slices of parameters, their optimizer state and their versions.
+
+A server creates the initial values of its own slices (a pure function of the seed and the
+parameter name), so parameters never pass through the driver. ``update`` applies a group's summed
+gradient to every slice in place and bumps the slices' versions; readers on the server's node see
+the new values through shared memory, readers elsewhere through a snapshot in the object store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from raysinga.model import ModelSpec, Net
+from raysinga.optim import make_optimizer
+
+from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
+from .errors import reports_role
+from .slicing import Slice
+
+
+def node_id() -> str:
+    import ray  # noqa: PLC0415 - actors run under Ray; the module imports without it
+
+    return ray.get_runtime_context().get_node_id()
+
+
+class ParamServer:
+    role = "server"
+
+    def __init__(
+        self,
+        index: int,
+        model: dict[str, Any],
+        dtype: str,
+        seed: int,
+        slices: list[Slice],
+        updater: dict[str, Any],
+        tag: str,
+    ) -> None:
+        self.index = index
+        self.slices = [s for s in slices if s.server == index]
+        net = Net(ModelSpec.from_dict(model), dtype=dtype)
+        self.layout = Layout.of({s.name: ((s.size,), dtype) for s in self.slices})
+        self.node = node_id()
+        self.buf = SharedBuffer(f"{tag}-server{index}", self.layout, self.node)
+        for s in self.slices:
+            self.buf.arrays[s.name][...] = net.init_param(s.param, seed).reshape(-1)[s.start : s.stop]
+        self.optimizer = make_optimizer(updater)
+        self.versions = np.zeros(len(self.slices), np.int64)
+        self.remote_readers = False
+        self._published: Any = None
+        self._attached = Attachments()
+
+    @reports_role
+    def describe(self) -> dict[str, Any]:
+        return {"node": self.node, "handle": self.buf.handle()}
+
+    @reports_role
+    def set_remote_readers(self, remote: bool) -> Any:
+        """Whether some reader sits on another node; if so, publish snapshots from now on."""
+        self.remote_readers = remote
+        return self._publish()
+
+    def _publish(self) -> Any:
+        if not self.remote_readers:
+            return None
+        import ray  # noqa: PLC0415
+
+        self._published = ray.put(self.buf.snapshot())
+        return self._published
+
+    @reports_role
+    def update(self, step: int, grads: ShmHandle | np.ndarray) -> tuple[int, Any]:
+        """Apply a summed gradient; ``grads`` is the stub's full-parameter buffer (same node) or
+        this server's slices laid out as in :attr:`layout` (another node).
+
+        Returns ``(version, snapshot ref or None)``.
+        """
+        if isinstance(grads, ShmHandle):
+            full = self._attached.views(grads)
+            g = {s.name: full[s.param].reshape(-1)[s.start : s.stop] for s in self.slices}
+        else:
+            g = self.layout.views(grads)
+        for s in self.slices:
+            self.optimizer.update(step, s.name, self.buf.arrays[s.name], g[s.name])
+        self.versions += 1
+        return int(self.versions.min()), self._publish()
+
+    @reports_role
+    def latest(self) -> tuple[int, Any]:
+        """The current version and its published snapshot (None without remote readers)."""
+        return int(self.versions.min()), self._published
+
+    @reports_role
+    def get(self, min_version: int = 0) -> tuple[int, Any]:
+        """The current values as a snapshot ref, refusing to serve values older than asked."""
+        version = int(self.versions.min())
+        if version < min_version:
+            raise RuntimeError(f"asked for version >= {min_version}, have {version}")
+        import ray  # noqa: PLC0415
+
+        return version, ray.put(self.buf.snapshot())
+
+    @reports_role
+    def values(self) -> dict[str, np.ndarray]:
+        """Copies of this server's slices by slice name (for tests and small models)."""
+        return {s.name: self.buf.arrays[s.name].copy() for s in self.slices}
+
+    @reports_role
+    def pid(self) -> int:
+        import os  # noqa: PLC0415
+
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        self._attached.close()
+        self.buf.close()

@@ -1,0 +1,140 @@
+"""A worker: computes loss and gradients of its part of its group's batch.
+
+The worker reads parameters straight from the servers' buffers (zero-copy on the same node),
+picks its own sub-batch from (seed, step, part) so no data passes through the stub, and writes its
+gradient into a persistent buffer that the stub reads in place.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from raysinga.data import BatchPlan, has_split, load_dataset
+from raysinga.layers import StepContext
+from raysinga.model import ModelSpec, Net
+from raysinga.trainer import evaluate
+
+from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
+from .errors import reports_role
+from .server import node_id
+from .slicing import Slice
+
+
+def server_layouts(slices: list[Slice], n_servers: int, dtype: str) -> list[Layout]:
+    return [
+        Layout.of({s.name: ((s.size,), dtype) for s in slices if s.server == k})
+        for k in range(n_servers)
+    ]
+
+
+class ParamReader:
+    """Whole parameters from per-server sources (a shared-memory handle or a snapshot array)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], slices: list[Slice], n_servers: int,
+                 dtype: str) -> None:
+        self.shapes, self.dtype = shapes, dtype
+        self.layouts = server_layouts(slices, n_servers, dtype)
+        self.pieces = {p: sorted((s for s in slices if s.param == p), key=lambda s: s.start)
+                       for p in shapes}
+        self._att = Attachments()
+        # Parameters cut over several servers are gathered here; whole ones are read in place.
+        self._joined = {p: np.empty(shape, dtype) for p, shape in shapes.items()
+                        if len(self.pieces[p]) > 1}
+
+    def read(self, sources: tuple[ShmHandle | np.ndarray, ...]) -> dict[str, np.ndarray]:
+        views = [self._att.views(src) if isinstance(src, ShmHandle) else lay.views(src)
+                 for src, lay in zip(sources, self.layouts, strict=True)]
+        out = {}
+        for p, shape in self.shapes.items():
+            ps = self.pieces[p]
+            if len(ps) == 1:
+                out[p] = views[ps[0].server][ps[0].name].reshape(shape)
+            else:
+                flat = self._joined[p].reshape(-1)
+                for s in ps:
+                    flat[s.start : s.stop] = views[s.server][s.name]
+                out[p] = self._joined[p]
+        return out
+
+
+class Worker:
+    role = "worker"
+
+    def __init__(
+        self,
+        index: int,
+        group: int,
+        model: dict[str, Any],
+        dtype: str,
+        seed: int,
+        data: dict[str, Any],
+        group_batch: int,
+        shuffle: bool,
+        slices: list[Slice],
+        n_servers: int,
+        n_groups: int,
+        tag: str,
+    ) -> None:
+        self.index, self.group, self.seed = index, group, seed
+        self.n_groups, self.group_batch = n_groups, group_batch
+        self.net = Net(ModelSpec.from_dict(model), dtype=dtype)
+        self.state = self.net.init_state()
+        self.train = load_dataset(data, split="train")
+        self.test = load_dataset(data, split="test") if has_split(data, "test") else None
+        self.plan = BatchPlan(len(self.train), group_batch, seed, shuffle)
+        shapes = self.net.param_shapes()
+        self.reader = ParamReader(shapes, slices, n_servers, dtype)
+        self.node = node_id()
+        self.grads = SharedBuffer(f"{tag}-g{group}w{index}",
+                                  Layout.of({p: (s, dtype) for p, s in shapes.items()}), self.node)
+
+    @reports_role
+    def describe(self) -> dict[str, Any]:
+        return {"node": self.node, "handle": self.grads.handle()}
+
+    def batch_index(self, step: int) -> int:
+        """Groups take turns through one data order, so no two groups train on one batch."""
+        return step * self.n_groups + self.group
+
+    @reports_role
+    def compute(self, step: int, part: int, parts: int, snapshot: bool,
+                *sources: ShmHandle | np.ndarray) -> tuple[dict[str, float], np.ndarray | None]:
+        """Loss and gradient of part ``part`` of ``parts`` of the group's batch at ``step``.
+
+        The loss is divided by the group's batch size, so the group's gradient is the plain sum
+        of its workers' gradients. Returns timings and, when the stub is on another node, a
+        snapshot of the gradient buffer.
+        """
+        t0 = time.perf_counter()
+        params = self.reader.read(sources)
+        t1 = time.perf_counter()
+        b = self.batch_index(step)
+        lo, _ = self.plan.slice_bounds(part, parts)
+        x, y = self.train.get(self.plan.indices(b, part, parts))
+        ctx = StepContext(train=True, seed=self.seed, step=b, sample_offset=lo)
+        loss, grads, _ = self.net.loss_and_grads(
+            params, self.state, x.astype(self.net.dtype, copy=False), y, ctx, self.group_batch)
+        for k, g in grads.items():
+            self.grads.arrays[k][...] = g
+        t2 = time.perf_counter()
+        stats = {"loss": loss, "fetch": t1 - t0, "compute": t2 - t1}
+        return stats, (self.grads.snapshot() if snapshot else None)
+
+    @reports_role
+    def evaluate(self, batch_size: int, *sources: ShmHandle | np.ndarray) -> dict[str, float]:
+        if self.test is None:
+            return {}
+        params = self.reader.read(sources)
+        return evaluate(self.net, params, self.state, self.test, batch_size, np, self.net.dtype)
+
+    @reports_role
+    def pid(self) -> int:
+        import os  # noqa: PLC0415
+
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        self.grads.close()
