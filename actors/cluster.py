@@ -45,6 +45,8 @@ def check_fits(topo: Topology) -> None:
         )
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     for role, res in (("worker", topo.worker), ("server", topo.server), ("stub", topo.stub)):
+        if res.empty:
+            continue
         bundle = res.as_bundle()
         if not any(all(node.get(k, 0) + 1e-9 >= v for k, v in bundle.items()) for node in nodes):
             raise ResourceError(f"no node can hold one {role} ({bundle}); the largest node has "
@@ -77,23 +79,25 @@ def place(topo: Topology, timeout_s: float = 30.0) -> Placement:
     bundles: list[dict[str, float]] = []
     p = Placement(pg=None)
     colocate = topo.preset == "allreduce"
-    for g in range(topo.n_groups):
+    for _ in range(topo.n_groups):
         row = []
-        for i in range(topo.workers_per_group):
+        for _ in range(topo.workers_per_group):
             row.append(len(bundles))
-            if colocate:
-                p.servers.append(len(bundles))
-                bundles.append(_merge(topo.worker, topo.server))
-            else:
-                bundles.append(_merge(topo.worker))
+            bundles.append(_merge(topo.worker, topo.server) if colocate else _merge(topo.worker))
         p.workers.append(row)
-    if not colocate:
-        for _ in range(topo.n_servers):
+    flat_workers = [b for row in p.workers for b in row]
+    for k in range(topo.n_servers):
+        if colocate or topo.server.empty:  # ride in a worker's bundle, on that worker's node
+            p.servers.append(flat_workers[k % len(flat_workers)])
+        else:
             p.servers.append(len(bundles))
             bundles.append(_merge(topo.server))
-    for _ in range(topo.n_groups):
-        p.stubs.append(len(bundles))
-        bundles.append(_merge(topo.stub))
+    for g in range(topo.n_groups):
+        if topo.stub.empty:
+            p.stubs.append(p.workers[g][0])
+        else:
+            p.stubs.append(len(bundles))
+            bundles.append(_merge(topo.stub))
     p.pg = placement_group(bundles, strategy="PACK")
     ready, _ = ray.wait([p.pg.ready()], timeout=timeout_s)
     if not ready:

@@ -44,16 +44,19 @@ class ActorLost(RuntimeError):
 
 
 def unwrap(e: BaseException) -> BaseException:
-    """The RoleError or ActorLost inside Ray's wrappers, or ``e`` itself."""
-    seen = 0
-    while seen < 8:
-        seen += 1
-        if isinstance(e, (RoleError, ActorLost)):
+    """The RoleError or ActorLost inside Ray's wrappers, or ``e`` itself.
+
+    Ray re-raises a remote exception as an instance of a class deriving from both RayTaskError and
+    the original class, whose text is Ray's rendering; the original sits in ``.cause``.
+    """
+    for _ in range(16):
+        cause = getattr(e, "cause", None)
+        if cause is not None and cause is not e:
+            e = cause
+        elif isinstance(e, (RoleError, ActorLost)) or e.__cause__ is None:
             return e
-        cause = getattr(e, "cause", None) or e.__cause__
-        if cause is None or cause is e:
-            return e
-        e = cause
+        else:
+            e = e.__cause__
     return e
 
 
@@ -94,7 +97,8 @@ def get_all(refs: list[Any], role: str, group: int | None = None,
         inner = unwrap(e)
         if isinstance(inner, (RoleError, ActorLost)):
             raise inner from None
-        raise RoleError(role, _failed_index(refs), group, str(e), "") from None
+        text = str(e)  # Ray's own rendering carries the remote traceback
+        raise RoleError(role, _failed_index(refs), group, text.splitlines()[-1], text) from None
     except RayActorError as e:
         raise ActorLost(role, _failed_index(refs), group, str(e).splitlines()[0]) from None
 

@@ -1,7 +1,7 @@
 """Spreading parameters over servers, balanced by bytes (SINGA's ``slice2server``).
 
-A parameter larger than ``slice_bytes`` is cut into contiguous flat slices, one per server up to
-``n_servers``, so that no single server carries a huge layer alone; the pieces are then assigned,
+A parameter larger than ``slice_bytes`` is cut into ``n_servers`` contiguous flat slices of equal
+size (as SINGA does), so that no single server carries a huge layer alone; the pieces are then assigned,
 largest first, to the least-loaded server that holds no other piece of the same parameter. The
 plan is a pure function of its inputs: every process computes the same one.
 """
@@ -37,7 +37,7 @@ def plan_slices(
     pieces: list[tuple[str, int, int]] = []
     for name, shape in shapes.items():
         size = math.prod(shape)
-        k = min(n_servers, max(1, math.ceil(size * itemsize / slice_bytes)), max(size, 1))
+        k = min(n_servers, max(size, 1)) if size * itemsize > slice_bytes else 1
         bounds = [size * i // k for i in range(k + 1)]
         pieces += [(name, bounds[i], bounds[i + 1]) for i in range(k)]
 

@@ -30,6 +30,10 @@ class Resources:
     gpus: float = 0.0
     memory: int = 0
 
+    @property
+    def empty(self) -> bool:
+        return not (self.cpus or self.gpus or self.memory)
+
     def as_bundle(self) -> dict[str, float]:
         b = {"CPU": float(self.cpus)}
         if self.gpus:
@@ -49,10 +53,10 @@ class Topology:
     slice_bytes: int = 4 << 20  # a parameter larger than this is cut into slices over servers
     worker: Resources = field(default_factory=Resources)
     # Servers and stubs work in short bursts between the workers' compute phases, so by default
-    # they reserve only a token CPU share (Ray needs some resource in every bundle): two workers
-    # and a server fit a two-core machine. Give them whole cores on bigger nodes.
-    server: Resources = field(default_factory=lambda: Resources(cpus=0.01))
-    stub: Resources = field(default_factory=lambda: Resources(cpus=0.01))
+    # they reserve nothing and ride in a worker's bundle (on its node): two workers and a server
+    # fit a two-core machine. Give them CPUs of their own on bigger nodes.
+    server: Resources = field(default_factory=lambda: Resources(cpus=0.0))
+    stub: Resources = field(default_factory=lambda: Resources(cpus=0.0))
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -76,6 +80,8 @@ class Topology:
             raise TopologyError("topology.n_servers: the allreduce preset places one server "
                                 f"with each worker, so it must equal workers_per_group "
                                 f"({self.workers_per_group}), got {self.n_servers}")
+        if self.worker.empty:
+            raise TopologyError("topology.worker: a worker must reserve some CPUs or GPUs")
         for role in ("worker", "server", "stub"):
             r = getattr(self, role)
             if r.cpus < 0 or r.gpus < 0 or r.memory < 0 or (r.gpus > 1 and r.gpus % 1):

@@ -13,10 +13,15 @@ from . import config as config_mod
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .trainer import Trainer  # noqa: PLC0415 - keeps `raysinga --help` fast
-
     cfg = config_mod.load(args.config, args.set)
-    result = Trainer(cfg).fit()
+    if cfg.topology is None or args.local:
+        from .trainer import Trainer  # noqa: PLC0415 - keeps `raysinga --help` fast
+
+        result = Trainer(cfg).fit()
+    else:
+        from .distributed import DistributedTrainer  # noqa: PLC0415 - imports Ray
+
+        result = DistributedTrainer(cfg, address=args.address).fit()
     final = result.final_eval
     if final is not None and "test_accuracy" in final:
         print(f"final test accuracy: {final['test_accuracy']:.4f}")
@@ -42,6 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="override a job-file value, e.g. --set updater.lr=0.05 (repeatable; YAML values)",
     )
+    t.add_argument(
+        "--local",
+        action="store_true",
+        help="train in this process without Ray (the exact single-process reference)",
+    )
+    t.add_argument(
+        "--address",
+        metavar="ADDR",
+        default=None,
+        help="Ray cluster to join (default: RAY_ADDRESS, else start an embedded local Ray)",
+    )
     t.set_defaults(func=_train)
     return p
 
@@ -50,9 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (config_mod.ConfigError, ValueError, FileNotFoundError, RuntimeError) as e:
+    except (config_mod.ConfigError, ValueError, FileNotFoundError) as e:
         print(f"raysinga: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a role failed, or the cluster cannot hold the topology
+        print(f"raysinga: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("raysinga: interrupted", file=sys.stderr)
         return 130

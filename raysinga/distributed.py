@@ -186,7 +186,8 @@ class DistributedTrainer:
         mean = {k: sum(r[k] for r in window) / n
                 for k in ("loss", "fetch", "compute", "gather", "average", "update", "total")}
         plan_steps = max(self.n_train // self.cfg.data.batch_size, 1)
-        return {"kind": "train", "step": step, "epoch": (step * self.topo.n_groups) // plan_steps,
+        return {"kind": "train", "step": step,
+                "epoch": ((step - 1) * self.topo.n_groups) // plan_steps,
                 "loss": mean["loss"], "lr": self._lr(step - 1),
                 "samples_per_s": len(window) * self.cfg.data.batch_size / max(dt, 1e-9),
                 "ms": {k: round(v * 1e3, 3) for k, v in mean.items() if k != "loss"}}

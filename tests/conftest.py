@@ -14,3 +14,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One embedded Ray for the whole session (``ray.init`` costs seconds). Eight logical CPUs,
+    so that topologies of up to four workers fit on a two-core machine."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield ray

@@ -1,0 +1,43 @@
+"""Shared buffers: a reader in another process sees the writer's bytes without a copy."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import numpy as np
+
+from raysinga.actors.buffers import Attachments, Layout, SharedBuffer
+
+
+def _read(handle, q):
+    views = Attachments().views(handle)
+    q.put({k: v.copy() for k, v in views.items()})
+
+
+def test_layout_aligns_every_array_and_round_trips_bytes():
+    lay = Layout.of({"a": ((3,), "float32"), "b": ((2, 5), "float64"), "c": ((), "int64")})
+    assert all(e.offset % 64 == 0 for e in lay.entries)
+    raw = np.zeros(lay.nbytes, np.uint8)
+    v = lay.views(raw)
+    v["b"][...] = np.arange(10).reshape(2, 5)
+    np.testing.assert_array_equal(lay.views(raw.copy())["b"], np.arange(10).reshape(2, 5))
+
+
+def test_another_process_reads_the_buffer_in_place_and_sees_updates():
+    buf = SharedBuffer("test", Layout.of({"w": ((4, 4), "float32")}))
+    try:
+        buf.arrays["w"][...] = 7
+        q = mp.get_context("spawn").Queue()
+        p = mp.get_context("spawn").Process(target=_read, args=(buf.handle(), q))
+        p.start()
+        np.testing.assert_array_equal(q.get(timeout=60)["w"], np.full((4, 4), 7, np.float32))
+        p.join()
+        # A reader that keeps its mapping sees later writes with no new transfer.
+        att = Attachments()
+        view = att.views(buf.handle())["w"]
+        buf.arrays["w"][1, 2] = -1
+        assert view[1, 2] == -1 and not view.flags.writeable
+    finally:
+        buf.close()
+    assert not os.path.exists(buf.path)

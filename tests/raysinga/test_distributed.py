@@ -1,0 +1,129 @@
+"""The distributed trainer against the single-process reference, and its failure modes."""
+
+from __future__ import annotations
+
+import glob
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ray import cloudpickle
+
+from raysinga import config
+from raysinga.actors.cluster import ResourceError
+from raysinga.actors.errors import RoleError, reports_role
+from raysinga.actors.server import ParamServer
+from raysinga.actors.worker import Worker
+from raysinga.distributed import DistributedTrainer
+from raysinga.trainer import Trainer
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+QUIET = {"log": lambda line: None}
+
+
+def job(tmp_path, topology: str, *more: str):
+    return config.load(EXAMPLES / "digits_mlp.yaml", [
+        "train_steps=50", "disp_freq=25", "test_freq=0", f"run_dir={tmp_path}",
+        f"topology={topology}", *more])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    cfg = job(tmp_path_factory.mktemp("ref"), "null")
+    return Trainer(cfg, **QUIET).fit().params
+
+
+def relative_error(a: dict, b: dict) -> float:
+    return max(float(np.abs(a[k] - b[k]).max() / np.abs(b[k]).max()) for k in b)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+@pytest.mark.parametrize("servers", [1, 3])
+def test_sandblaster_matches_the_single_process_reference(
+        ray_session, reference, tmp_path, workers, servers):
+    # slice_bytes small enough that the larger weights are cut over the servers.
+    cfg = job(tmp_path, f"{{workers_per_group: {workers}, n_servers: {servers}, "
+                        "slice_bytes: 8192}")
+    params = DistributedTrainer(cfg, **QUIET).fit().params
+    assert relative_error(params, reference) <= 1e-5
+
+
+def test_two_runs_of_one_topology_are_bit_identical(ray_session, tmp_path):
+    topo = "{workers_per_group: 2, n_servers: 3, slice_bytes: 8192}"
+    # Dropout makes the check stronger: its masks must not depend on the worker either.
+    extra = ("model.layers=[{kind: dense, name: fc1, units: 64, activation: relu}, "
+             "{kind: dropout, name: drop, rate: 0.3}, {kind: dense, name: out, units: 10}]")
+    a = DistributedTrainer(job(tmp_path / "a", topo, extra), **QUIET).fit().params
+    b = DistributedTrainer(job(tmp_path / "b", topo, extra), **QUIET).fit().params
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_downpour_with_two_groups_reaches_95_percent(ray_session, tmp_path):
+    cfg = config.load(EXAMPLES / "digits_mlp.yaml", [
+        f"run_dir={tmp_path}", "train_steps=800", "disp_freq=200",
+        "topology={preset: downpour, n_groups: 2, workers_per_group: 1, staleness: 4}"])
+    result = DistributedTrainer(cfg, **QUIET).fit()
+    assert result.final_eval["test_accuracy"] >= 0.95
+
+
+def test_a_topology_larger_than_the_cluster_fails_fast_naming_what_is_missing(
+        ray_session, tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(ResourceError, match=r"CPU: needs 12, cluster has 8"):
+        DistributedTrainer(job(tmp_path, "{workers_per_group: 12}"), **QUIET).fit()
+    with pytest.raises(ResourceError, match=r"GPU: needs 2, cluster has 0"):
+        DistributedTrainer(job(tmp_path, "{workers_per_group: 2, worker: {cpus: 1, gpus: 1}}"),
+                           **QUIET).fit()
+    assert time.monotonic() - t0 < 10
+
+
+# The actors' processes cannot import this test module: ship its classes by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class BrokenWorker(Worker):
+    @reports_role
+    def compute(self, step, part, parts, snapshot, *sources):
+        if step == 3 and self.index == 1:
+            return self._explode(step)
+        return super().compute(step, part, parts, snapshot, *sources)
+
+    def _explode(self, step):
+        raise ValueError(f"bad sample at step {step}")
+
+
+class BrokenServer(ParamServer):
+    @reports_role
+    def update(self, step, grads):
+        if step == 2 and self.index == 2:
+            raise OSError("disk on fire")
+        return super().update(step, grads)
+
+
+def test_an_exception_in_a_worker_reaches_the_driver_with_role_index_and_traceback(
+        ray_session, tmp_path):
+    trainer = DistributedTrainer(job(tmp_path, "{workers_per_group: 2}"),
+                                 classes={"worker": BrokenWorker}, **QUIET)
+    with pytest.raises(RoleError) as info:
+        trainer.fit()
+    e = info.value
+    assert (e.role, e.index, e.group) == ("worker", 1, 0)
+    assert "ValueError: bad sample at step 3" in str(e)
+    assert "_explode" in e.tb  # the remote traceback, down to the raising function
+    assert trainer.stubs == [] and trainer.servers == []  # everything was torn down
+
+
+def test_an_exception_in_a_server_names_the_server(ray_session, tmp_path):
+    trainer = DistributedTrainer(job(tmp_path, "{n_servers: 3, slice_bytes: 8192}"),
+                                 classes={"server": BrokenServer}, **QUIET)
+    with pytest.raises(RoleError, match=r"^server 2 failed: OSError: disk on fire"):
+        trainer.fit()
+
+
+def test_shared_memory_is_released_after_a_run(ray_session, tmp_path):
+    cfg = job(tmp_path, "{workers_per_group: 2}", "name=shmcheck")
+    DistributedTrainer(cfg, **QUIET).fit()
+    assert glob.glob("/dev/shm/raysinga-shmcheck-*") == []
