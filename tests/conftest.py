@@ -8,6 +8,7 @@ from raysinga.kernels import gpu_available, gpu_unavailable_reason
 
 
 def pytest_collection_modifyitems(config, items):
+    _ray_stop_last(items)
     if gpu_available():
         return
     skip = pytest.mark.skip(reason=f"no usable GPU: {gpu_unavailable_reason()}")
@@ -16,11 +17,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
+def _ray_stop_last(items):
+    """Tests marked ``ray_stop`` run `ray stop`, which ends every Ray on the machine: run them
+    after everything else, so the session's embedded Ray is started once."""
+    items.sort(key=lambda item: "ray_stop" in item.keywords)
+
+
+@pytest.fixture
 def ray_session():
-    """One embedded Ray for the whole session (``ray.init`` costs seconds). Eight logical CPUs,
-    so that topologies of up to four workers fit on a two-core machine."""
+    """The embedded Ray shared by the session (``ray.init`` costs seconds), started on first
+    use. Eight logical CPUs, so topologies of up to four workers fit a two-core machine."""
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield ray
+    return ray
