@@ -1,0 +1,411 @@
+"""CuPy twins of the ops in ``cpu.py``: same names, signatures, semantics, shapes and dtypes.
+
+This module mirrors ``cpu.py`` op for op, returning CuPy arrays. GEMMs go to cuBLAS through CuPy;
+everything else runs in the raw CUDA kernels of the ``*.cu`` files shipped with this package. Raw
+kernels check nothing, so each op validates with ``common`` and makes its inputs C-contiguous before
+launch. No kernel uses atomics: every reduction runs in a fixed order, so two runs give the same
+bits.
+"""
+
+from __future__ import annotations
+
+import math
+from importlib import resources
+
+import cupy
+import numpy as np
+
+from . import common
+from .common import check_float, check_same_dtype, conv_out_size, dropout_threshold
+
+BLOCK = 256  # threads per block; the block reductions in the .cu files assume exactly this
+MAX_GRID = 65535  # blocks per launch; grid-stride loops cover the rest
+SUM_CHUNK = 256  # rows one thread adds in order per pass of the column sum
+
+# Entry points per kernel file; each exists as NAME_f32 and NAME_f64. A plain literal:
+# tests/kernels/test_cuda_compile.py reads it without importing this module.
+KERNELS = {
+    "activation.cu": ("act_fwd", "bias_act_fwd", "act_bwd", "col_sum"),
+    "softmax_xent.cu": ("xent_fwd", "xent_bwd"),
+    "im2col.cu": ("im2col", "col2im"),
+    "pool.cu": ("maxpool_fwd", "maxpool_bwd", "avgpool_fwd", "avgpool_bwd"),
+    "dropout.cu": ("dropout_mask",),
+    "batchnorm.cu": ("bn_stats", "bn_apply", "bn_bwd_reduce", "bn_bwd_dx"),
+}
+_SUFFIX = {"float32": "f32", "float64": "f64"}
+
+
+@cupy.memoize(for_each_device=True)
+def _compile(filename: str) -> dict:
+    """All entry points of one .cu file, compiled once per device by NVRTC."""
+    src = resources.files("raysinga.kernels").joinpath(filename).read_text()
+    module = cupy.RawModule(code=src, options=("-std=c++14",))
+    return {
+        f"{name}_{suf}": module.get_function(f"{name}_{suf}")
+        for name in KERNELS[filename]
+        for suf in _SUFFIX.values()
+    }
+
+
+def _kernel(filename: str, name: str, dtype) -> cupy.RawKernel:
+    return _compile(filename)[f"{name}_{_SUFFIX[str(dtype)]}"]
+
+
+def _args(args: tuple) -> tuple:
+    # Kernel integers are long long (uint64 where wrapping matters); an int32 passed as is would
+    # hand the kernel 4 bytes where it reads 8.
+    return tuple(np.int64(a) if isinstance(a, (int, np.signedinteger)) else a for a in args)
+
+
+def _launch(kernel, n: int, *args) -> None:
+    """A grid-stride launch over ``n`` items (nothing to launch for an empty array)."""
+    if n > 0:
+        kernel((min(-(-n // BLOCK), MAX_GRID),), (BLOCK,), _args(args))
+
+
+def _launch_blocks(kernel, nblocks: int, *args) -> None:
+    """One block per row or channel (kernels loop over the rest beyond ``MAX_GRID``)."""
+    if nblocks > 0:
+        kernel((min(nblocks, MAX_GRID),), (BLOCK,), _args(args))
+
+
+def _c(a, dtype=None) -> cupy.ndarray:
+    return cupy.ascontiguousarray(cupy.asarray(a), dtype=dtype)
+
+
+def _check_like(ref_name: str, ref, **arrays) -> None:
+    """Arrays that a kernel indexes like ``ref``: same shape and dtype (cpu.py would broadcast)."""
+    check_float(ref_name, ref)
+    check_same_dtype(**{ref_name: ref}, **arrays)
+    for name, a in arrays.items():
+        if a.shape != ref.shape:
+            raise ValueError(f"{name} of shape {a.shape} does not match {ref_name} {ref.shape}")
+
+
+def _check_vectors(n: int, **vectors) -> None:
+    for name, v in vectors.items():
+        if v.shape != (n,):
+            raise ValueError(f"{name} must have shape ({n},), got {v.shape}")
+
+
+# ---------------------------------------------------------------- activations and dense layers
+
+
+def _act_code(act: str) -> int:
+    common.check_activation(act)
+    return common.ACTIVATIONS.index(act)  # the codes activation.cu switches on
+
+
+def activation_forward(z: cupy.ndarray, act: str) -> cupy.ndarray:
+    code = _act_code(act)
+    check_float("z", z)
+    z = _c(z)
+    y = cupy.empty_like(z)
+    _launch(_kernel("activation.cu", "act_fwd", z.dtype), z.size, z, y, z.size, code)
+    return y
+
+
+def activation_backward(dy: cupy.ndarray, y: cupy.ndarray, act: str) -> cupy.ndarray:
+    """Gradient through an activation, written in terms of its output ``y``."""
+    code = _act_code(act)
+    _check_like("dy", dy, y=y)
+    dy, y = _c(dy), _c(y)
+    dz = cupy.empty_like(dy)
+    _launch(_kernel("activation.cu", "act_bwd", dy.dtype), dy.size, dy, y, dz, dy.size, code)
+    return dz
+
+
+def bias_act_forward(z: cupy.ndarray, b: cupy.ndarray, act: str) -> cupy.ndarray:
+    """``act(z + b)`` for ``z`` of shape ``(M, F)`` and ``b`` of shape ``(F,)``, in one kernel."""
+    common.check_bias(z, b)
+    code = _act_code(act)
+    z, b = _c(z), _c(b)
+    y = cupy.empty_like(z)
+    kernel = _kernel("activation.cu", "bias_act_fwd", z.dtype)
+    _launch(kernel, z.size, z, b, y, z.size, z.shape[1], code)
+    return y
+
+
+def _col_sum(a: cupy.ndarray) -> cupy.ndarray:
+    """``a.sum(axis=0)`` in a fixed order: rows chunk by chunk, then the chunk sums, in turn."""
+    m, f = a.shape[0], math.prod(a.shape[1:])
+    if m == 0:
+        return cupy.zeros(a.shape[1:], a.dtype)
+    part = _c(a).reshape(m, f)
+    kernel = _kernel("activation.cu", "col_sum", a.dtype)
+    while True:
+        chunks = -(-m // SUM_CHUNK)
+        out = cupy.empty((chunks, f), a.dtype)
+        _launch(kernel, chunks * f, part, out, m, f, SUM_CHUNK)
+        part, m = out, chunks
+        if m == 1:
+            return part.reshape(a.shape[1:])
+
+
+def bias_act_backward(
+    dy: cupy.ndarray, y: cupy.ndarray, act: str
+) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """Gradients w.r.t. the pre-activation and the bias: ``(dz, db)``."""
+    dz = activation_backward(dy, y, act)
+    return dz, _col_sum(dz)
+
+
+def dense_forward(x: cupy.ndarray, w: cupy.ndarray, b: cupy.ndarray, act: str) -> cupy.ndarray:
+    common.check_dense(x, w, b)
+    return bias_act_forward(x @ w, b, act)
+
+
+def dense_backward(
+    x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, dy: cupy.ndarray, act: str
+) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
+    """``(dx, dw, db)`` for ``y = act(x @ w + b)``."""
+    dz, db = bias_act_backward(dy, y, act)
+    return dz @ w.T, x.T @ dz, db
+
+
+# ---------------------------------------------------------------- losses
+
+
+def softmax_xent_forward(
+    logits: cupy.ndarray, labels: cupy.ndarray, denom: float
+) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """Softmax cross-entropy: ``(loss, probs)``, loss summed over rows and divided by ``denom``."""
+    common.check_labels(logits, labels)
+    logits, labels = _c(logits), _c(labels, cupy.int64)
+    n, c = logits.shape
+    probs = cupy.empty_like(logits)
+    per_row = cupy.empty((n, 1), logits.dtype)
+    kernel = _kernel("softmax_xent.cu", "xent_fwd", logits.dtype)
+    _launch_blocks(kernel, n, logits, labels, probs, per_row, n, c)
+    loss = _col_sum(per_row)[0] / cupy.asarray(denom, dtype=logits.dtype)
+    return cupy.asarray(loss, dtype=logits.dtype), probs
+
+
+def softmax_xent_backward(probs: cupy.ndarray, labels: cupy.ndarray, denom: float) -> cupy.ndarray:
+    common.check_labels(probs, labels)  # the kernel indexes rows by label
+    probs, labels = _c(probs), _c(labels, cupy.int64)
+    d = cupy.empty_like(probs)
+    kernel = _kernel("softmax_xent.cu", "xent_bwd", probs.dtype)
+    _launch(kernel, d.size, probs, labels, d, *probs.shape, probs.dtype.type(denom))
+    return d
+
+
+# ---------------------------------------------------------------- convolution (im2col + GEMM)
+
+
+def _window_geometry(x_shape: tuple, kh: int, kw: int, stride: int, pad: int) -> tuple:
+    """``(n, c, h, w, oh, ow)``; rejects what would make a kernel index out of bounds."""
+    if len(x_shape) != 4:
+        raise ValueError(f"expected an NCHW shape, got {tuple(x_shape)}")
+    if kh < 1 or kw < 1 or stride < 1 or pad < 0:
+        raise ValueError(
+            f"window {kh}x{kw} needs sizes and stride >= 1 and padding >= 0, "
+            f"got stride {stride}, padding {pad}"
+        )
+    n, c, h, w = (int(s) for s in x_shape)
+    return n, c, h, w, conv_out_size(h, kh, stride, pad), conv_out_size(w, kw, stride, pad)
+
+
+def im2col(x: cupy.ndarray, kh: int, kw: int, stride: int, pad: int) -> cupy.ndarray:
+    """Patches of an NCHW batch as rows: ``(N*OH*OW, C*KH*KW)``, channel-major within a row."""
+    check_float("x", x)
+    n, c, h, w, oh, ow = _window_geometry(x.shape, kh, kw, stride, pad)
+    x = _c(x)
+    cols = cupy.empty((n * oh * ow, c * kh * kw), x.dtype)
+    kernel = _kernel("im2col.cu", "im2col", x.dtype)
+    _launch(kernel, cols.size, x, cols, n, c, h, w, kh, kw, stride, pad, oh, ow)
+    return cols
+
+
+def col2im(
+    cols: cupy.ndarray, x_shape: tuple, kh: int, kw: int, stride: int, pad: int
+) -> cupy.ndarray:
+    """The adjoint of :func:`im2col`: overlapping patches are summed back into an NCHW batch."""
+    check_float("cols", cols)
+    n, c, h, w, oh, ow = _window_geometry(x_shape, kh, kw, stride, pad)
+    if cols.shape != (n * oh * ow, c * kh * kw):
+        raise ValueError(f"cols of shape {cols.shape} do not match input {tuple(x_shape)}")
+    cols = _c(cols)
+    x = cupy.empty((n, c, h, w), cols.dtype)
+    kernel = _kernel("im2col.cu", "col2im", cols.dtype)
+    _launch(kernel, x.size, cols, x, n, c, h, w, kh, kw, stride, pad, oh, ow)
+    return x
+
+
+def conv2d_forward(
+    x: cupy.ndarray, w: cupy.ndarray, b: cupy.ndarray, stride: int, pad: int, act: str
+) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """``(y, cols)``: ``y`` is NCHW; ``cols`` is kept for the backward pass."""
+    common.check_conv(x, w, b, stride, pad)
+    n, _, h, wd = x.shape
+    o, _, kh, kw = w.shape
+    oh, ow = conv_out_size(h, kh, stride, pad), conv_out_size(wd, kw, stride, pad)
+    cols = im2col(x, kh, kw, stride, pad)
+    z = bias_act_forward(cols @ w.reshape(o, -1).T, b, act)  # (n*oh*ow, o)
+    return cupy.ascontiguousarray(z.reshape(n, oh, ow, o).transpose(0, 3, 1, 2)), cols
+
+
+def conv2d_backward(
+    dy: cupy.ndarray,
+    y: cupy.ndarray,
+    cols: cupy.ndarray,
+    w: cupy.ndarray,
+    x_shape: tuple,
+    stride: int,
+    pad: int,
+    act: str,
+) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
+    """``(dx, dw, db)`` of :func:`conv2d_forward`."""
+    o, c, kh, kw = w.shape
+    y2 = y.transpose(0, 2, 3, 1).reshape(-1, o)
+    dy2 = dy.transpose(0, 2, 3, 1).reshape(-1, o)
+    dz, db = bias_act_backward(dy2, y2, act)
+    dw = (dz.T @ cols).reshape(w.shape)
+    dx = col2im(dz @ w.reshape(o, -1), x_shape, kh, kw, stride, pad)
+    return dx, dw, db
+
+
+# ---------------------------------------------------------------- pooling
+
+
+def _pool_grad_geometry(dy, x_shape: tuple, k: int, stride: int, pad: int) -> tuple:
+    check_float("dy", dy)
+    n, c, h, w, oh, ow = _window_geometry(x_shape, k, k, stride, pad)
+    if dy.shape != (n, c, oh, ow):
+        raise ValueError(f"dy of shape {dy.shape} does not match pooling {tuple(x_shape)}")
+    return n * c, h, w, oh, ow
+
+
+def maxpool_forward(
+    x: cupy.ndarray, k: int, stride: int, pad: int
+) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """``(y, argmax)``; ``argmax`` is the int32 position in the window (first maximum wins)."""
+    common.check_pool(x, k, stride, pad)
+    n, c, h, w, oh, ow = _window_geometry(x.shape, k, k, stride, pad)
+    x = _c(x)
+    y = cupy.empty((n, c, oh, ow), x.dtype)
+    arg = cupy.empty((n, c, oh, ow), cupy.int32)
+    kernel = _kernel("pool.cu", "maxpool_fwd", x.dtype)
+    _launch(kernel, y.size, x, y, arg, n * c, h, w, k, stride, pad, oh, ow)
+    return y, arg
+
+
+def maxpool_backward(
+    dy: cupy.ndarray, argmax: cupy.ndarray, x_shape: tuple, k: int, stride: int, pad: int
+) -> cupy.ndarray:
+    nc, h, w, oh, ow = _pool_grad_geometry(dy, x_shape, k, stride, pad)
+    if argmax.shape != dy.shape:
+        raise ValueError(f"argmax of shape {argmax.shape} does not match dy {dy.shape}")
+    dy, argmax = _c(dy), _c(argmax, cupy.int32)
+    dx = cupy.empty(tuple(x_shape), dy.dtype)
+    kernel = _kernel("pool.cu", "maxpool_bwd", dy.dtype)
+    _launch(kernel, dx.size, dy, argmax, dx, nc, h, w, k, stride, pad, oh, ow)
+    return dx
+
+
+def avgpool_forward(x: cupy.ndarray, k: int, stride: int, pad: int) -> cupy.ndarray:
+    """Average pooling; padded zeros count in the divisor (``count_include_pad``)."""
+    common.check_pool(x, k, stride, pad)
+    n, c, h, w, oh, ow = _window_geometry(x.shape, k, k, stride, pad)
+    x = _c(x)
+    y = cupy.empty((n, c, oh, ow), x.dtype)
+    kernel = _kernel("pool.cu", "avgpool_fwd", x.dtype)
+    _launch(kernel, y.size, x, y, n * c, h, w, k, stride, pad, oh, ow)
+    return y
+
+
+def avgpool_backward(
+    dy: cupy.ndarray, x_shape: tuple, k: int, stride: int, pad: int
+) -> cupy.ndarray:
+    nc, h, w, oh, ow = _pool_grad_geometry(dy, x_shape, k, stride, pad)
+    dy = _c(dy)
+    dx = cupy.empty(tuple(x_shape), dy.dtype)
+    kernel = _kernel("pool.cu", "avgpool_bwd", dy.dtype)
+    _launch(kernel, dx.size, dy, dx, nc, h, w, k, stride, pad, oh, ow)
+    return dx
+
+
+# ---------------------------------------------------------------- dropout (counter-based)
+
+
+def dropout_mask(x: cupy.ndarray, rate: float, key: int, sample_offset: int) -> cupy.ndarray:
+    """The scaled keep-mask for ``x``, bit-identical to :func:`cpu.dropout_mask`."""
+    check_float("x", x)
+    thresh = dropout_threshold(rate)
+    n = x.shape[0]
+    per = x.size // n if n else 0
+    out = cupy.empty(x.shape, x.dtype)
+    scale = x.dtype.type(1.0 / (1.0 - rate))  # rounded from float64, as cpu.py does
+    counter0 = np.uint64(sample_offset * per)
+    kernel = _kernel("dropout.cu", "dropout_mask", x.dtype)
+    _launch(kernel, out.size, out, out.size, np.uint64(key), counter0, np.uint64(thresh), scale)
+    return out
+
+
+# ---------------------------------------------------------------- batch normalisation
+
+
+def _bn_dims(x) -> tuple[int, int, int]:
+    """``(N, C, S)``: the kernels view ``x`` as ``(N, C, S)`` with ``S = H*W`` (1 for 2-D)."""
+    return x.shape[0], x.shape[1], math.prod(x.shape[2:])
+
+
+def batchnorm_forward_train(
+    x: cupy.ndarray, gamma: cupy.ndarray, beta: cupy.ndarray, eps: float
+) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray, cupy.ndarray]:
+    """``(y, mean, var, inv_std)`` using the batch's statistics (``var`` is the biased one)."""
+    common.check_bn(x, gamma, beta)
+    x, gamma, beta = _c(x), _c(gamma), _c(beta)
+    n, c, s = _bn_dims(x)
+    mean, var, inv_std = (cupy.empty(c, x.dtype) for _ in range(3))
+    stats = _kernel("batchnorm.cu", "bn_stats", x.dtype)
+    _launch_blocks(stats, c, x, mean, var, inv_std, n, c, s, x.dtype.type(eps))
+    y = cupy.empty_like(x)
+    apply = _kernel("batchnorm.cu", "bn_apply", x.dtype)
+    _launch(apply, x.size, x, mean, inv_std, gamma, beta, y, x.size, c, s)
+    return y, mean, var, inv_std
+
+
+def batchnorm_forward_infer(
+    x: cupy.ndarray,
+    gamma: cupy.ndarray,
+    beta: cupy.ndarray,
+    mean: cupy.ndarray,
+    var: cupy.ndarray,
+    eps: float,
+) -> cupy.ndarray:
+    common.check_bn(x, gamma, beta)
+    n, c, s = _bn_dims(x)
+    _check_vectors(c, mean=mean, var=var)
+    x, beta, mean, var = _c(x), _c(beta), _c(mean, x.dtype), _c(var, x.dtype)
+    inv_std = 1 / cupy.sqrt(var + cupy.asarray(eps, dtype=x.dtype))
+    scale = _c(gamma * inv_std, x.dtype)
+    y = cupy.empty_like(x)
+    apply = _kernel("batchnorm.cu", "bn_apply", x.dtype)
+    _launch(apply, x.size, x, mean, scale, cupy.ones(c, x.dtype), beta, y, x.size, c, s)
+    return y
+
+
+def batchnorm_backward(
+    dy: cupy.ndarray,
+    x: cupy.ndarray,
+    gamma: cupy.ndarray,
+    mean: cupy.ndarray,
+    inv_std: cupy.ndarray,
+) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
+    """``(dx, dgamma, dbeta)`` of :func:`batchnorm_forward_train`."""
+    common.check_bn(x, gamma, gamma)
+    _check_like("x", x, dy=dy)
+    n, c, s = _bn_dims(x)
+    _check_vectors(c, mean=mean, inv_std=inv_std)
+    check_same_dtype(x=x, mean=mean, inv_std=inv_std)
+    dy, x, mean, inv_std = _c(dy), _c(x), _c(mean), _c(inv_std)
+    m = n * s
+    dgamma, dbeta = cupy.empty(c, x.dtype), cupy.empty(c, x.dtype)
+    reduce = _kernel("batchnorm.cu", "bn_bwd_reduce", x.dtype)
+    _launch_blocks(reduce, c, dy, x, mean, inv_std, dgamma, dbeta, n, c, s)
+    k = _c(gamma * inv_std / m)
+    dx = cupy.empty_like(x)
+    grad = _kernel("batchnorm.cu", "bn_bwd_dx", x.dtype)
+    _launch(grad, x.size, dy, x, mean, inv_std, k, dgamma, dbeta, dx, x.size, c, s, x.dtype.type(m))
+    return dx, dgamma, dbeta

@@ -1,0 +1,73 @@
+// Fused softmax cross-entropy, forward (one block per row) and backward, for gpu.py.
+// Compiled by NVRTC at run time: no #include; builtin math only.
+// Reductions use a fixed-order shared-memory tree, so every run gives the same bits.
+
+#define BLOCK 256  // threads per block: gpu.BLOCK launches exactly this many (a power of two)
+
+__device__ __forceinline__ float k_exp(float x) { return expf(x); }
+__device__ __forceinline__ double k_exp(double x) { return exp(x); }
+__device__ __forceinline__ float k_log(float x) { return logf(x); }
+__device__ __forceinline__ double k_log(double x) { return log(x); }
+__device__ __forceinline__ float neg_inf(float) { return -__int_as_float(0x7f800000); }
+__device__ __forceinline__ double neg_inf(double) {
+  return -__longlong_as_double(0x7ff0000000000000LL);
+}
+
+// The sum (or max) of v over the block; buf holds BLOCK values and is free again on return.
+template <typename T, bool MAX>
+__device__ T block_reduce(T v, T* buf) {
+  buf[threadIdx.x] = v;
+  __syncthreads();
+  for (unsigned s = BLOCK / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) {
+      const T a = buf[threadIdx.x], b = buf[threadIdx.x + s];
+      buf[threadIdx.x] = MAX ? (b > a ? b : a) : a + b;
+    }
+    __syncthreads();
+  }
+  const T r = buf[0];
+  __syncthreads();
+  return r;
+}
+
+// probs = softmax(row); loss[r] = log(sum exp(row - max)) - (row[label] - max).
+template <typename T>
+__device__ void xent_fwd(const T* __restrict__ logits, const long long* __restrict__ labels,
+                         T* __restrict__ probs, T* __restrict__ loss, long long n, long long c) {
+  __shared__ T buf[BLOCK];
+  for (long long r = blockIdx.x; r < n; r += gridDim.x) {  // uniform per block: syncs are safe
+    const T* row = logits + r * c;
+    T m = neg_inf(T(0));
+    for (long long j = threadIdx.x; j < c; j += BLOCK) m = row[j] > m ? row[j] : m;
+    m = block_reduce<T, true>(m, buf);
+    T s = T(0);
+    for (long long j = threadIdx.x; j < c; j += BLOCK) s += k_exp(row[j] - m);
+    s = block_reduce<T, false>(s, buf);
+    for (long long j = threadIdx.x; j < c; j += BLOCK) probs[r * c + j] = k_exp(row[j] - m) / s;
+    if (threadIdx.x == 0) loss[r] = k_log(s) - (row[labels[r]] - m);
+  }
+}
+
+// d = (probs - onehot(labels)) / denom.
+template <typename T>
+__device__ void xent_bwd(const T* __restrict__ probs, const long long* __restrict__ labels,
+                         T* __restrict__ d, long long n, long long c, T denom) {
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n * c;
+       i += (long long)gridDim.x * blockDim.x) {
+    const T hit = i % c == labels[i / c] ? T(1) : T(0);
+    d[i] = (probs[i] - hit) / denom;
+  }
+}
+
+#define ENTRY_POINTS(T, SUF)                                                                 \
+  extern "C" __global__ void xent_fwd_##SUF(const T* logits, const long long* labels,        \
+                                            T* probs, T* loss, long long n, long long c) {   \
+    xent_fwd<T>(logits, labels, probs, loss, n, c);                                          \
+  }                                                                                          \
+  extern "C" __global__ void xent_bwd_##SUF(const T* probs, const long long* labels, T* d,   \
+                                            long long n, long long c, T denom) {             \
+    xent_bwd<T>(probs, labels, d, n, c, denom);                                              \
+  }
+
+ENTRY_POINTS(float, f32)
+ENTRY_POINTS(double, f64)

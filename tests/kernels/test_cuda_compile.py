@@ -1,0 +1,68 @@
+"""The CUDA sources compile, ship as package data, and define every kernel ``gpu.py`` asks for.
+
+Runs in the CPU suite: compiling needs ``nvcc`` but no GPU, and ``gpu.py`` is read as text, not
+imported (importing it imports CuPy).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+from importlib import resources
+
+import pytest
+
+PACKAGE = resources.files("raysinga.kernels")
+CU_FILES = sorted(p.name for p in PACKAGE.iterdir() if p.name.endswith(".cu"))
+SUFFIXES = ("f32", "f64")
+
+
+def _kernel_table() -> dict[str, tuple[str, ...]]:
+    """The ``KERNELS`` literal of gpu.py: kernel file -> entry points (without the dtype suffix)."""
+    tree = ast.parse(PACKAGE.joinpath("gpu.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "KERNELS" for t in node.targets
+        ):
+            return ast.literal_eval(node.value)
+    raise AssertionError("gpu.py defines no KERNELS table")
+
+
+KERNELS = _kernel_table()
+
+
+def test_every_cu_file_is_used_and_shipped():
+    assert CU_FILES, "no .cu files found through importlib.resources"
+    assert sorted(KERNELS) == CU_FILES
+    for name in CU_FILES:
+        src = PACKAGE.joinpath(name).read_text()
+        assert 'extern "C"' in src, name
+        # NVRTC compiles these at run time without the CUDA headers.
+        assert not re.search(r"^\s*#\s*include", src, re.M), f"{name} has an #include"
+
+
+@pytest.mark.parametrize("filename", sorted(KERNELS))
+def test_requested_kernels_are_defined(filename):
+    """Entry points come from ENTRY_POINTS(T, SUF) macros, so look for ``name_##SUF``."""
+    src = PACKAGE.joinpath(filename).read_text()
+    assert re.search(r"ENTRY_POINTS\(float, f32\)", src) and re.search(
+        r"ENTRY_POINTS\(double, f64\)", src
+    )
+    for name in KERNELS[filename]:
+        assert re.search(rf'extern "C" __global__ void {name}_##SUF\(', src), name
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+@pytest.mark.parametrize("filename", CU_FILES)
+def test_compiles_with_nvcc(filename, tmp_path):
+    ptx = tmp_path / "out.ptx"
+    with resources.as_file(PACKAGE.joinpath(filename)) as src:
+        cmd = ["nvcc", "--ptx", "-arch=sm_80", "-std=c++14", "-Werror", "all-warnings"]
+        run = subprocess.run([*cmd, str(src), "-o", str(ptx)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "warning" not in run.stderr.lower(), run.stderr
+    entries = set(re.findall(r"\.entry\s+(\w+)\(", ptx.read_text()))
+    wanted = {f"{name}_{suf}" for name in KERNELS.get(filename, ()) for suf in SUFFIXES}
+    assert wanted <= entries, f"missing from the PTX: {sorted(wanted - entries)}"
