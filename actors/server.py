@@ -8,6 +8,8 @@ the new values through shared memory, readers elsewhere through a snapshot in th
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -48,6 +50,8 @@ class ParamServer:
         for s in self.slices:
             self.buf.arrays[s.name][...] = net.init_param(s.param, seed).reshape(-1)[s.start : s.stop]
         self.optimizer = make_optimizer(updater)
+        # Servers work while the workers wait for them, so spread updates over the node's cores.
+        self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
         self.versions = np.zeros(len(self.slices), np.int64)
         self.remote_readers = False
         self._published: Any = None
@@ -84,7 +88,7 @@ class ParamServer:
         else:
             g = self.layout.views(grads)
         for s in self.slices:
-            self.optimizer.update(step, s.name, self.buf.arrays[s.name], g[s.name])
+            self.optimizer.update(step, s.name, self.buf.arrays[s.name], g[s.name], self.pool)
         self.versions += 1
         return int(self.versions.min()), self._publish()
 
@@ -110,10 +114,9 @@ class ParamServer:
 
     @reports_role
     def pid(self) -> int:
-        import os  # noqa: PLC0415
-
         return os.getpid()
 
     def shutdown(self) -> None:
+        self.pool.shutdown(wait=False)
         self._attached.close()
         self.buf.close()

@@ -8,12 +8,14 @@ synchronous; groups are asynchronous to one another and meet only at the servers
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from raysinga.optim import clip_grad_norm
+from raysinga.optim import PARALLEL_CHUNK, clip_grad_norm
 
 from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
 from .errors import get_all, reports_role
@@ -48,6 +50,10 @@ class Stub:
         self.count = self.avg.layout.nbytes // np.dtype(dtype).itemsize
         self.avg_flat = self.avg.flat.view(dtype)[: self.count]
         self.slices = slices
+        # Summing is element-wise: contiguous ranges on several threads give the same bits.
+        self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
+        k = max(1, min(self.pool._max_workers, self.count // PARALLEL_CHUNK))
+        self.ranges = [(self.count * i // k, self.count * (i + 1) // k) for i in range(k)]
         self.server_layouts = server_layouts(slices, len(servers), dtype)
         self._att = Attachments()
         self.worker_handles = [w["handle"] for w in worker_infos]
@@ -85,12 +91,8 @@ class Stub:
                     for i, w in enumerate(self.workers)]
             outs = get_all(futs, "worker", self.group)
             t1 = time.perf_counter()
-            for i, (_, snap) in enumerate(outs):
-                g = self._grad_flat(i, snap)
-                if i == 0:
-                    np.copyto(self.avg_flat, g)
-                else:
-                    np.add(self.avg_flat, g, out=self.avg_flat)
+            grads = [self._grad_flat(i, snap) for i, (_, snap) in enumerate(outs)]
+            list(self.pool.map(lambda ab: self._sum(grads, *ab), self.ranges))
             norm = clip_grad_norm(self.avg.arrays, self.clip_norm) if self.clip_norm else None
             t2 = time.perf_counter()
             ups = [s.update.remote(step, self._update_arg(k)) for k, s in enumerate(self.servers)]
@@ -106,6 +108,16 @@ class Stub:
                 rec["grad_norm"] = norm
             records.append(rec)
         return records
+
+    def _sum(self, grads: list[np.ndarray], a: int, b: int) -> None:
+        """``avg[a:b] = g0 + g1 + ...``, added in worker order whatever the arrival order."""
+        out = self.avg_flat[a:b]
+        if len(grads) == 1:
+            np.copyto(out, grads[0][a:b])
+            return
+        np.add(grads[0][a:b], grads[1][a:b], out=out)
+        for g in grads[2:]:
+            np.add(out, g[a:b], out=out)
 
     def _update_arg(self, k: int) -> ShmHandle | np.ndarray:
         if not self.server_remote[k]:
@@ -129,10 +141,9 @@ class Stub:
 
     @reports_role
     def pid(self) -> int:
-        import os  # noqa: PLC0415
-
         return os.getpid()
 
     def shutdown(self) -> None:
+        self.pool.shutdown(wait=False)
         self._att.close()
         self.avg.close()

@@ -43,7 +43,20 @@ def activation_backward(dy: np.ndarray, y: np.ndarray, act: str) -> np.ndarray:
 def bias_act_forward(z: np.ndarray, b: np.ndarray, act: str) -> np.ndarray:
     """``act(z + b)`` for ``z`` of shape ``(M, F)`` and ``b`` of shape ``(F,)``."""
     common.check_bias(z, b)
-    return activation_forward(z + b, act)
+    common.check_activation(act)
+    out = z + b
+    # In place on the fresh array: NumPy cannot fuse, but it need not allocate twice.
+    if act == "relu":
+        np.maximum(out, 0, out=out)
+    elif act == "tanh":
+        np.tanh(out, out=out)
+    elif act == "sigmoid":
+        with np.errstate(over="ignore"):
+            np.negative(out, out=out)
+            np.exp(out, out=out)
+            out += 1
+            np.reciprocal(out, out=out)
+    return out
 
 
 def bias_act_backward(dy: np.ndarray, y: np.ndarray, act: str) -> tuple[np.ndarray, np.ndarray]:
@@ -58,11 +71,13 @@ def dense_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, act: str) -> np.n
 
 
 def dense_backward(
-    x: np.ndarray, w: np.ndarray, y: np.ndarray, dy: np.ndarray, act: str
+    x: np.ndarray, w: np.ndarray, y: np.ndarray, dy: np.ndarray, act: str,
+    need_dx: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(dx, dw, db)`` for ``y = act(x @ w + b)``."""
+    """``(dx, dw, db)`` for ``y = act(x @ w + b)``; ``dx`` is None unless ``need_dx`` (a net's
+    first layer skips a whole GEMM that way)."""
     dz, db = bias_act_backward(dy, y, act)
-    return dz @ w.T, x.T @ dz, db
+    return (dz @ w.T if need_dx else None), x.T @ dz, db
 
 
 # ---------------------------------------------------------------- losses
@@ -137,6 +152,7 @@ def conv2d_backward(
     stride: int,
     pad: int,
     act: str,
+    need_dx: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dx, dw, db)`` of :func:`conv2d_forward`."""
     o, c, kh, kw = w.shape
@@ -144,6 +160,8 @@ def conv2d_backward(
     dy2 = dy.transpose(0, 2, 3, 1).reshape(-1, o)
     dz, db = bias_act_backward(dy2, y2, act)
     dw = (dz.T @ cols).reshape(w.shape)
+    if not need_dx:
+        return None, dw, db
     dx = col2im(dz @ w.reshape(o, -1), x_shape, kh, kw, stride, pad)
     return np.ascontiguousarray(dx), dw, db
 

@@ -156,11 +156,13 @@ def dense_forward(x: cupy.ndarray, w: cupy.ndarray, b: cupy.ndarray, act: str) -
 
 
 def dense_backward(
-    x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, dy: cupy.ndarray, act: str
+    x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, dy: cupy.ndarray, act: str,
+    need_dx: bool = True,
 ) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
-    """``(dx, dw, db)`` for ``y = act(x @ w + b)``."""
+    """``(dx, dw, db)`` for ``y = act(x @ w + b)``; ``dx`` is None unless ``need_dx`` (a net's
+    first layer skips a whole GEMM that way)."""
     dz, db = bias_act_backward(dy, y, act)
-    return dz @ w.T, x.T @ dz, db
+    return (dz @ w.T if need_dx else None), x.T @ dz, db
 
 
 # ---------------------------------------------------------------- losses
@@ -254,6 +256,7 @@ def conv2d_backward(
     stride: int,
     pad: int,
     act: str,
+    need_dx: bool = True,
 ) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
     """``(dx, dw, db)`` of :func:`conv2d_forward`."""
     o, c, kh, kw = w.shape
@@ -261,6 +264,8 @@ def conv2d_backward(
     dy2 = dy.transpose(0, 2, 3, 1).reshape(-1, o)
     dz, db = bias_act_backward(dy2, y2, act)
     dw = (dz.T @ cols).reshape(w.shape)
+    if not need_dx:
+        return None, dw, db
     dx = col2im(dz @ w.reshape(o, -1), x_shape, kh, kw, stride, pad)
     return dx, dw, db
 

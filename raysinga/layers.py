@@ -48,6 +48,7 @@ class Layer:
         self.opts = {**self.options, **opts}
         self.in_shape: Shape = ()
         self.out_shape: Shape = ()
+        self.need_dx = True  # a net's first layer has no one to pass dx to
         self._cache: tuple = ()
 
     # -- shapes and initial values
@@ -127,7 +128,7 @@ class Dense(Layer):
 
     def backward(self, dy):
         x, w, y = self._cache
-        dx, dw, db = K.dense_backward(x, w, y, dy, self.opts["activation"])
+        dx, dw, db = K.dense_backward(x, w, y, dy, self.opts["activation"], self.need_dx)
         return dx, {"W": dw, "b": db}
 
 
@@ -171,7 +172,7 @@ class Conv2D(Layer):
         x_shape, cols, w, y = self._cache
         o = self.opts
         dx, dw, db = K.conv2d_backward(
-            dy, y, cols, w, x_shape, o["stride"], o["padding"], o["activation"]
+            dy, y, cols, w, x_shape, o["stride"], o["padding"], o["activation"], self.need_dx
         )
         return dx, {"W": dw, "b": db}
 

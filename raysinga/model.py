@@ -109,6 +109,7 @@ class Net:
             layer = LAYERS[ls.kind](ls.name, **ls.options)
             shape = layer.build(shape)
             self.layers.append(layer)
+        self.layers[0].need_dx = False  # nobody wants the input's gradient: skip that GEMM
         self.output_shape = shape
         self.loss_fn = LOSSES[spec.loss]
 

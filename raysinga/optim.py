@@ -47,6 +47,16 @@ def _lerp_(a: Any, b: Any, w: float) -> None:
         a[...] = b - (b - a) * (1.0 - w)
 
 
+PARALLEL_CHUNK = 1 << 18  # elements: below this per thread, threads cost more than they save
+
+
+def _chunks(size: int, pool: Any) -> list[tuple[int, int]]:
+    """Contiguous ranges for a pool's threads (one range, i.e. no threading, for small sizes)."""
+    threads = getattr(pool, "_max_workers", 1) if pool is not None else 1
+    k = max(1, min(threads, size // PARALLEL_CHUNK))
+    return [(size * i // k, size * (i + 1) // k) for i in range(k)]
+
+
 class Optimizer:
     """Base class. Subclasses set ``name``, ``defaults`` and implement ``_check`` and ``_apply``."""
 
@@ -91,8 +101,13 @@ class Optimizer:
     def lr(self, step: int) -> float:
         return self.schedule(step)
 
-    def update(self, step: int, name: str, param: Any, grad: Any) -> None:
-        """Update ``param`` in place; ``step`` is the global step (it picks the learning rate)."""
+    def update(self, step: int, name: str, param: Any, grad: Any, pool: Any = None) -> None:
+        """Update ``param`` in place; ``step`` is the global step (it picks the learning rate).
+
+        With a thread pool (``concurrent.futures.Executor``), a large NumPy parameter is updated
+        in contiguous chunks on several threads. Every optimizer here is element-wise, so the
+        result is bit-identical to one pass; NumPy releases the GIL inside its loops.
+        """
         xp = get_array_module(param)
         if param.dtype.kind != "f":
             raise TypeError(f"parameter {name!r} must be floating point, got {param.dtype}")
@@ -103,7 +118,19 @@ class Optimizer:
         if name not in self._ready:
             self._prepare(xp, name, param)
         t = self.counts.get(name, 0) + 1
-        self._apply(xp, param, grad, self._slots.get(name, {}), self.schedule(step), t)
+        slots, lr = self._slots.get(name, {}), self.schedule(step)
+        pieces = _chunks(param.size, pool) if xp is np and param.flags.c_contiguous else []
+        if len(pieces) > 1:
+            p, g = param.reshape(-1), np.ascontiguousarray(grad).reshape(-1)
+            flat = {k: v.reshape(-1) for k, v in slots.items()}
+
+            def run(ab: tuple[int, int]) -> None:
+                a, b = ab
+                self._apply(xp, p[a:b], g[a:b], {k: v[a:b] for k, v in flat.items()}, lr, t)
+
+            list(pool.map(run, pieces))
+        else:
+            self._apply(xp, param, grad, slots, lr, t)
         self.counts[name] = t
 
     def update_all(self, step: int, params: dict, grads: dict) -> None:

@@ -297,3 +297,28 @@ def test_cupy_matches_numpy(name: str, hparams: dict) -> None:
         np.testing.assert_allclose(cupy.asnumpy(gpu_params[k]), params[k], rtol=1e-12)
     gpu_norm = global_grad_norm({k: cupy.asarray(v) for k, v in grads[0].items()})
     assert gpu_norm == pytest.approx(global_grad_norm(grads[0]), rel=1e-14)
+
+
+@pytest.mark.parametrize("spec", [
+    {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
+    {"name": "adam", "lr": 0.01, "weight_decay": 1e-2},
+    {"name": "rmsprop", "lr": 0.01, "centered": True, "momentum": 0.5},
+])
+def test_threaded_chunked_update_is_bit_identical(spec):
+    """Servers update large slices in chunks on a thread pool; nothing may change a bit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from raysinga.optim import PARALLEL_CHUNK, make_optimizer
+
+    rng = np.random.default_rng(0)
+    p0 = rng.normal(size=3 * PARALLEL_CHUNK + 17).astype(np.float32)
+    a, b = make_optimizer(spec), make_optimizer(spec)
+    pa, pb = p0.copy(), p0.copy()
+    with ThreadPoolExecutor(3) as pool:
+        for step in range(4):
+            g = rng.normal(size=p0.size).astype(np.float32)
+            a.update(step, "w", pa, g)
+            b.update(step, "w", pb, g, pool)
+    np.testing.assert_array_equal(pa, pb)
+    for k, v in a.state_dict()["slots"].items():
+        np.testing.assert_array_equal(v, b.state_dict()["slots"][k])
