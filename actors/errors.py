@@ -82,11 +82,12 @@ def reports_role(method: F) -> F:
 
 
 def get_all(refs: list[Any], role: str, group: int | None = None,
-            timeout: float | None = None) -> list[Any]:
-    """``ray.get`` of one call per ``role`` instance (index = position), naming who failed.
+            timeout: float | None = None, indices: list[int] | None = None) -> list[Any]:
+    """``ray.get`` of one call per ``role`` instance, naming who failed.
 
-    An exception in a role's code arrives as its RoleError; a dead process or node as ActorLost
-    naming the first instance whose call died.
+    ``indices[i]`` is the role index behind ``refs[i]`` (default: its position). An exception in
+    a role's code arrives as its RoleError; a dead process or node as ActorLost naming the first
+    instance whose call died.
     """
     import ray  # noqa: PLC0415
     from ray.exceptions import RayActorError, RayTaskError  # noqa: PLC0415
@@ -98,9 +99,13 @@ def get_all(refs: list[Any], role: str, group: int | None = None,
         if isinstance(inner, (RoleError, ActorLost)):
             raise inner from None
         text = str(e)  # Ray's own rendering carries the remote traceback
-        raise RoleError(role, _failed_index(refs), group, text.splitlines()[-1], text) from None
+        i = _failed_index(refs)
+        raise RoleError(role, indices[i] if indices else i, group, text.splitlines()[-1],
+                        text) from None
     except RayActorError as e:
-        raise ActorLost(role, _failed_index(refs), group, str(e).splitlines()[0]) from None
+        i = _failed_index(refs)
+        raise ActorLost(role, indices[i] if indices else i, group,
+                        str(e).splitlines()[0]) from None
 
 
 def _failed_index(refs: list[Any]) -> int:

@@ -9,6 +9,7 @@ the new values through shared memory, readers elsewhere through a snapshot in th
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -18,6 +19,7 @@ from raysinga.model import ModelSpec, Net
 from raysinga.optim import make_optimizer
 
 from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
+from .doorbell import Doorbell
 from .errors import reports_role
 from .slicing import Slice
 
@@ -76,12 +78,37 @@ class ParamServer:
         return self._published
 
     @reports_role
-    def update(self, step: int, grads: ShmHandle | np.ndarray) -> tuple[int, Any]:
+    def serve(self, start: int, stop: int, go: str, done: str, grads: ShmHandle) -> int:
+        """Apply updates for steps ``start .. stop-1`` as the stub rings (same node only)."""
+        from .worker import GO, SERVER_DONE  # noqa: PLC0415 - one place for message formats
+
+        go_bell, done_bell = Doorbell(go, GO), Doorbell(done, SERVER_DONE)
+        try:
+            for step in range(start, stop):
+                (asked,) = go_bell.wait()
+                if asked != step:
+                    raise RuntimeError(f"stub rang for step {asked}, expected {step}")
+                _, _, seconds = self._update(step, grads)
+                done_bell.ring(self.index, step, 0, seconds)
+        except BaseException:
+            done_bell.ring(self.index, -1, 1, 0.0)
+            raise
+        finally:
+            go_bell.close()
+            done_bell.close()
+        return stop - start
+
+    @reports_role
+    def update(self, step: int, grads: ShmHandle | np.ndarray) -> tuple[int, Any, float]:
+        return self._update(step, grads)
+
+    def _update(self, step: int, grads: ShmHandle | np.ndarray) -> tuple[int, Any, float]:
         """Apply a summed gradient; ``grads`` is the stub's full-parameter buffer (same node) or
         this server's slices laid out as in :attr:`layout` (another node).
 
-        Returns ``(version, snapshot ref or None)``.
+        Returns ``(version, snapshot ref or None, seconds spent)``.
         """
+        t0 = time.perf_counter()
         if isinstance(grads, ShmHandle):
             full = self._attached.views(grads)
             g = {s.name: full[s.param].reshape(-1)[s.start : s.stop] for s in self.slices}
@@ -90,7 +117,8 @@ class ParamServer:
         for s in self.slices:
             self.optimizer.update(step, s.name, self.buf.arrays[s.name], g[s.name], self.pool)
         self.versions += 1
-        return int(self.versions.min()), self._publish()
+        ref = self._publish()
+        return int(self.versions.min()), ref, time.perf_counter() - t0
 
     @reports_role
     def latest(self) -> tuple[int, Any]:

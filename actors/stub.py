@@ -21,7 +21,8 @@ from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
 from .errors import get_all, reports_role
 from .server import node_id
 from .slicing import Slice
-from .worker import server_layouts
+from .doorbell import Doorbell, wait_all
+from .worker import GO, SERVER_DONE, WORKER_DONE, server_layouts
 
 
 class Stub:
@@ -64,6 +65,23 @@ class Stub:
         self.local_src = [[s["handle"] if s["node"] == w["node"] else None for s in server_infos]
                           for w in worker_infos]
         self.refs = [s.get("ref") for s in server_infos]
+        self.server_infos = server_infos
+        # One synchronous group entirely on this node: control by doorbells, not Ray calls.
+        same_node = all(w["node"] == self.node for w in worker_infos) and not any(
+            self.server_remote)
+        self.bells: dict[str, Any] = {}
+        if n_groups == 1 and same_node:
+            base = self.avg.path
+
+            def bell(suffix: str, fmt: str) -> Doorbell:
+                return Doorbell(Doorbell.create(f"{base}-{suffix}"), fmt)
+
+            self.bells = {
+                "go_w": [bell(f"go-w{i}", GO) for i in range(len(workers))],
+                "go_s": [bell(f"go-s{k}", GO) for k in range(len(servers))],
+                "done_w": bell("done-w", WORKER_DONE),
+                "done_s": bell("done-s", SERVER_DONE),
+            }
 
     @reports_role
     def describe(self) -> dict[str, Any]:
@@ -81,33 +99,102 @@ class Stub:
     def run(self, start: int, stop: int) -> list[dict[str, float]]:
         """Run steps ``start .. stop-1`` of this group; per-step losses and timings."""
         records = []
-        parts = len(self.workers)
+        serving = self._start_serving(start, stop) if self.bells else []
         for step in range(start, stop):
-            t0 = time.perf_counter()
-            if self.n_groups > 1 and any(r is not None for r in self.refs):
-                latest = get_all([s.latest.remote() for s in self.servers], "server")
-                self.refs = [r for _, r in latest]
-            futs = [w.compute.remote(step, i, parts, self.snapshot[i], *self._sources(i))
-                    for i, w in enumerate(self.workers)]
-            outs = get_all(futs, "worker", self.group)
-            t1 = time.perf_counter()
+            t0, wall0 = time.perf_counter(), time.time()
+            outs = self._ring_workers(step, serving) if serving else self._call_workers(step)
+            t1, wall1 = time.perf_counter(), time.time()
             grads = [self._grad_flat(i, snap) for i, (_, snap) in enumerate(outs)]
             list(self.pool.map(lambda ab: self._sum(grads, *ab), self.ranges))
             norm = clip_grad_norm(self.avg.arrays, self.clip_norm) if self.clip_norm else None
             t2 = time.perf_counter()
-            ups = [s.update.remote(step, self._update_arg(k)) for k, s in enumerate(self.servers)]
-            results = get_all(ups, "server")
-            self.refs = [ref for _, ref in results]
+            seconds = self._ring_servers(step, serving) if serving else self._call_servers(step)
             t3 = time.perf_counter()
             fetch = max(st["fetch"] for st, _ in outs)
             compute = max(st["compute"] for st, _ in outs)
             rec = {"step": step, "loss": sum(st["loss"] for st, _ in outs),
                    "fetch": fetch, "compute": compute, "gather": t1 - t0 - fetch - compute,
-                   "average": t2 - t1, "update": t3 - t2, "total": t3 - t0}
+                   "average": t2 - t1, "update": t3 - t2, "total": t3 - t0,
+                   # where "gather" goes: reaching the last worker, and hearing back from it
+                   "dispatch": max(st["start"] for st, _ in outs) - wall0,
+                   "collect": wall1 - max(st["end"] for st, _ in outs),
+                   "server": max(seconds)}
             if norm is not None:
                 rec["grad_norm"] = norm
             records.append(rec)
+        if serving:  # every serve call returns once its last step is done
+            get_all(serving[: len(self.workers)], "worker", self.group)
+            get_all(serving[len(self.workers):], "server")
         return records
+
+    # -- per-step control through Ray calls (any placement)
+    def _call_workers(self, step: int) -> list[tuple[dict, np.ndarray | None]]:
+        if self.n_groups > 1 and any(r is not None for r in self.refs):
+            latest = get_all([s.latest.remote() for s in self.servers], "server")
+            self.refs = [r for _, r in latest]
+        parts = len(self.workers)
+        futs = [w.compute.remote(step, i, parts, self.snapshot[i], *self._sources(i))
+                for i, w in enumerate(self.workers)]
+        return get_all(futs, "worker", self.group)
+
+    def _call_servers(self, step: int) -> list[float]:
+        ups = [s.update.remote(step, self._update_arg(k)) for k, s in enumerate(self.servers)]
+        results = get_all(ups, "server")
+        self.refs = [ref for _, ref, _ in results]
+        return [t for _, _, t in results]
+
+    # -- per-step control through doorbells (one synchronous group on one node)
+    def _start_serving(self, start: int, stop: int) -> list[Any]:
+        parts = len(self.workers)
+        handles = [s["handle"] for s in self.server_infos]
+        refs = [w.serve.remote(start, stop, i, parts, self.bells["go_w"][i].path,
+                               self.bells["done_w"].path, *handles)
+                for i, w in enumerate(self.workers)]
+        refs += [s.serve.remote(start, stop, self.bells["go_s"][k].path,
+                                self.bells["done_s"].path, self.avg.handle())
+                 for k, s in enumerate(self.servers)]
+        return refs
+
+    def _raise_ended(self, serving: list[Any], timeout: float) -> None:
+        """Raise the error of a serve call that ended early (an exception or a death)."""
+        import ray  # noqa: PLC0415
+
+        ready, _ = ray.wait(serving, num_returns=1, timeout=timeout)
+        if not ready:
+            return
+        i, k = serving.index(ready[0]), len(self.workers)
+        if i < k:
+            get_all(ready, "worker", self.group, indices=[i])
+        else:
+            get_all(ready, "server", indices=[i - k])
+        raise RuntimeError("a role stopped serving before its last step")
+
+    def _check(self, serving: list[Any]) -> None:
+        self._raise_ended(serving, timeout=0)
+
+    def _failed(self, serving: list[Any]) -> None:
+        """A role rang 'failed': its serve call is ending with the error; raise that error."""
+        self._raise_ended(serving, timeout=60)
+        raise RuntimeError("a role reported a failure, but no call ended with it in 60 s")
+
+    def _ring_workers(self, step: int, serving: list[Any]) -> list[tuple[dict, None]]:
+        for bell in self.bells["go_w"]:
+            bell.ring(step)
+        k = len(self.workers)
+        msgs = wait_all(self.bells["done_w"], k, lambda: self._check(serving))
+        if any(m[2] for m in msgs):
+            self._failed(serving)
+        keys = ("loss", "fetch", "compute", "start", "end")
+        stats = sorted(msgs)  # by part: worker order, whatever the arrival order
+        return [(dict(zip(keys, m[3:], strict=True)), None) for m in stats]
+
+    def _ring_servers(self, step: int, serving: list[Any]) -> list[float]:
+        for bell in self.bells["go_s"]:
+            bell.ring(step)
+        msgs = wait_all(self.bells["done_s"], len(self.servers), lambda: self._check(serving))
+        if any(m[2] for m in msgs):
+            self._failed(serving)
+        return [m[3] for m in msgs]
 
     def _sum(self, grads: list[np.ndarray], a: int, b: int) -> None:
         """``avg[a:b] = g0 + g1 + ...``, added in worker order whatever the arrival order."""
@@ -144,6 +231,12 @@ class Stub:
         return os.getpid()
 
     def shutdown(self) -> None:
+        for bell in [*self.bells.get("go_w", []), *self.bells.get("go_s", []),
+                     self.bells.get("done_w"), self.bells.get("done_s")]:
+            if bell is not None:
+                bell.close()
+                if os.path.exists(bell.path):
+                    os.unlink(bell.path)
         self.pool.shutdown(wait=False)
         self._att.close()
         self.avg.close()

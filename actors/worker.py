@@ -18,9 +18,15 @@ from raysinga.model import ModelSpec, Net
 from raysinga.trainer import evaluate
 
 from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
+from .doorbell import Doorbell
 from .errors import reports_role
 from .server import node_id
 from .slicing import Slice
+
+
+GO = "<q"  # step (stub -> worker or server)
+WORKER_DONE = "<qqqddddd"  # part, step, failed, loss, fetch, compute, start, end
+SERVER_DONE = "<qqqd"  # server, step, failed, seconds
 
 
 def server_layouts(slices: list[Slice], n_servers: int, dtype: str) -> list[Layout]:
@@ -108,6 +114,32 @@ class Worker:
         of its workers' gradients. Returns timings and, when the stub is on another node, a
         snapshot of the gradient buffer.
         """
+        stats = self._compute(step, part, parts, sources)
+        return stats, (self.grads.snapshot() if snapshot else None)
+
+    @reports_role
+    def serve(self, start: int, stop: int, part: int, parts: int, go: str, done: str,
+              *sources: ShmHandle) -> int:
+        """Compute steps ``start .. stop-1`` as the stub rings for them (same node only)."""
+        go_bell, done_bell = Doorbell(go, GO), Doorbell(done, WORKER_DONE)
+        try:
+            for step in range(start, stop):
+                (asked,) = go_bell.wait()
+                if asked != step:
+                    raise RuntimeError(f"stub rang for step {asked}, expected {step}")
+                st = self._compute(step, part, parts, sources)
+                done_bell.ring(part, step, 0, st["loss"], st["fetch"], st["compute"],
+                               st["start"], st["end"])
+        except BaseException:
+            done_bell.ring(part, -1, 1, 0.0, 0.0, 0.0, 0.0, 0.0)  # wake the stub at once
+            raise
+        finally:
+            go_bell.close()
+            done_bell.close()
+        return stop - start
+
+    def _compute(self, step: int, part: int, parts: int, sources: tuple) -> dict[str, float]:
+        start = time.time()
         t0 = time.perf_counter()
         params = self.reader.read(sources)
         t1 = time.perf_counter()
@@ -120,8 +152,8 @@ class Worker:
         for k, g in grads.items():
             self.grads.arrays[k][...] = g
         t2 = time.perf_counter()
-        stats = {"loss": loss, "fetch": t1 - t0, "compute": t2 - t1}
-        return stats, (self.grads.snapshot() if snapshot else None)
+        return {"loss": loss, "fetch": t1 - t0, "compute": t2 - t1, "start": start,
+                "end": time.time()}
 
     @reports_role
     def evaluate(self, batch_size: int, *sources: ShmHandle | np.ndarray) -> dict[str, float]:

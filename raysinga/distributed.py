@@ -184,7 +184,8 @@ class DistributedTrainer:
     def _train_record(self, step: int, window: list[dict[str, float]], dt: float) -> dict:
         n = max(len(window), 1)
         mean = {k: sum(r[k] for r in window) / n
-                for k in ("loss", "fetch", "compute", "gather", "average", "update", "total")}
+                for k in ("loss", "fetch", "compute", "gather", "dispatch", "collect", "average",
+                          "update", "server", "total")}
         plan_steps = max(self.n_train // self.cfg.data.batch_size, 1)
         return {"kind": "train", "step": step,
                 "epoch": ((step - 1) * self.topo.n_groups) // plan_steps,

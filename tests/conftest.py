@@ -18,9 +18,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _ray_stop_last(items):
-    """Tests marked ``ray_stop`` run `ray stop`, which ends every Ray on the machine: run them
-    after everything else, so the session's embedded Ray is started once."""
-    items.sort(key=lambda item: "ray_stop" in item.keywords)
+    """Multi-node tests replace the session's embedded Ray with a ``Cluster``, and ``ray_stop``
+    tests end every Ray on the machine: run them after everything else, in that order, so the
+    embedded Ray starts once."""
+    items.sort(key=lambda item: 2 if "ray_stop" in item.keywords else
+               1 if "cluster" in item.keywords else 0)
 
 
 @pytest.fixture
@@ -31,3 +33,19 @@ def ray_session():
     if not ray.is_initialized():
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     return ray
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    """A head with no CPUs and two 2-CPU nodes, on this machine (``ray.cluster_utils``)."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    yield cluster, nodes
+    ray.shutdown()
+    cluster.shutdown()

@@ -13,7 +13,7 @@ from ray import cloudpickle
 
 from raysinga import config
 from raysinga.actors.cluster import ResourceError
-from raysinga.actors.errors import RoleError, reports_role
+from raysinga.actors.errors import RoleError
 from raysinga.actors.server import ParamServer
 from raysinga.actors.worker import Worker
 from raysinga.distributed import DistributedTrainer
@@ -85,22 +85,22 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 class BrokenWorker(Worker):
-    @reports_role
-    def compute(self, step, part, parts, snapshot, *sources):
+    """Fails at step 3 in worker 1, whichever path (Ray calls or doorbells) drives it."""
+
+    def _compute(self, step, part, parts, sources):
         if step == 3 and self.index == 1:
             return self._explode(step)
-        return super().compute(step, part, parts, snapshot, *sources)
+        return super()._compute(step, part, parts, sources)
 
     def _explode(self, step):
         raise ValueError(f"bad sample at step {step}")
 
 
 class BrokenServer(ParamServer):
-    @reports_role
-    def update(self, step, grads):
+    def _update(self, step, grads):
         if step == 2 and self.index == 2:
             raise OSError("disk on fire")
-        return super().update(step, grads)
+        return super()._update(step, grads)
 
 
 def test_an_exception_in_a_worker_reaches_the_driver_with_role_index_and_traceback(

@@ -1,0 +1,73 @@
+"""Doorbells: fixed-size messages over named pipes, the per-step control path within one node.
+
+A Ray actor call costs 1-3 ms on a loaded two-core machine, and a synchronous group makes three
+rounds of them per step. When a group's workers, servers and stub share a node, the stub instead
+rings each role through a FIFO in ``/dev/shm``: a blocked reader sleeps in the kernel (no spinning
+on the cores the workers need) and wakes within microseconds. Data still moves through the shared
+buffers; Ray calls still start and end each chunk of steps and carry every error.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import struct
+import time
+from collections.abc import Callable
+
+
+class DoorbellTimeout(TimeoutError):
+    pass
+
+
+class Doorbell:
+    """One FIFO carrying messages of ``fmt`` (a struct format); many writers, one reader."""
+
+    def __init__(self, path: str, fmt: str) -> None:
+        self.path, self.struct = path, struct.Struct(fmt)
+        if self.struct.size > select.PIPE_BUF:
+            raise ValueError("a doorbell message must fit PIPE_BUF to be written atomically")
+        # O_RDWR on a FIFO never blocks at open and never sees end-of-file (Linux).
+        self.fd = os.open(path, os.O_RDWR)
+
+    @staticmethod
+    def create(path: str) -> str:
+        if os.path.exists(path):
+            os.unlink(path)
+        os.mkfifo(path, 0o600)
+        return path
+
+    def ring(self, *values) -> None:
+        os.write(self.fd, self.struct.pack(*values))  # <= PIPE_BUF bytes: one atomic write
+
+    def wait(self, check: Callable[[], None] | None = None, poll_s: float = 0.2) -> tuple:
+        """The next message; ``check`` runs every ``poll_s`` while none comes (it raises to
+        give up, e.g. when the peer's Ray call has failed)."""
+        need, buf = self.struct.size, b""
+        while len(buf) < need:
+            ready, _, _ = select.select([self.fd], [], [], poll_s)
+            if not ready:
+                if check is not None:
+                    check()
+                continue
+            buf += os.read(self.fd, need - len(buf))
+        return self.struct.unpack(buf)
+
+    def close(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+def wait_all(bell: Doorbell, count: int, check: Callable[[], None],
+             timeout_s: float | None = None) -> list[tuple]:
+    """``count`` messages from one doorbell, in arrival order."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def guarded() -> None:
+        check()
+        if deadline is not None and time.monotonic() > deadline:
+            raise DoorbellTimeout(f"no answer on {bell.path} within {timeout_s} s")
+
+    return [bell.wait(guarded) for _ in range(count)]
