@@ -35,12 +35,16 @@ def check_fits(topo: Topology) -> None:
 
     total = ray.cluster_resources()
     need = topo.total()
-    short = [f"{k}: needs {v:g}, cluster has {total.get(k, 0):g}"
-             for k, v in need.items() if v > total.get(k, 0) + 1e-9]
+    short = [
+        f"{k}: needs {v:g}, cluster has {total.get(k, 0):g}"
+        for k, v in need.items()
+        if v > total.get(k, 0) + 1e-9
+    ]
     if short:
         raise ResourceError(
             f"the topology ({topo.n_servers} servers, {topo.n_groups} groups x "
-            f"{topo.workers_per_group} workers) does not fit the cluster: " + "; ".join(short)
+            f"{topo.workers_per_group} workers) does not fit the cluster: "
+            + "; ".join(short)
             + ". Lower the counts or the per-role resources (topology.worker/server/stub)."
         )
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
@@ -49,8 +53,10 @@ def check_fits(topo: Topology) -> None:
             continue
         bundle = res.as_bundle()
         if not any(all(node.get(k, 0) + 1e-9 >= v for k, v in bundle.items()) for node in nodes):
-            raise ResourceError(f"no node can hold one {role} ({bundle}); the largest node has "
-                                f"{max(nodes, key=lambda n: n.get('CPU', 0)) if nodes else {}}")
+            raise ResourceError(
+                f"no node can hold one {role} ({bundle}); the largest node has "
+                f"{max(nodes, key=lambda n: n.get('CPU', 0)) if nodes else {}}"
+            )
 
 
 @dataclass
@@ -117,9 +123,14 @@ def spawn(cls: type, placement: Placement, bundle: int, res: Resources, *args: A
     )
 
     strategy = PlacementGroupSchedulingStrategy(
-        placement_group=placement.pg, placement_group_bundle_index=bundle)
-    opts: dict[str, Any] = {"num_cpus": res.cpus, "scheduling_strategy": strategy,
-                            "max_restarts": 0, "max_concurrency": 1}
+        placement_group=placement.pg, placement_group_bundle_index=bundle
+    )
+    opts: dict[str, Any] = {
+        "num_cpus": res.cpus,
+        "scheduling_strategy": strategy,
+        "max_restarts": 0,
+        "max_concurrency": 1,
+    }
     if res.gpus:
         opts["num_gpus"] = res.gpus
     if res.memory:

@@ -60,8 +60,9 @@ class Doorbell:
             pass
 
 
-def wait_all(bell: Doorbell, count: int, check: Callable[[], None],
-             timeout_s: float | None = None) -> list[tuple]:
+def wait_all(
+    bell: Doorbell, count: int, check: Callable[[], None], timeout_s: float | None = None
+) -> list[tuple]:
     """``count`` messages from one doorbell, in arrival order."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
 

@@ -74,15 +74,23 @@ def reports_role(method: F) -> F:
             if isinstance(inner, (RoleError, ActorLost)):
                 raise inner from None
             raise RoleError(
-                self.role, self.index, getattr(self, "group", None),
-                f"{type(e).__name__}: {e}", traceback.format_exc()
+                self.role,
+                self.index,
+                getattr(self, "group", None),
+                f"{type(e).__name__}: {e}",
+                traceback.format_exc(),
             ) from None
 
     return wrapper  # type: ignore[return-value]
 
 
-def get_all(refs: list[Any], role: str, group: int | None = None,
-            timeout: float | None = None, indices: list[int] | None = None) -> list[Any]:
+def get_all(
+    refs: list[Any],
+    role: str,
+    group: int | None = None,
+    timeout: float | None = None,
+    indices: list[int] | None = None,
+) -> list[Any]:
     """``ray.get`` of one call per ``role`` instance, naming who failed.
 
     ``indices[i]`` is the role index behind ``refs[i]`` (default: its position). An exception in
@@ -100,12 +108,12 @@ def get_all(refs: list[Any], role: str, group: int | None = None,
             raise inner from None
         text = str(e)  # Ray's own rendering carries the remote traceback
         i = _failed_index(refs)
-        raise RoleError(role, indices[i] if indices else i, group, text.splitlines()[-1],
-                        text) from None
+        raise RoleError(
+            role, indices[i] if indices else i, group, text.splitlines()[-1], text
+        ) from None
     except RayActorError as e:
         i = _failed_index(refs)
-        raise ActorLost(role, indices[i] if indices else i, group,
-                        str(e).splitlines()[0]) from None
+        raise ActorLost(role, indices[i] if indices else i, group, str(e).splitlines()[0]) from None
 
 
 def _failed_index(refs: list[Any]) -> int:

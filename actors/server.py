@@ -50,7 +50,9 @@ class ParamServer:
         self.node = node_id()
         self.buf = SharedBuffer(f"{tag}-server{index}", self.layout, self.node)
         for s in self.slices:
-            self.buf.arrays[s.name][...] = net.init_param(s.param, seed).reshape(-1)[s.start : s.stop]
+            self.buf.arrays[s.name][...] = net.init_param(s.param, seed).reshape(-1)[
+                s.start : s.stop
+            ]
         self.optimizer = make_optimizer(updater)
         # Servers work while the workers wait for them, so spread updates over the node's cores.
         self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))

@@ -1,9 +1,9 @@
 """Spreading parameters over servers, balanced by bytes (SINGA's ``slice2server``).
 
 A parameter larger than ``slice_bytes`` is cut into ``n_servers`` contiguous flat slices of equal
-size (as SINGA does), so that no single server carries a huge layer alone; the pieces are then assigned,
-largest first, to the least-loaded server that holds no other piece of the same parameter. The
-plan is a pure function of its inputs: every process computes the same one.
+size (as SINGA does), so that no single server carries a huge layer alone; the pieces are then
+assigned, largest first, to the least-loaded server that holds no other piece of the same
+parameter. The plan is a pure function of its inputs: every process computes the same one.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ synchronous; groups are asynchronous to one another and meet only at the servers
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,10 +19,10 @@ import numpy as np
 from raysinga.optim import PARALLEL_CHUNK, clip_grad_norm
 
 from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
+from .doorbell import Doorbell, wait_all
 from .errors import get_all, reports_role
 from .server import node_id
 from .slicing import Slice
-from .doorbell import Doorbell, wait_all
 from .worker import GO, SERVER_DONE, WORKER_DONE, server_layouts
 
 
@@ -46,8 +47,9 @@ class Stub:
         self.workers, self.servers = workers, servers
         self.clip_norm, self.n_groups = clip_norm, n_groups
         self.node = node_id()
-        self.avg = SharedBuffer(f"{tag}-stub{index}", Layout.of(
-            {p: (s, dtype) for p, s in shapes.items()}), self.node)
+        self.avg = SharedBuffer(
+            f"{tag}-stub{index}", Layout.of({p: (s, dtype) for p, s in shapes.items()}), self.node
+        )
         self.count = self.avg.layout.nbytes // np.dtype(dtype).itemsize
         self.avg_flat = self.avg.flat.view(dtype)[: self.count]
         self.slices = slices
@@ -62,13 +64,16 @@ class Stub:
         self.server_remote = [s["node"] != self.node for s in server_infos]
         # For each worker and server: the server's shared buffer when they share a node, else
         # None, filled each step with the server's latest snapshot ref.
-        self.local_src = [[s["handle"] if s["node"] == w["node"] else None for s in server_infos]
-                          for w in worker_infos]
+        self.local_src = [
+            [s["handle"] if s["node"] == w["node"] else None for s in server_infos]
+            for w in worker_infos
+        ]
         self.refs = [s.get("ref") for s in server_infos]
         self.server_infos = server_infos
         # One synchronous group entirely on this node: control by doorbells, not Ray calls.
         same_node = all(w["node"] == self.node for w in worker_infos) and not any(
-            self.server_remote)
+            self.server_remote
+        )
         self.bells: dict[str, Any] = {}
         if n_groups == 1 and same_node:
             base = self.avg.path
@@ -105,26 +110,33 @@ class Stub:
             outs = self._ring_workers(step, serving) if serving else self._call_workers(step)
             t1, wall1 = time.perf_counter(), time.time()
             grads = [self._grad_flat(i, snap) for i, (_, snap) in enumerate(outs)]
-            list(self.pool.map(lambda ab: self._sum(grads, *ab), self.ranges))
+            list(self.pool.map(functools.partial(self._sum, grads), self.ranges))
             norm = clip_grad_norm(self.avg.arrays, self.clip_norm) if self.clip_norm else None
             t2 = time.perf_counter()
             seconds = self._ring_servers(step, serving) if serving else self._call_servers(step)
             t3 = time.perf_counter()
             fetch = max(st["fetch"] for st, _ in outs)
             compute = max(st["compute"] for st, _ in outs)
-            rec = {"step": step, "loss": sum(st["loss"] for st, _ in outs),
-                   "fetch": fetch, "compute": compute, "gather": t1 - t0 - fetch - compute,
-                   "average": t2 - t1, "update": t3 - t2, "total": t3 - t0,
-                   # where "gather" goes: reaching the last worker, and hearing back from it
-                   "dispatch": max(st["start"] for st, _ in outs) - wall0,
-                   "collect": wall1 - max(st["end"] for st, _ in outs),
-                   "server": max(seconds)}
+            rec = {
+                "step": step,
+                "loss": sum(st["loss"] for st, _ in outs),
+                "fetch": fetch,
+                "compute": compute,
+                "gather": t1 - t0 - fetch - compute,
+                "average": t2 - t1,
+                "update": t3 - t2,
+                "total": t3 - t0,
+                # where "gather" goes: reaching the last worker, and hearing back from it
+                "dispatch": max(st["start"] for st, _ in outs) - wall0,
+                "collect": wall1 - max(st["end"] for st, _ in outs),
+                "server": max(seconds),
+            }
             if norm is not None:
                 rec["grad_norm"] = norm
             records.append(rec)
         if serving:  # every serve call returns once its last step is done
             get_all(serving[: len(self.workers)], "worker", self.group)
-            get_all(serving[len(self.workers):], "server")
+            get_all(serving[len(self.workers) :], "server")
         return records
 
     # -- per-step control through Ray calls (any placement)
@@ -133,8 +145,10 @@ class Stub:
             latest = get_all([s.latest.remote() for s in self.servers], "server")
             self.refs = [r for _, r in latest]
         parts = len(self.workers)
-        futs = [w.compute.remote(step, i, parts, self.snapshot[i], *self._sources(i))
-                for i, w in enumerate(self.workers)]
+        futs = [
+            w.compute.remote(step, i, parts, self.snapshot[i], *self._sources(i))
+            for i, w in enumerate(self.workers)
+        ]
         return get_all(futs, "worker", self.group)
 
     def _call_servers(self, step: int) -> list[float]:
@@ -147,12 +161,28 @@ class Stub:
     def _start_serving(self, start: int, stop: int) -> list[Any]:
         parts = len(self.workers)
         handles = [s["handle"] for s in self.server_infos]
-        refs = [w.serve.remote(start, stop, i, parts, self.bells["go_w"][i].path,
-                               self.bells["done_w"].path, *handles)
-                for i, w in enumerate(self.workers)]
-        refs += [s.serve.remote(start, stop, self.bells["go_s"][k].path,
-                                self.bells["done_s"].path, self.avg.handle())
-                 for k, s in enumerate(self.servers)]
+        refs = [
+            w.serve.remote(
+                start,
+                stop,
+                i,
+                parts,
+                self.bells["go_w"][i].path,
+                self.bells["done_w"].path,
+                *handles,
+            )
+            for i, w in enumerate(self.workers)
+        ]
+        refs += [
+            s.serve.remote(
+                start,
+                stop,
+                self.bells["go_s"][k].path,
+                self.bells["done_s"].path,
+                self.avg.handle(),
+            )
+            for k, s in enumerate(self.servers)
+        ]
         return refs
 
     def _raise_ended(self, serving: list[Any], timeout: float) -> None:
@@ -196,8 +226,9 @@ class Stub:
             self._failed(serving)
         return [m[3] for m in msgs]
 
-    def _sum(self, grads: list[np.ndarray], a: int, b: int) -> None:
+    def _sum(self, grads: list[np.ndarray], ab: tuple[int, int]) -> None:
         """``avg[a:b] = g0 + g1 + ...``, added in worker order whatever the arrival order."""
+        a, b = ab
         out = self.avg_flat[a:b]
         if len(grads) == 1:
             np.copyto(out, grads[0][a:b])
@@ -221,8 +252,7 @@ class Stub:
     def evaluate(self, batch_size: int) -> dict[str, float]:
         """Test metrics of the current parameters, computed by this group's first worker."""
         if self.n_groups > 1 and any(r is not None for r in self.refs):
-            self.refs = [r for _, r in get_all([s.latest.remote() for s in self.servers],
-                                               "server")]
+            self.refs = [r for _, r in get_all([s.latest.remote() for s in self.servers], "server")]
         src = self._sources(0)
         return get_all([self.workers[0].evaluate.remote(batch_size, *src)], "worker", 0)[0]
 
@@ -231,8 +261,12 @@ class Stub:
         return os.getpid()
 
     def shutdown(self) -> None:
-        for bell in [*self.bells.get("go_w", []), *self.bells.get("go_s", []),
-                     self.bells.get("done_w"), self.bells.get("done_s")]:
+        for bell in [
+            *self.bells.get("go_w", []),
+            *self.bells.get("go_s", []),
+            self.bells.get("done_w"),
+            self.bells.get("done_s"),
+        ]:
             if bell is not None:
                 bell.close()
                 if os.path.exists(bell.path):

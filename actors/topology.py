@@ -12,7 +12,7 @@ SINGA's cluster presets map onto it:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PRESETS = ("sandblaster", "downpour", "hogwild", "allreduce")
@@ -60,33 +60,44 @@ class Topology:
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
-            raise TopologyError(f"topology.preset: expected one of {', '.join(PRESETS)}, "
-                                f"got {self.preset!r}")
+            raise TopologyError(
+                f"topology.preset: expected one of {', '.join(PRESETS)}, got {self.preset!r}"
+            )
         for key in ("n_servers", "n_groups", "workers_per_group", "slice_bytes"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise TopologyError(f"topology.{key}: expected an integer >= 1, got {v!r}")
-        if self.staleness is not None and (not isinstance(self.staleness, int) or
-                                           self.staleness < 0):
-            raise TopologyError(f"topology.staleness: expected an integer >= 0 or null, "
-                                f"got {self.staleness!r}")
+        if self.staleness is not None and (
+            not isinstance(self.staleness, int) or self.staleness < 0
+        ):
+            raise TopologyError(
+                f"topology.staleness: expected an integer >= 0 or null, got {self.staleness!r}"
+            )
         if self.preset in ("sandblaster", "allreduce") and self.n_groups != 1:
-            raise TopologyError(f"topology.n_groups: the {self.preset} preset has exactly one "
-                                f"group, got {self.n_groups}")
+            raise TopologyError(
+                f"topology.n_groups: the {self.preset} preset has exactly one "
+                f"group, got {self.n_groups}"
+            )
         if self.preset == "hogwild" and self.workers_per_group != 1:
-            raise TopologyError("topology.workers_per_group: the hogwild preset has one worker "
-                                f"per group, got {self.workers_per_group}")
+            raise TopologyError(
+                "topology.workers_per_group: the hogwild preset has one worker "
+                f"per group, got {self.workers_per_group}"
+            )
         if self.preset == "allreduce" and self.n_servers != self.workers_per_group:
-            raise TopologyError("topology.n_servers: the allreduce preset places one server "
-                                f"with each worker, so it must equal workers_per_group "
-                                f"({self.workers_per_group}), got {self.n_servers}")
+            raise TopologyError(
+                "topology.n_servers: the allreduce preset places one server "
+                f"with each worker, so it must equal workers_per_group "
+                f"({self.workers_per_group}), got {self.n_servers}"
+            )
         if self.worker.empty:
             raise TopologyError("topology.worker: a worker must reserve some CPUs or GPUs")
         for role in ("worker", "server", "stub"):
             r = getattr(self, role)
             if r.cpus < 0 or r.gpus < 0 or r.memory < 0 or (r.gpus > 1 and r.gpus % 1):
-                raise TopologyError(f"topology.{role}: resources must be >= 0 and a GPU count "
-                                    f"above 1 must be whole, got {r}")
+                raise TopologyError(
+                    f"topology.{role}: resources must be >= 0 and a GPU count "
+                    f"above 1 must be whole, got {r}"
+                )
 
     @property
     def n_workers(self) -> int:
@@ -99,8 +110,11 @@ class Topology:
     def total(self) -> dict[str, float]:
         """The resources the whole topology asks of the cluster."""
         out: dict[str, float] = {}
-        for r, count in ((self.worker, self.n_workers), (self.server, self.n_servers),
-                         (self.stub, self.n_groups)):
+        for r, count in (
+            (self.worker, self.n_workers),
+            (self.server, self.n_servers),
+            (self.stub, self.n_groups),
+        ):
             for k, v in r.as_bundle().items():
                 out[k] = out.get(k, 0.0) + v * count
         return out
@@ -115,15 +129,17 @@ class Topology:
         allowed = {f for f in cls.__dataclass_fields__}
         unknown = set(d) - allowed
         if unknown:
-            raise TopologyError(f"topology: unknown key(s) {sorted(unknown)}; "
-                                f"allowed: {sorted(allowed)}")
+            raise TopologyError(
+                f"topology: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}"
+            )
         kw: dict[str, Any] = {}
         for role in ("worker", "server", "stub"):
             if role in d:
                 r = d.pop(role)
                 if not isinstance(r, dict) or set(r) - {"cpus", "gpus", "memory"}:
-                    raise TopologyError(f"topology.{role}: expected a mapping of cpus, gpus, "
-                                        f"memory, got {r!r}")
+                    raise TopologyError(
+                        f"topology.{role}: expected a mapping of cpus, gpus, memory, got {r!r}"
+                    )
                 kw[role] = Resources(**r)
         if d.get("preset") == "allreduce" and "n_servers" not in d:
             d["n_servers"] = d.get("workers_per_group", 1)

@@ -23,7 +23,6 @@ from .errors import reports_role
 from .server import node_id
 from .slicing import Slice
 
-
 GO = "<q"  # step (stub -> worker or server)
 WORKER_DONE = "<qqqddddd"  # part, step, failed, loss, fetch, compute, start, end
 SERVER_DONE = "<qqqd"  # server, step, failed, seconds
@@ -39,20 +38,25 @@ def server_layouts(slices: list[Slice], n_servers: int, dtype: str) -> list[Layo
 class ParamReader:
     """Whole parameters from per-server sources (a shared-memory handle or a snapshot array)."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], slices: list[Slice], n_servers: int,
-                 dtype: str) -> None:
+    def __init__(
+        self, shapes: dict[str, tuple[int, ...]], slices: list[Slice], n_servers: int, dtype: str
+    ) -> None:
         self.shapes, self.dtype = shapes, dtype
         self.layouts = server_layouts(slices, n_servers, dtype)
-        self.pieces = {p: sorted((s for s in slices if s.param == p), key=lambda s: s.start)
-                       for p in shapes}
+        self.pieces = {
+            p: sorted((s for s in slices if s.param == p), key=lambda s: s.start) for p in shapes
+        }
         self._att = Attachments()
         # Parameters cut over several servers are gathered here; whole ones are read in place.
-        self._joined = {p: np.empty(shape, dtype) for p, shape in shapes.items()
-                        if len(self.pieces[p]) > 1}
+        self._joined = {
+            p: np.empty(shape, dtype) for p, shape in shapes.items() if len(self.pieces[p]) > 1
+        }
 
     def read(self, sources: tuple[ShmHandle | np.ndarray, ...]) -> dict[str, np.ndarray]:
-        views = [self._att.views(src) if isinstance(src, ShmHandle) else lay.views(src)
-                 for src, lay in zip(sources, self.layouts, strict=True)]
+        views = [
+            self._att.views(src) if isinstance(src, ShmHandle) else lay.views(src)
+            for src, lay in zip(sources, self.layouts, strict=True)
+        ]
         out = {}
         for p, shape in self.shapes.items():
             ps = self.pieces[p]
@@ -94,8 +98,11 @@ class Worker:
         shapes = self.net.param_shapes()
         self.reader = ParamReader(shapes, slices, n_servers, dtype)
         self.node = node_id()
-        self.grads = SharedBuffer(f"{tag}-g{group}w{index}",
-                                  Layout.of({p: (s, dtype) for p, s in shapes.items()}), self.node)
+        self.grads = SharedBuffer(
+            f"{tag}-g{group}w{index}",
+            Layout.of({p: (s, dtype) for p, s in shapes.items()}),
+            self.node,
+        )
 
     @reports_role
     def describe(self) -> dict[str, Any]:
@@ -106,8 +113,9 @@ class Worker:
         return step * self.n_groups + self.group
 
     @reports_role
-    def compute(self, step: int, part: int, parts: int, snapshot: bool,
-                *sources: ShmHandle | np.ndarray) -> tuple[dict[str, float], np.ndarray | None]:
+    def compute(
+        self, step: int, part: int, parts: int, snapshot: bool, *sources: ShmHandle | np.ndarray
+    ) -> tuple[dict[str, float], np.ndarray | None]:
         """Loss and gradient of part ``part`` of ``parts`` of the group's batch at ``step``.
 
         The loss is divided by the group's batch size, so the group's gradient is the plain sum
@@ -118,8 +126,9 @@ class Worker:
         return stats, (self.grads.snapshot() if snapshot else None)
 
     @reports_role
-    def serve(self, start: int, stop: int, part: int, parts: int, go: str, done: str,
-              *sources: ShmHandle) -> int:
+    def serve(
+        self, start: int, stop: int, part: int, parts: int, go: str, done: str, *sources: ShmHandle
+    ) -> int:
         """Compute steps ``start .. stop-1`` as the stub rings for them (same node only)."""
         go_bell, done_bell = Doorbell(go, GO), Doorbell(done, WORKER_DONE)
         try:
@@ -128,8 +137,9 @@ class Worker:
                 if asked != step:
                     raise RuntimeError(f"stub rang for step {asked}, expected {step}")
                 st = self._compute(step, part, parts, sources)
-                done_bell.ring(part, step, 0, st["loss"], st["fetch"], st["compute"],
-                               st["start"], st["end"])
+                done_bell.ring(
+                    part, step, 0, st["loss"], st["fetch"], st["compute"], st["start"], st["end"]
+                )
         except BaseException:
             done_bell.ring(part, -1, 1, 0.0, 0.0, 0.0, 0.0, 0.0)  # wake the stub at once
             raise
@@ -148,12 +158,18 @@ class Worker:
         x, y = self.train.get(self.plan.indices(b, part, parts))
         ctx = StepContext(train=True, seed=self.seed, step=b, sample_offset=lo)
         loss, grads, _ = self.net.loss_and_grads(
-            params, self.state, x.astype(self.net.dtype, copy=False), y, ctx, self.group_batch)
+            params, self.state, x.astype(self.net.dtype, copy=False), y, ctx, self.group_batch
+        )
         for k, g in grads.items():
             self.grads.arrays[k][...] = g
         t2 = time.perf_counter()
-        return {"loss": loss, "fetch": t1 - t0, "compute": t2 - t1, "start": start,
-                "end": time.time()}
+        return {
+            "loss": loss,
+            "fetch": t1 - t0,
+            "compute": t2 - t1,
+            "start": start,
+            "end": time.time(),
+        }
 
     @reports_role
     def evaluate(self, batch_size: int, *sources: ShmHandle | np.ndarray) -> dict[str, float]:

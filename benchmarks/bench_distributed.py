@@ -22,10 +22,14 @@ from pathlib import Path
 import numpy as np
 
 BATCH, HIDDEN, CLASSES, DIM = 256, 1024, 10, 784
-MODEL = {"input_shape": [DIM], "layers": [
-    {"kind": "dense", "name": "fc1", "units": HIDDEN, "activation": "relu"},
-    {"kind": "dense", "name": "fc2", "units": HIDDEN, "activation": "relu"},
-    {"kind": "dense", "name": "out", "units": CLASSES}]}
+MODEL = {
+    "input_shape": [DIM],
+    "layers": [
+        {"kind": "dense", "name": "fc1", "units": HIDDEN, "activation": "relu"},
+        {"kind": "dense", "name": "fc2", "units": HIDDEN, "activation": "relu"},
+        {"kind": "dense", "name": "out", "units": CLASSES},
+    ],
+}
 
 
 def make_data(d: Path, n: int) -> tuple[str, str]:
@@ -40,12 +44,20 @@ def make_data(d: Path, n: int) -> tuple[str, str]:
 def job(xp: str, yp: str, steps: int, warmup: int, topology: dict | None):
     from raysinga import config
 
-    return config.from_dict({
-        "name": "bench", "seed": 0, "model": MODEL, "run_dir": tempfile.mkdtemp(),
-        "data": {"source": {"kind": "npy", "x": xp, "y": yp}, "batch_size": BATCH},
-        "updater": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
-        "train_steps": warmup + steps, "disp_freq": warmup, "test_freq": 0,
-        "topology": topology})
+    return config.from_dict(
+        {
+            "name": "bench",
+            "seed": 0,
+            "model": MODEL,
+            "run_dir": tempfile.mkdtemp(),
+            "data": {"source": {"kind": "npy", "x": xp, "y": yp}, "batch_size": BATCH},
+            "updater": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+            "train_steps": warmup + steps,
+            "disp_freq": warmup,
+            "test_freq": 0,
+            "topology": topology,
+        }
+    )
 
 
 def bench_raysinga(xp, yp, steps, warmup) -> dict:
@@ -69,9 +81,9 @@ def bench_local(xp, yp, steps, warmup) -> dict:
 
 
 def torch_loop(cfg: dict) -> None:
-    import torch
     import ray.train
     import ray.train.torch
+    import torch
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -80,8 +92,12 @@ def torch_loop(cfg: dict) -> None:
     x = torch.from_numpy(np.load(cfg["x"], mmap_mode="r")[:])
     y = torch.from_numpy(np.load(cfg["y"], mmap_mode="r")[:])
     model = torch.nn.Sequential(
-        torch.nn.Linear(DIM, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN),
-        torch.nn.ReLU(), torch.nn.Linear(HIDDEN, CLASSES))
+        torch.nn.Linear(DIM, HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, CLASSES),
+    )
     model = ray.train.torch.prepare_model(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(0)
@@ -93,7 +109,7 @@ def torch_loop(cfg: dict) -> None:
         if step == cfg["warmup"]:
             t0 = time.perf_counter()
         b = step % steps_per_epoch
-        idx = order[b * BATCH + rank * per: b * BATCH + (rank + 1) * per]
+        idx = order[b * BATCH + rank * per : b * BATCH + (rank + 1) * per]
         loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
         opt.zero_grad()
         loss.backward()
@@ -111,9 +127,9 @@ def bench_ray_train(xp, yp, steps, warmup) -> dict:
     trainer = TorchTrainer(
         torch_loop,
         train_loop_config={"x": xp, "y": yp, "steps": steps, "warmup": warmup, "out": str(out)},
-        scaling_config=ScalingConfig(num_workers=2, use_gpu=False,
-                                     resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(storage_path=tempfile.mkdtemp(), name="bench"))
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(storage_path=tempfile.mkdtemp(), name="bench"),
+    )
     trainer.fit()
     return {"samples_per_s": float(out.read_text())}
 
@@ -135,13 +151,20 @@ def main() -> None:
         peer = bench_ray_train(*a)
         local = bench_local(*a)
     ms = ours["ms"]
-    print(f"MLP 784-1024-1024-10, global batch {BATCH}, 2 workers x 1 CPU, {args.steps} timed "
-          f"steps after {args.warmup} warm-up, {os.cpu_count()} cores")
+    print(
+        f"MLP 784-1024-1024-10, global batch {BATCH}, 2 workers x 1 CPU, {args.steps} timed "
+        f"steps after {args.warmup} warm-up, {os.cpu_count()} cores"
+    )
     print(f"  raysinga (1 group x 2 workers x 1 server): {ours['samples_per_s']:9,.0f} samples/s")
     print(f"  Ray Train TorchTrainer (DDP, gloo):        {peer['samples_per_s']:9,.0f} samples/s")
     print(f"  raysinga single process (no Ray):          {local['samples_per_s']:9,.0f} samples/s")
-    print(f"  ratio raysinga / Ray Train:        {ours['samples_per_s'] / peer['samples_per_s']:.2f}x")
-    print(f"  ratio raysinga / single process:   {ours['samples_per_s'] / local['samples_per_s']:.2f}x")
+    print(
+        f"  ratio raysinga / Ray Train:        {ours['samples_per_s'] / peer['samples_per_s']:.2f}x"
+    )
+    print(
+        "  ratio raysinga / single process:   "
+        f"{ours['samples_per_s'] / local['samples_per_s']:.2f}x"
+    )
     print("  raysinga per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()))
     print(f"  framework overhead per step (step - compute): {ms['total'] - ms['compute']:.2f} ms")
 

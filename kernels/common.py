@@ -64,7 +64,8 @@ def conv_out_size(size: int, k: int, stride: int, pad: int) -> int:
     out = (size + 2 * pad - k) // stride + 1
     if out < 1:
         raise ValueError(
-            f"window {k} with stride {stride} and padding {pad} does not fit an input of size {size}"
+            f"window {k} with stride {stride} and padding {pad} does not fit an input of "
+            f"size {size}"
         )
     return out
 
@@ -103,7 +104,8 @@ def check_bn(x, gamma, beta) -> None:
         raise ValueError(f"batch norm wants (N, C) or NCHW input, got shape {x.shape}")
     if gamma.shape != (x.shape[1],) or beta.shape != (x.shape[1],):
         raise ValueError(
-            f"batch norm: gamma {gamma.shape} / beta {beta.shape} do not match {x.shape[1]} channels"
+            f"batch norm: gamma {gamma.shape} / beta {beta.shape} do not match "
+            f"{x.shape[1]} channels"
         )
     check_same_dtype(x=x, gamma=gamma, beta=beta)
 

@@ -71,7 +71,11 @@ def dense_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, act: str) -> np.n
 
 
 def dense_backward(
-    x: np.ndarray, w: np.ndarray, y: np.ndarray, dy: np.ndarray, act: str,
+    x: np.ndarray,
+    w: np.ndarray,
+    y: np.ndarray,
+    dy: np.ndarray,
+    act: str,
     need_dx: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dx, dw, db)`` for ``y = act(x @ w + b)``; ``dx`` is None unless ``need_dx`` (a net's
@@ -116,9 +120,7 @@ def im2col(x: np.ndarray, kh: int, kw: int, stride: int, pad: int) -> np.ndarray
     return win.transpose(0, 2, 3, 1, 4, 5).reshape(n * oh * ow, c * kh * kw)
 
 
-def col2im(
-    cols: np.ndarray, x_shape: tuple, kh: int, kw: int, stride: int, pad: int
-) -> np.ndarray:
+def col2im(cols: np.ndarray, x_shape: tuple, kh: int, kw: int, stride: int, pad: int) -> np.ndarray:
     """The adjoint of :func:`im2col`: overlapping patches are summed back into an NCHW batch."""
     n, c, h, w = x_shape
     oh, ow = conv_out_size(h, kh, stride, pad), conv_out_size(w, kw, stride, pad)
@@ -192,9 +194,7 @@ def _scatter_windows(
     return np.ascontiguousarray(dxp[:, :, pad : pad + h, pad : pad + w])
 
 
-def maxpool_forward(
-    x: np.ndarray, k: int, stride: int, pad: int
-) -> tuple[np.ndarray, np.ndarray]:
+def maxpool_forward(x: np.ndarray, k: int, stride: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
     """``(y, argmax)``; ``argmax`` is the int32 position in the window (first maximum wins)."""
     common.check_pool(x, k, stride, pad)
     win = _windows(x, k, stride, pad, -np.inf)
@@ -304,4 +304,3 @@ def batchnorm_backward(
     k = (gamma * inv_std / m).reshape(bshape)
     dx = k * (m * dy - dbeta.reshape(bshape) - xhat * dgamma.reshape(bshape))
     return dx.astype(x.dtype, copy=False), dgamma, dbeta
-

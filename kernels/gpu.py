@@ -156,7 +156,11 @@ def dense_forward(x: cupy.ndarray, w: cupy.ndarray, b: cupy.ndarray, act: str) -
 
 
 def dense_backward(
-    x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, dy: cupy.ndarray, act: str,
+    x: cupy.ndarray,
+    w: cupy.ndarray,
+    y: cupy.ndarray,
+    dy: cupy.ndarray,
+    act: str,
     need_dx: bool = True,
 ) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
     """``(dx, dw, db)`` for ``y = act(x @ w + b)``; ``dx`` is None unless ``need_dx`` (a net's

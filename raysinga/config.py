@@ -64,7 +64,9 @@ DATA_KEYS = {"source", "batch_size", "shuffle", "eval_batch_size"}
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: dict[str, Any]  # a data set spec (raysinga.data.load_dataset); "test" is its held-out split
+    source: dict[
+        str, Any
+    ]  # a data set spec (raysinga.data.load_dataset); "test" is its held-out split
     batch_size: int = 64
     shuffle: bool = True
     eval_batch_size: int = 1024
@@ -160,13 +162,16 @@ def from_dict(d: Any) -> JobConfig:
         try:
             topology = Topology.from_dict(_mapping("topology", d["topology"]))
         except (TopologyError, TypeError) as e:
-            raise ConfigError(str(e) if str(e).startswith("topology") else f"topology: {e}") \
-                from None
+            raise ConfigError(
+                str(e) if str(e).startswith("topology") else f"topology: {e}"
+            ) from None
     data = _data(d["data"])
     if topology is not None and data.batch_size < topology.workers_per_group:
-        raise ConfigError(f"data.batch_size: {data.batch_size} is smaller than "
-                          f"topology.workers_per_group ({topology.workers_per_group}): every "
-                          "worker needs at least one sample")
+        raise ConfigError(
+            f"data.batch_size: {data.batch_size} is smaller than "
+            f"topology.workers_per_group ({topology.workers_per_group}): every "
+            "worker needs at least one sample"
+        )
     return JobConfig(
         model=model,
         data=data,

@@ -22,7 +22,6 @@ from .actors.errors import get_all
 from .actors.server import ParamServer
 from .actors.slicing import plan_slices
 from .actors.stub import Stub
-from .actors.topology import Topology
 from .actors.worker import Worker
 from .config import JobConfig
 from .data import load_dataset
@@ -35,8 +34,13 @@ ROLE_CLASSES = {"server": ParamServer, "worker": Worker, "stub": Stub}
 class DistributedTrainer:
     """Runs a :class:`JobConfig` on a Ray cluster with the config's topology."""
 
-    def __init__(self, cfg: JobConfig, log: Callable[[str], None] = print,
-                 classes: dict[str, type] | None = None, address: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        log: Callable[[str], None] = print,
+        classes: dict[str, type] | None = None,
+        address: str | None = None,
+    ) -> None:
         self.cfg, self.log, self.address = cfg, log, address
         self.topo = cfg.topology
         self.classes = {**ROLE_CLASSES, **(classes or {})}
@@ -45,11 +49,14 @@ class DistributedTrainer:
         _check_fits(self.net, train)
         self.n_train = len(train)
         if cfg.data.batch_size < self.topo.workers_per_group:
-            raise ValueError(f"data.batch_size {cfg.data.batch_size} is smaller than "
-                             f"topology.workers_per_group {self.topo.workers_per_group}")
+            raise ValueError(
+                f"data.batch_size {cfg.data.batch_size} is smaller than "
+                f"topology.workers_per_group {self.topo.workers_per_group}"
+            )
         self.shapes = self.net.param_shapes()
-        self.slices = plan_slices(self.shapes, self.net.dtype.itemsize, self.topo.n_servers,
-                                  self.topo.slice_bytes)
+        self.slices = plan_slices(
+            self.shapes, self.net.dtype.itemsize, self.topo.n_servers, self.topo.slice_bytes
+        )
         self.run_dir = Path(cfg.run_dir or Path("runs") / cfg.name)
         self.servers: list[Any] = []
         self.workers: list[list[Any]] = []
@@ -66,27 +73,74 @@ class DistributedTrainer:
         model, dtype = cfg.model.to_dict(), cfg.dtype
         updater = {k: v for k, v in cfg.updater.items() if k != "clip_norm"}
         self.servers = [
-            cluster.spawn(self.classes["server"], p, p.servers[k], topo.server,
-                          k, model, dtype, cfg.seed, self.slices, updater, tag)
-            for k in range(topo.n_servers)]
+            cluster.spawn(
+                self.classes["server"],
+                p,
+                p.servers[k],
+                topo.server,
+                k,
+                model,
+                dtype,
+                cfg.seed,
+                self.slices,
+                updater,
+                tag,
+            )
+            for k in range(topo.n_servers)
+        ]
         self.workers = [
-            [cluster.spawn(self.classes["worker"], p, p.workers[g][i], topo.worker,
-                           i, g, model, dtype, cfg.seed, cfg.data.source, cfg.data.batch_size,
-                           cfg.data.shuffle, self.slices, topo.n_servers, topo.n_groups, tag)
-             for i in range(topo.workers_per_group)]
-            for g in range(topo.n_groups)]
+            [
+                cluster.spawn(
+                    self.classes["worker"],
+                    p,
+                    p.workers[g][i],
+                    topo.worker,
+                    i,
+                    g,
+                    model,
+                    dtype,
+                    cfg.seed,
+                    cfg.data.source,
+                    cfg.data.batch_size,
+                    cfg.data.shuffle,
+                    self.slices,
+                    topo.n_servers,
+                    topo.n_groups,
+                    tag,
+                )
+                for i in range(topo.workers_per_group)
+            ]
+            for g in range(topo.n_groups)
+        ]
         server_infos = self._get([s.describe.remote() for s in self.servers], "server")
-        worker_infos = [self._get([w.describe.remote() for w in row], "worker", g)
-                        for g, row in enumerate(self.workers)]
+        worker_infos = [
+            self._get([w.describe.remote() for w in row], "worker", g)
+            for g, row in enumerate(self.workers)
+        ]
         worker_nodes = {w["node"] for row in worker_infos for w in row}
         for k, (s, info) in enumerate(zip(self.servers, server_infos, strict=True)):
             remote = bool(worker_nodes - {info["node"]})
             info["ref"] = self._get([s.set_remote_readers.remote(remote)], "server", k)[0]
         self.stubs = [
-            cluster.spawn(self.classes["stub"], p, p.stubs[g], topo.stub,
-                          g, self.workers[g], self.servers, worker_infos[g], server_infos,
-                          self.shapes, self.slices, dtype, cfg.clip_norm, topo.n_groups, tag)
-            for g in range(topo.n_groups)]
+            cluster.spawn(
+                self.classes["stub"],
+                p,
+                p.stubs[g],
+                topo.stub,
+                g,
+                self.workers[g],
+                self.servers,
+                worker_infos[g],
+                server_infos,
+                self.shapes,
+                self.slices,
+                dtype,
+                cfg.clip_norm,
+                topo.n_groups,
+                tag,
+            )
+            for g in range(topo.n_groups)
+        ]
         self._get([s.describe.remote() for s in self.stubs], "stub")
 
     def shutdown(self) -> None:
@@ -136,9 +190,11 @@ class DistributedTrainer:
         metrics = (self.run_dir / "metrics.jsonl").open("w")
         window: list[dict[str, float]] = []
         t_window = time.perf_counter()
-        self.log(f"raysinga: training {cfg.name!r} on Ray: {topo.preset}, {topo.n_servers} "
-                 f"server(s), {G} group(s) x {topo.workers_per_group} worker(s), "
-                 f"{len(self.slices)} slices, {total} steps per group, batch {cfg.data.batch_size}")
+        self.log(
+            f"raysinga: training {cfg.name!r} on Ray: {topo.preset}, {topo.n_servers} "
+            f"server(s), {G} group(s) x {topo.workers_per_group} worker(s), "
+            f"{len(self.slices)} slices, {total} steps per group, batch {cfg.data.batch_size}"
+        )
 
         def record(rec: dict[str, Any]) -> None:
             result.history.append(rec)
@@ -168,8 +224,9 @@ class DistributedTrainer:
                     self.log(_format(rec, total))
                     window, t_window = [], time.perf_counter()
                 if g == 0 and ((cfg.test_freq and e % cfg.test_freq == 0) or e == total):
-                    ev = self._get([self.stubs[0].evaluate.remote(cfg.data.eval_batch_size)],
-                                   "stub", 0)[0]
+                    ev = self._get(
+                        [self.stubs[0].evaluate.remote(cfg.data.eval_batch_size)], "stub", 0
+                    )[0]
                     if ev:
                         rec = {"kind": "eval", "step": e, **ev}
                         record(rec)
@@ -183,22 +240,39 @@ class DistributedTrainer:
 
     def _train_record(self, step: int, window: list[dict[str, float]], dt: float) -> dict:
         n = max(len(window), 1)
-        mean = {k: sum(r[k] for r in window) / n
-                for k in ("loss", "fetch", "compute", "gather", "dispatch", "collect", "average",
-                          "update", "server", "total")}
+        mean = {
+            k: sum(r[k] for r in window) / n
+            for k in (
+                "loss",
+                "fetch",
+                "compute",
+                "gather",
+                "dispatch",
+                "collect",
+                "average",
+                "update",
+                "server",
+                "total",
+            )
+        }
         plan_steps = max(self.n_train // self.cfg.data.batch_size, 1)
-        return {"kind": "train", "step": step,
-                "epoch": ((step - 1) * self.topo.n_groups) // plan_steps,
-                "loss": mean["loss"], "lr": self._lr(step - 1),
-                "samples_per_s": len(window) * self.cfg.data.batch_size / max(dt, 1e-9),
-                "ms": {k: round(v * 1e3, 3) for k, v in mean.items() if k != "loss"}}
+        return {
+            "kind": "train",
+            "step": step,
+            "epoch": ((step - 1) * self.topo.n_groups) // plan_steps,
+            "loss": mean["loss"],
+            "lr": self._lr(step - 1),
+            "samples_per_s": len(window) * self.cfg.data.batch_size / max(dt, 1e-9),
+            "ms": {k: round(v * 1e3, 3) for k, v in mean.items() if k != "loss"},
+        }
 
     def _lr(self, step: int) -> float:
         from .optim import make_optimizer  # noqa: PLC0415
 
         if not hasattr(self, "_opt"):
-            self._opt = make_optimizer({k: v for k, v in self.cfg.updater.items()
-                                        if k != "clip_norm"})
+            self._opt = make_optimizer(
+                {k: v for k, v in self.cfg.updater.items() if k != "clip_norm"}
+            )
         return self._opt.lr(step)
 
     def gather_params(self) -> dict[str, np.ndarray]:

@@ -341,7 +341,18 @@ class BatchNorm(Layer):
 
 LAYERS: dict[str, type[Layer]] = {
     cls.kind: cls
-    for cls in (Dense, Conv2D, MaxPool2D, AvgPool2D, ReLU, Sigmoid, Tanh, Flatten, Dropout, BatchNorm)
+    for cls in (
+        Dense,
+        Conv2D,
+        MaxPool2D,
+        AvgPool2D,
+        ReLU,
+        Sigmoid,
+        Tanh,
+        Flatten,
+        Dropout,
+        BatchNorm,
+    )
 }
 
 

@@ -1,4 +1,4 @@
-"""Losses: each returns ``(loss, d_loss/d_output)`` with the loss summed and divided by ``denom``."""
+"""Losses: each returns ``(loss, d_loss/d_output)``, the loss summed and divided by ``denom``."""
 
 from __future__ import annotations
 

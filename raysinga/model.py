@@ -44,15 +44,21 @@ class ModelSpec:
             raise ValueError(f"model: expected a mapping, got {type(d).__name__}")
         unknown = set(d) - {"input_shape", "layers", "loss"}
         if unknown:
-            raise ValueError(f"model: unknown key(s) {sorted(unknown)}; allowed: input_shape, "
-                             "layers, loss")
+            raise ValueError(
+                f"model: unknown key(s) {sorted(unknown)}; allowed: input_shape, layers, loss"
+            )
         for key in ("input_shape", "layers"):
             if key not in d:
                 raise ValueError(f"model.{key}: missing")
         shape = d["input_shape"]
-        if (not isinstance(shape, (list, tuple)) or not shape
-                or not all(isinstance(v, int) and v > 0 for v in shape)):
-            raise ValueError(f"model.input_shape: expected a list of positive integers, got {shape!r}")
+        if (
+            not isinstance(shape, (list, tuple))
+            or not shape
+            or not all(isinstance(v, int) and v > 0 for v in shape)
+        ):
+            raise ValueError(
+                f"model.input_shape: expected a list of positive integers, got {shape!r}"
+            )
         if not isinstance(d["layers"], list) or not d["layers"]:
             raise ValueError("model.layers: expected a non-empty list of layers")
         layers = []

@@ -63,7 +63,8 @@ class Trainer:
         self.net = Net(cfg.model, dtype=cfg.dtype)
         self.train_data = load_dataset(cfg.data.source, split="train")
         self.test_data = (
-            load_dataset(cfg.data.source, split="test") if has_split(cfg.data.source, "test")
+            load_dataset(cfg.data.source, split="test")
+            if has_split(cfg.data.source, "test")
             else None
         )
         _check_fits(self.net, self.train_data)
@@ -110,9 +111,14 @@ class Trainer:
                 done = step + 1
                 if done % cfg.disp_freq == 0 or done == cfg.train_steps:
                     dt = time.perf_counter() - t0
-                    rec = {"kind": "train", "step": done, "epoch": epoch,
-                           "loss": window_loss / window_steps, "lr": lr,
-                           "samples_per_s": window_steps * cfg.data.batch_size / max(dt, 1e-9)}
+                    rec = {
+                        "kind": "train",
+                        "step": done,
+                        "epoch": epoch,
+                        "loss": window_loss / window_steps,
+                        "lr": lr,
+                        "samples_per_s": window_steps * cfg.data.batch_size / max(dt, 1e-9),
+                    }
                     if grad_norm is not None:
                         rec["grad_norm"] = grad_norm
                     record(rec)
@@ -120,9 +126,19 @@ class Trainer:
                     window_loss, window_steps, t0 = 0.0, 0, time.perf_counter()
                 at_test = (cfg.test_freq and done % cfg.test_freq == 0) or done == cfg.train_steps
                 if at_test and self.test_data is not None:
-                    rec = {"kind": "eval", "step": done, **evaluate(
-                        self.net, params, state, self.test_data, cfg.data.eval_batch_size, xp,
-                        dtype)}
+                    rec = {
+                        "kind": "eval",
+                        "step": done,
+                        **evaluate(
+                            self.net,
+                            params,
+                            state,
+                            self.test_data,
+                            cfg.data.eval_batch_size,
+                            xp,
+                            dtype,
+                        ),
+                    }
                     record(rec)
                     self.log(_format(rec, cfg.train_steps))
                     t0 = time.perf_counter()  # evaluation time is not training throughput
@@ -135,8 +151,9 @@ def _resolve_device(want: str) -> str:
     if want == "auto":
         return K.device()
     if want == "gpu" and not K.gpu_available():
-        raise RuntimeError(f"device: gpu requested but no GPU is usable: "
-                           f"{K.gpu_unavailable_reason()}")
+        raise RuntimeError(
+            f"device: gpu requested but no GPU is usable: {K.gpu_unavailable_reason()}"
+        )
     return want
 
 
@@ -160,5 +177,7 @@ def _format(rec: dict[str, Any], total: int) -> str:
     if rec["kind"] == "eval":
         acc = f"  test_accuracy {rec['test_accuracy']:.4f}" if "test_accuracy" in rec else ""
         return f"{head}  test_loss {rec['test_loss']:.4f}{acc}"
-    return (f"{head}  epoch {rec['epoch']}  loss {rec['loss']:.4f}  lr {rec['lr']:.4g}  "
-            f"{rec['samples_per_s']:,.0f} samples/s")
+    return (
+        f"{head}  epoch {rec['epoch']}  loss {rec['loss']:.4f}  lr {rec['lr']:.4g}  "
+        f"{rec['samples_per_s']:,.0f} samples/s"
+    )

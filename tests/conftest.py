@@ -21,8 +21,11 @@ def _ray_stop_last(items):
     """Multi-node tests replace the session's embedded Ray with a ``Cluster``, and ``ray_stop``
     tests end every Ray on the machine: run them after everything else, in that order, so the
     embedded Ray starts once."""
-    items.sort(key=lambda item: 2 if "ray_stop" in item.keywords else
-               1 if "cluster" in item.keywords else 0)
+    items.sort(
+        key=lambda item: (
+            2 if "ray_stop" in item.keywords else 1 if "cluster" in item.keywords else 0
+        )
+    )
 
 
 @pytest.fixture

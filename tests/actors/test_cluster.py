@@ -15,9 +15,16 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def job(tmp_path, topology):
-    return config.load(EXAMPLES / "digits_mlp.yaml", [
-        "train_steps=30", "disp_freq=15", "test_freq=0", f"run_dir={tmp_path}",
-        f"topology={topology}"])
+    return config.load(
+        EXAMPLES / "digits_mlp.yaml",
+        [
+            "train_steps=30",
+            "disp_freq=15",
+            "test_freq=0",
+            f"run_dir={tmp_path}",
+            f"topology={topology}",
+        ],
+    )
 
 
 @pytest.mark.cluster
@@ -34,9 +41,10 @@ def test_a_group_split_over_two_nodes_matches_the_reference(two_node_cluster, tm
 
 @pytest.mark.cluster
 def test_downpour_groups_on_different_nodes_train(two_node_cluster, tmp_path):
-    topo = ("{preset: downpour, n_groups: 2, workers_per_group: 1, staleness: 2, "
-            "worker: {cpus: 2}}")
-    cfg = config.load(EXAMPLES / "digits_mlp.yaml", [
-        "train_steps=300", "disp_freq=100", f"run_dir={tmp_path}", f"topology={topo}"])
+    topo = "{preset: downpour, n_groups: 2, workers_per_group: 1, staleness: 2, worker: {cpus: 2}}"
+    cfg = config.load(
+        EXAMPLES / "digits_mlp.yaml",
+        ["train_steps=300", "disp_freq=100", f"run_dir={tmp_path}", f"topology={topo}"],
+    )
     result = DistributedTrainer(cfg, log=lambda s: None).fit()
     assert result.final_eval["test_accuracy"] >= 0.9

@@ -7,23 +7,32 @@ import pytest
 from raysinga.actors.slicing import plan_slices, server_loads
 from raysinga.actors.topology import Topology, TopologyError
 
-MLP = {"fc1/W": (784, 1024), "fc1/b": (1024,), "fc2/W": (1024, 1024), "fc2/b": (1024,),
-       "out/W": (1024, 10), "out/b": (10,)}
+MLP = {
+    "fc1/W": (784, 1024),
+    "fc1/b": (1024,),
+    "fc2/W": (1024, 1024),
+    "fc2/b": (1024,),
+    "out/W": (1024, 10),
+    "out/b": (10,),
+}
 
 
-@pytest.mark.parametrize("d,match", [
-    ({"n_servers": 0}, r"topology.n_servers: expected an integer >= 1, got 0"),
-    ({"workers_per_group": -2}, r"topology.workers_per_group"),
-    ({"n_groups": 2.5}, r"topology.n_groups"),
-    ({"preset": "ring"}, r"topology.preset: expected one of sandblaster, downpour"),
-    ({"preset": "sandblaster", "n_groups": 2}, r"sandblaster preset has exactly one group"),
-    ({"preset": "hogwild", "n_groups": 2, "workers_per_group": 2}, r"one worker per group"),
-    ({"preset": "allreduce", "workers_per_group": 2, "n_servers": 1}, r"must equal"),
-    ({"staleness": -1}, r"topology.staleness"),
-    ({"worker": {"cpus": 0}}, r"topology.worker: a worker must reserve"),
-    ({"worker": {"cores": 1}}, r"topology.worker: expected a mapping of cpus"),
-    ({"servers": 2}, r"topology: unknown key\(s\) \['servers'\]"),
-])
+@pytest.mark.parametrize(
+    "d,match",
+    [
+        ({"n_servers": 0}, r"topology.n_servers: expected an integer >= 1, got 0"),
+        ({"workers_per_group": -2}, r"topology.workers_per_group"),
+        ({"n_groups": 2.5}, r"topology.n_groups"),
+        ({"preset": "ring"}, r"topology.preset: expected one of sandblaster, downpour"),
+        ({"preset": "sandblaster", "n_groups": 2}, r"sandblaster preset has exactly one group"),
+        ({"preset": "hogwild", "n_groups": 2, "workers_per_group": 2}, r"one worker per group"),
+        ({"preset": "allreduce", "workers_per_group": 2, "n_servers": 1}, r"must equal"),
+        ({"staleness": -1}, r"topology.staleness"),
+        ({"worker": {"cpus": 0}}, r"topology.worker: a worker must reserve"),
+        ({"worker": {"cores": 1}}, r"topology.worker: expected a mapping of cpus"),
+        ({"servers": 2}, r"topology: unknown key\(s\) \['servers'\]"),
+    ],
+)
 def test_impossible_topologies_are_refused_with_the_key(d, match):
     with pytest.raises(TopologyError, match=match):
         Topology.from_dict(d)
@@ -32,8 +41,9 @@ def test_impossible_topologies_are_refused_with_the_key(d, match):
 def test_presets_and_totals():
     t = Topology.from_dict({"preset": "allreduce", "workers_per_group": 3})
     assert t.n_servers == 3 and t.synchronous
-    d = Topology.from_dict({"preset": "downpour", "n_groups": 2, "workers_per_group": 2,
-                            "server": {"cpus": 1}})
+    d = Topology.from_dict(
+        {"preset": "downpour", "n_groups": 2, "workers_per_group": 2, "server": {"cpus": 1}}
+    )
     assert d.n_workers == 4 and not d.synchronous
     assert d.total() == {"CPU": 5.0}
 
@@ -44,7 +54,7 @@ def test_slices_cover_every_parameter_once_and_balance_bytes(m):
     for name, shape in MLP.items():
         pieces = sorted((s for s in slices if s.param == name), key=lambda s: s.start)
         assert pieces[0].start == 0 and pieces[-1].stop == __import__("math").prod(shape)
-        assert all(a.stop == b.start for a, b in zip(pieces, pieces[1:]))
+        assert all(a.stop == b.start for a, b in zip(pieces, pieces[1:], strict=False))
         assert len({s.server for s in pieces}) == len(pieces)  # one piece per server
     loads = server_loads(slices, 4, m)
     assert max(loads) <= 1.05 * sum(loads) / m + 4 * 1024 * 10

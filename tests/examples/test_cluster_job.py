@@ -21,8 +21,14 @@ def free_port() -> int:
 
 
 def ray_cli(*args: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "ray"), *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [str(BIN / "ray"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.slow
@@ -34,15 +40,34 @@ def test_ray_job_submit_of_the_example_succeeds_and_logs_the_accuracy():
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
     port, dash = free_port(), free_port()
-    start = ray_cli("start", "--head", f"--port={port}", f"--dashboard-port={dash}",
-                    "--num-cpus=2", "--disable-usage-stats", env=env, timeout=180)
+    start = ray_cli(
+        "start",
+        "--head",
+        f"--port={port}",
+        f"--dashboard-port={dash}",
+        "--num-cpus=2",
+        "--disable-usage-stats",
+        env=env,
+        timeout=180,
+    )
     assert start.returncode == 0, start.stderr
     try:
         submit = ray_cli(
-            "job", "submit", f"--address=http://127.0.0.1:{dash}", "--working-dir", ".", "--",
-            "python", "examples/cluster_digits.py", "--set", "train_steps=300",
-            "--set", "disp_freq=100",
-            env={**env, "RAY_AUTH_MODE": "token"}, timeout=600)
+            "job",
+            "submit",
+            f"--address=http://127.0.0.1:{dash}",
+            "--working-dir",
+            ".",
+            "--",
+            "python",
+            "examples/cluster_digits.py",
+            "--set",
+            "train_steps=300",
+            "--set",
+            "disp_freq=100",
+            env={**env, "RAY_AUTH_MODE": "token"},
+            timeout=600,
+        )
         log = submit.stdout + submit.stderr
         assert submit.returncode == 0, log
         assert "succeeded" in log

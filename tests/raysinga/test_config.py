@@ -31,26 +31,29 @@ def test_every_example_job_file_loads(name):
     assert cfg.train_steps > 0 and cfg.model.layers
 
 
-@pytest.mark.parametrize("path,value,match", [
-    ("train_steps", -5, r"^train_steps: expected an integer >= 1, got -5"),
-    ("train_steps", "ten", r"^train_steps: expected an integer"),
-    ("train_steps", None, r"^train_steps: missing"),
-    ("model", None, r"^model: missing"),
-    ("seed", 1.5, r"^seed: expected an integer >= 0"),
-    ("dtype", "float16", r"^dtype: expected one of float32, float64"),
-    ("device", "tpu", r"^device: expected one of auto, cpu, gpu"),
-    ("data.batch_size", 0, r"^data.batch_size: expected an integer >= 1"),
-    ("data.shuffle", "yes", r"^data.shuffle: expected true or false"),
-    ("data.bacth_size", 3, r"^data: unknown key\(s\) \['bacth_size'\]"),
-    ("data.source", None, r"^data.source: missing"),
-    ("data", [1, 2], r"^data: expected a mapping"),
-    ("updater.name", "lbfgs", r"^updater: .*lbfgs"),
-    ("updater.momentum", -1, r"^updater: .*momentum"),
-    ("updater.clip_norm", 0, r"^updater.clip_norm: expected a positive number"),
-    ("model.layers", [], r"^model.layers: expected a non-empty list"),
-    ("model.input_shape", [-1], r"^model.input_shape"),
-    ("tain_steps", 3, r"^tain_steps: unknown key"),
-])
+@pytest.mark.parametrize(
+    "path,value,match",
+    [
+        ("train_steps", -5, r"^train_steps: expected an integer >= 1, got -5"),
+        ("train_steps", "ten", r"^train_steps: expected an integer"),
+        ("train_steps", None, r"^train_steps: missing"),
+        ("model", None, r"^model: missing"),
+        ("seed", 1.5, r"^seed: expected an integer >= 0"),
+        ("dtype", "float16", r"^dtype: expected one of float32, float64"),
+        ("device", "tpu", r"^device: expected one of auto, cpu, gpu"),
+        ("data.batch_size", 0, r"^data.batch_size: expected an integer >= 1"),
+        ("data.shuffle", "yes", r"^data.shuffle: expected true or false"),
+        ("data.bacth_size", 3, r"^data: unknown key\(s\) \['bacth_size'\]"),
+        ("data.source", None, r"^data.source: missing"),
+        ("data", [1, 2], r"^data: expected a mapping"),
+        ("updater.name", "lbfgs", r"^updater: .*lbfgs"),
+        ("updater.momentum", -1, r"^updater: .*momentum"),
+        ("updater.clip_norm", 0, r"^updater.clip_norm: expected a positive number"),
+        ("model.layers", [], r"^model.layers: expected a non-empty list"),
+        ("model.input_shape", [-1], r"^model.input_shape"),
+        ("tain_steps", 3, r"^tain_steps: unknown key"),
+    ],
+)
 def test_malformed_values_name_the_key_path(path, value, match):
     with pytest.raises(config.ConfigError, match=match):
         config.from_dict(with_(path, value))

@@ -24,9 +24,17 @@ QUIET = {"log": lambda line: None}
 
 
 def job(tmp_path, topology: str, *more: str):
-    return config.load(EXAMPLES / "digits_mlp.yaml", [
-        "train_steps=50", "disp_freq=25", "test_freq=0", f"run_dir={tmp_path}",
-        f"topology={topology}", *more])
+    return config.load(
+        EXAMPLES / "digits_mlp.yaml",
+        [
+            "train_steps=50",
+            "disp_freq=25",
+            "test_freq=0",
+            f"run_dir={tmp_path}",
+            f"topology={topology}",
+            *more,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +50,12 @@ def relative_error(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("workers", [1, 2, 4])
 @pytest.mark.parametrize("servers", [1, 3])
 def test_sandblaster_matches_the_single_process_reference(
-        ray_session, reference, tmp_path, workers, servers):
+    ray_session, reference, tmp_path, workers, servers
+):
     # slice_bytes small enough that the larger weights are cut over the servers.
-    cfg = job(tmp_path, f"{{workers_per_group: {workers}, n_servers: {servers}, "
-                        "slice_bytes: 8192}")
+    cfg = job(
+        tmp_path, f"{{workers_per_group: {workers}, n_servers: {servers}, slice_bytes: 8192}}"
+    )
     params = DistributedTrainer(cfg, **QUIET).fit().params
     assert relative_error(params, reference) <= 1e-5
 
@@ -53,8 +63,10 @@ def test_sandblaster_matches_the_single_process_reference(
 def test_two_runs_of_one_topology_are_bit_identical(ray_session, tmp_path):
     topo = "{workers_per_group: 2, n_servers: 3, slice_bytes: 8192}"
     # Dropout makes the check stronger: its masks must not depend on the worker either.
-    extra = ("model.layers=[{kind: dense, name: fc1, units: 64, activation: relu}, "
-             "{kind: dropout, name: drop, rate: 0.3}, {kind: dense, name: out, units: 10}]")
+    extra = (
+        "model.layers=[{kind: dense, name: fc1, units: 64, activation: relu}, "
+        "{kind: dropout, name: drop, rate: 0.3}, {kind: dense, name: out, units: 10}]"
+    )
     a = DistributedTrainer(job(tmp_path / "a", topo, extra), **QUIET).fit().params
     b = DistributedTrainer(job(tmp_path / "b", topo, extra), **QUIET).fit().params
     for k in a:
@@ -62,21 +74,29 @@ def test_two_runs_of_one_topology_are_bit_identical(ray_session, tmp_path):
 
 
 def test_downpour_with_two_groups_reaches_95_percent(ray_session, tmp_path):
-    cfg = config.load(EXAMPLES / "digits_mlp.yaml", [
-        f"run_dir={tmp_path}", "train_steps=800", "disp_freq=200",
-        "topology={preset: downpour, n_groups: 2, workers_per_group: 1, staleness: 4}"])
+    cfg = config.load(
+        EXAMPLES / "digits_mlp.yaml",
+        [
+            f"run_dir={tmp_path}",
+            "train_steps=800",
+            "disp_freq=200",
+            "topology={preset: downpour, n_groups: 2, workers_per_group: 1, staleness: 4}",
+        ],
+    )
     result = DistributedTrainer(cfg, **QUIET).fit()
     assert result.final_eval["test_accuracy"] >= 0.95
 
 
 def test_a_topology_larger_than_the_cluster_fails_fast_naming_what_is_missing(
-        ray_session, tmp_path):
+    ray_session, tmp_path
+):
     t0 = time.monotonic()
     with pytest.raises(ResourceError, match=r"CPU: needs 12, cluster has 8"):
         DistributedTrainer(job(tmp_path, "{workers_per_group: 12}"), **QUIET).fit()
     with pytest.raises(ResourceError, match=r"GPU: needs 2, cluster has 0"):
-        DistributedTrainer(job(tmp_path, "{workers_per_group: 2, worker: {cpus: 1, gpus: 1}}"),
-                           **QUIET).fit()
+        DistributedTrainer(
+            job(tmp_path, "{workers_per_group: 2, worker: {cpus: 1, gpus: 1}}"), **QUIET
+        ).fit()
     assert time.monotonic() - t0 < 10
 
 
@@ -104,9 +124,11 @@ class BrokenServer(ParamServer):
 
 
 def test_an_exception_in_a_worker_reaches_the_driver_with_role_index_and_traceback(
-        ray_session, tmp_path):
-    trainer = DistributedTrainer(job(tmp_path, "{workers_per_group: 2}"),
-                                 classes={"worker": BrokenWorker}, **QUIET)
+    ray_session, tmp_path
+):
+    trainer = DistributedTrainer(
+        job(tmp_path, "{workers_per_group: 2}"), classes={"worker": BrokenWorker}, **QUIET
+    )
     with pytest.raises(RoleError) as info:
         trainer.fit()
     e = info.value
@@ -117,8 +139,11 @@ def test_an_exception_in_a_worker_reaches_the_driver_with_role_index_and_traceba
 
 
 def test_an_exception_in_a_server_names_the_server(ray_session, tmp_path):
-    trainer = DistributedTrainer(job(tmp_path, "{n_servers: 3, slice_bytes: 8192}"),
-                                 classes={"server": BrokenServer}, **QUIET)
+    trainer = DistributedTrainer(
+        job(tmp_path, "{n_servers: 3, slice_bytes: 8192}"),
+        classes={"server": BrokenServer},
+        **QUIET,
+    )
     with pytest.raises(RoleError, match=r"^server 2 failed: OSError: disk on fire"):
         trainer.fit()
 

@@ -24,12 +24,24 @@ MLP = {
 CNN = {
     "input_shape": [1, 12, 12],
     "layers": [
-        {"kind": "conv2d", "name": "conv1", "filters": 6, "kernel": 3, "padding": 1,
-         "activation": "relu"},
+        {
+            "kind": "conv2d",
+            "name": "conv1",
+            "filters": 6,
+            "kernel": 3,
+            "padding": 1,
+            "activation": "relu",
+        },
         {"kind": "batchnorm", "name": "bn1"},
         {"kind": "maxpool", "name": "pool1", "kernel": 2},
-        {"kind": "conv2d", "name": "conv2", "filters": 5, "kernel": 3, "stride": 2,
-         "activation": "tanh"},
+        {
+            "kind": "conv2d",
+            "name": "conv2",
+            "filters": 5,
+            "kernel": 3,
+            "stride": 2,
+            "activation": "tanh",
+        },
         {"kind": "avgpool", "name": "pool2", "kernel": 2, "stride": 1},
         {"kind": "flatten", "name": "flat"},
         {"kind": "dropout", "name": "drop", "rate": 0.3},
@@ -47,8 +59,13 @@ def torch_forward(net: Net, params: dict, x, ctx: StepContext, masks: dict):
         if ly.kind == "dense":
             x = ACTS[o["activation"]](x @ params[f"{ly.name}/W"] + params[f"{ly.name}/b"])
         elif ly.kind == "conv2d":
-            z = F.conv2d(x, params[f"{ly.name}/W"], params[f"{ly.name}/b"], stride=o["stride"],
-                         padding=o["padding"])
+            z = F.conv2d(
+                x,
+                params[f"{ly.name}/W"],
+                params[f"{ly.name}/b"],
+                stride=o["stride"],
+                padding=o["padding"],
+            )
             x = ACTS[o["activation"]](z)
         elif ly.kind == "maxpool":
             x = F.max_pool2d(x, o["kernel"], o["stride"], o["padding"])
@@ -59,8 +76,15 @@ def torch_forward(net: Net, params: dict, x, ctx: StepContext, masks: dict):
         elif ly.kind == "dropout":
             x = x * masks[ly.name]
         elif ly.kind == "batchnorm":
-            x = F.batch_norm(x, None, None, params[f"{ly.name}/gamma"], params[f"{ly.name}/beta"],
-                             training=True, eps=o["eps"])
+            x = F.batch_norm(
+                x,
+                None,
+                None,
+                params[f"{ly.name}/gamma"],
+                params[f"{ly.name}/beta"],
+                training=True,
+                eps=o["eps"],
+            )
         else:
             raise AssertionError(ly.kind)
     return x
@@ -79,8 +103,9 @@ def test_gradients_match_pytorch_float32(spec_dict, batch):
 
     masks = {ly.name: torch.from_numpy(ly._cache[0]) for ly in net.layers if ly.kind == "dropout"}
     tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
-    tloss = F.cross_entropy(torch_forward(net, tp, torch.from_numpy(x), ctx, masks),
-                            torch.from_numpy(y))
+    tloss = F.cross_entropy(
+        torch_forward(net, tp, torch.from_numpy(x), ctx, masks), torch.from_numpy(y)
+    )
     tloss.backward()
     np.testing.assert_allclose(loss, tloss.item(), rtol=1e-5)
     for k, t in tp.items():
@@ -90,8 +115,9 @@ def test_gradients_match_pytorch_float32(spec_dict, batch):
 
 
 def test_batchnorm_running_statistics_match_pytorch():
-    spec = ModelSpec.from_dict({"input_shape": [3, 4, 4], "layers": [
-        {"kind": "batchnorm", "name": "bn", "momentum": 0.2}]})
+    spec = ModelSpec.from_dict(
+        {"input_shape": [3, 4, 4], "layers": [{"kind": "batchnorm", "name": "bn", "momentum": 0.2}]}
+    )
     net = Net(spec, dtype="float64")
     params, state = net.init_params(0), net.init_state()
     bn = torch.nn.BatchNorm2d(3, momentum=0.2).double()
@@ -106,13 +132,24 @@ def test_batchnorm_running_statistics_match_pytorch():
     bn.eval()
     np.testing.assert_allclose(
         net.forward(params, state, x, StepContext(train=False)),
-        bn(torch.from_numpy(x)).detach().numpy(), rtol=1e-10, atol=1e-12)
+        bn(torch.from_numpy(x)).detach().numpy(),
+        rtol=1e-10,
+        atol=1e-12,
+    )
 
 
 def test_parameter_names_and_initialisation_are_stable():
     net = Net(ModelSpec.from_dict(CNN))
     assert list(net.param_shapes()) == [
-        "conv1/W", "conv1/b", "bn1/gamma", "bn1/beta", "conv2/W", "conv2/b", "out/W", "out/b"]
+        "conv1/W",
+        "conv1/b",
+        "bn1/gamma",
+        "bn1/beta",
+        "conv2/W",
+        "conv2/b",
+        "out/W",
+        "out/b",
+    ]
     assert net.param_shapes()["out/W"] == (5 * 1 * 1, 7)  # 12 -> 12 -> 6 -> 2 -> 1
     assert list(net.state_shapes()) == ["bn1/running_mean", "bn1/running_var"]
     a, b = net.init_params(3), Net(ModelSpec.from_dict(CNN)).init_params(3)
@@ -132,19 +169,36 @@ def test_spec_round_trip_and_digest():
     assert ModelSpec.from_dict(changed).digest() != spec.digest()
 
 
-@pytest.mark.parametrize("bad,match", [
-    ({"layers": []}, r"model.input_shape: missing"),
-    ({"input_shape": [0], "layers": [{"kind": "relu", "name": "r"}]}, r"input_shape"),
-    ({"input_shape": [4], "layers": [{"kind": "softmax", "name": "s"}]},
-     r"model.layers\[0\].kind: unknown layer kind 'softmax'"),
-    ({"input_shape": [4], "layers": [{"kind": "relu", "name": "a"}, {"kind": "relu", "name": "a"}]},
-     r"model.layers\[1\].name"),
-    ({"input_shape": [4], "layers": [{"kind": "relu", "name": "a/b"}]}, r"model.layers\[0\].name"),
-    ({"input_shape": [4], "layers": [{"kind": "relu", "name": "a"}], "optimizer": {}},
-     r"unknown key"),
-    ({"input_shape": [4], "layers": [{"kind": "relu", "name": "a"}], "loss": "hinge"},
-     r"unknown loss 'hinge'"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ({"layers": []}, r"model.input_shape: missing"),
+        ({"input_shape": [0], "layers": [{"kind": "relu", "name": "r"}]}, r"input_shape"),
+        (
+            {"input_shape": [4], "layers": [{"kind": "softmax", "name": "s"}]},
+            r"model.layers\[0\].kind: unknown layer kind 'softmax'",
+        ),
+        (
+            {
+                "input_shape": [4],
+                "layers": [{"kind": "relu", "name": "a"}, {"kind": "relu", "name": "a"}],
+            },
+            r"model.layers\[1\].name",
+        ),
+        (
+            {"input_shape": [4], "layers": [{"kind": "relu", "name": "a/b"}]},
+            r"model.layers\[0\].name",
+        ),
+        (
+            {"input_shape": [4], "layers": [{"kind": "relu", "name": "a"}], "optimizer": {}},
+            r"unknown key",
+        ),
+        (
+            {"input_shape": [4], "layers": [{"kind": "relu", "name": "a"}], "loss": "hinge"},
+            r"unknown loss 'hinge'",
+        ),
+    ],
+)
 def test_bad_specs_are_refused_with_the_key_path(bad, match):
     with pytest.raises(ValueError, match=match):
         ModelSpec.from_dict(bad)

@@ -299,11 +299,14 @@ def test_cupy_matches_numpy(name: str, hparams: dict) -> None:
     assert gpu_norm == pytest.approx(global_grad_norm(grads[0]), rel=1e-14)
 
 
-@pytest.mark.parametrize("spec", [
-    {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
-    {"name": "adam", "lr": 0.01, "weight_decay": 1e-2},
-    {"name": "rmsprop", "lr": 0.01, "centered": True, "momentum": 0.5},
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
+        {"name": "adam", "lr": 0.01, "weight_decay": 1e-2},
+        {"name": "rmsprop", "lr": 0.01, "centered": True, "momentum": 0.5},
+    ],
+)
 def test_threaded_chunked_update_is_bit_identical(spec):
     """Servers update large slices in chunks on a thread pool; nothing may change a bit."""
     from concurrent.futures import ThreadPoolExecutor

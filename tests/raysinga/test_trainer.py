@@ -45,10 +45,16 @@ def test_two_runs_are_bit_identical(tmp_path):
 def test_any_partition_of_a_batch_gives_the_same_gradient():
     """What a worker group relies on: parts of a batch, each with the group's batch size as the
     loss denominator, sum to the whole batch's gradient (dropout included)."""
-    spec = ModelSpec.from_dict({"input_shape": [64], "layers": [
-        {"kind": "dense", "name": "fc1", "units": 32, "activation": "relu"},
-        {"kind": "dropout", "name": "drop", "rate": 0.5},
-        {"kind": "dense", "name": "out", "units": 10}]})
+    spec = ModelSpec.from_dict(
+        {
+            "input_shape": [64],
+            "layers": [
+                {"kind": "dense", "name": "fc1", "units": 32, "activation": "relu"},
+                {"kind": "dropout", "name": "drop", "rate": 0.5},
+                {"kind": "dense", "name": "out", "units": 10},
+            ],
+        }
+    )
     net = Net(spec, dtype="float64")
     params = net.init_params(0)
     x, y = digits("train").get(np.arange(12))
