@@ -8,7 +8,6 @@ down on success, failure or Ctrl-C.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from .actors.worker import Worker
 from .config import JobConfig
 from .data import load_dataset
 from .model import Net
-from .trainer import TrainResult, _check_fits, _format
+from .trainer import MetricsLog, TrainResult, _check_fits, _format
 
 ROLE_CLASSES = {"server": ParamServer, "worker": Worker, "stub": Stub}
 
@@ -186,8 +185,6 @@ class DistributedTrainer:
         done = [0] * G
         pending: dict[Any, tuple[int, int, int]] = {}
         result = TrainResult({}, {})
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        metrics = (self.run_dir / "metrics.jsonl").open("w")
         window: list[dict[str, float]] = []
         t_window = time.perf_counter()
         self.log(
@@ -195,11 +192,6 @@ class DistributedTrainer:
             f"server(s), {G} group(s) x {topo.workers_per_group} worker(s), "
             f"{len(self.slices)} slices, {total} steps per group, batch {cfg.data.batch_size}"
         )
-
-        def record(rec: dict[str, Any]) -> None:
-            result.history.append(rec)
-            metrics.write(json.dumps(rec) + "\n")
-            metrics.flush()
 
         def launch(g: int) -> None:
             s = done[g]
@@ -210,7 +202,8 @@ class DistributedTrainer:
                 return  # too far ahead of the slowest group: wait for it
             pending[self.stubs[g].run.remote(s, e)] = (g, s, e)
 
-        with metrics:
+        with MetricsLog(self.run_dir, result) as metrics:
+            record = metrics.record
             for g in range(G):
                 launch(g)
             while pending:

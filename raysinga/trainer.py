@@ -36,6 +36,26 @@ class TrainResult:
         return evals[-1] if evals else None
 
 
+class MetricsLog:
+    """Records go to the result's history and, one JSON object a line, to
+    ``<run_dir>/metrics.jsonl``, flushed at once so a crash loses nothing already reported."""
+
+    def __init__(self, run_dir: Path, result: TrainResult) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.result, self.file = result, (run_dir / "metrics.jsonl").open("w")
+
+    def record(self, rec: dict[str, Any]) -> None:
+        self.result.history.append(rec)
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
+
+
 def evaluate(
     net: Net, params: dict, state: dict, data: Dataset, batch_size: int, xp: Any, dtype: Any
 ) -> dict[str, float]:
@@ -77,21 +97,15 @@ class Trainer:
         params = {k: xp.asarray(v) for k, v in self.net.init_params(cfg.seed).items()}
         state = {k: xp.asarray(v) for k, v in self.net.init_state().items()}
         result = TrainResult({}, {})
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        metrics = (self.run_dir / "metrics.jsonl").open("w")
         self.log(
             f"raysinga: training {cfg.name!r} on {self.device} for {cfg.train_steps} steps, "
             f"batch {cfg.data.batch_size}, {len(self.train_data)} training samples, "
             f"{sum(int(np.prod(s)) for s in self.net.param_shapes().values()):,} parameters"
         )
 
-        def record(rec: dict[str, Any]) -> None:
-            result.history.append(rec)
-            metrics.write(json.dumps(rec) + "\n")
-            metrics.flush()
-
         window_loss, window_steps, t0 = 0.0, 0, time.perf_counter()
-        with metrics:
+        with MetricsLog(self.run_dir, result) as metrics:
+            record = metrics.record
             for step in range(cfg.train_steps):
                 epoch, _ = self.plan.cursor(step)
                 x, y = self.train_data.get(self.plan.indices(step))
