@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,3 +56,38 @@ def test_bad_job_file_is_one_line_and_exit_2(tmp_path):
 def test_help_lists_train():
     r = raysinga("--help", cwd=ROOT)
     assert r.returncode == 0 and "train" in r.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_distributed_run_cleanly(tmp_path):
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "raysinga.cli",
+            "train",
+            str(ROOT / "examples/digits_mlp.yaml"),
+            "--set",
+            "train_steps=1000000",
+            "--set",
+            f"run_dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # a shell's background jobs ignore SIGINT; a user's terminal does not
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    lines = []
+    for line in p.stdout:
+        lines.append(line)
+        if line.startswith("step"):
+            break
+    p.send_signal(signal.SIGINT)
+    try:
+        out, _ = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, "".join(lines) + out
+    assert out.rstrip().endswith("raysinga: interrupted")
