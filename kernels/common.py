@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
+
 ACTIVATIONS = ("linear", "relu", "sigmoid", "tanh")
 FLOAT_DTYPES = ("float32", "float64")
 _MASK64 = (1 << 64) - 1
@@ -111,6 +113,19 @@ def check_bn(x, gamma, beta) -> None:
 
 
 # ---------------------------------------------------------------- counter-based randomness
+
+
+GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's stream increment
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def mix64_array(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on a uint64 array (wrapping arithmetic), the same bits as
+    :func:`mix64` and the kernels' ``mix64``: dropout masks, data order and synthetic data."""
+    z = np.asarray(z, dtype=np.uint64)
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
 
 
 def mix64(z: int) -> int:

@@ -11,7 +11,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from . import common
-from .common import check_float, conv_out_size, dropout_threshold
+from .common import check_float, conv_out_size, dropout_threshold, mix64_array
 
 # ---------------------------------------------------------------- activations and dense layers
 
@@ -225,16 +225,6 @@ def avgpool_backward(dy: np.ndarray, x_shape: tuple, k: int, stride: int, pad: i
 
 # ---------------------------------------------------------------- dropout (counter-based)
 
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _mix64(z: np.ndarray) -> np.ndarray:
-    """The SplitMix64 finaliser, on uint64 arrays (wrapping arithmetic)."""
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
-
 
 def dropout_mask(x: np.ndarray, rate: float, key: int, sample_offset: int) -> np.ndarray:
     """The scaled keep-mask for ``x``, whose first row is global sample ``sample_offset``.
@@ -249,7 +239,7 @@ def dropout_mask(x: np.ndarray, rate: float, key: int, sample_offset: int) -> np
     per = x.size // n if n else 0
     ctr = np.arange(sample_offset * per, (sample_offset + n) * per, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        h = _mix64(np.uint64(key) + ctr * _GOLDEN)
+        h = mix64_array(np.uint64(key) + ctr * np.uint64(common.GOLDEN))
     keep = (h >> np.uint64(40)) >= np.uint64(thresh)
     scale = np.asarray(1.0 / (1.0 - rate), dtype=x.dtype)
     return (keep.reshape(x.shape) * scale).astype(x.dtype, copy=False)

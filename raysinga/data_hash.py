@@ -10,18 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+from raysinga.kernels.common import GOLDEN, mix64_array
 
+_GOLDEN = np.uint64(GOLDEN)
 
-def mix64(z: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser of a uint64 array (wrapping arithmetic, returns a new array)."""
-    z = np.asarray(z, dtype=np.uint64)
-    z = (z ^ (z >> _S30)) * _M1
-    z = (z ^ (z >> _S27)) * _M2
-    return z ^ (z >> _S31)
+# The mixer behind dropout masks too: one implementation, in kernels.common.
+mix64 = mix64_array
 
 
 def derive_keys(*words: int, count: int = 1) -> list[int]:
