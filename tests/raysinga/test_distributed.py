@@ -60,6 +60,13 @@ def test_sandblaster_matches_the_single_process_reference(
     assert relative_error(params, reference) <= 1e-5
 
 
+def test_allreduce_places_a_server_with_each_worker_and_matches(ray_session, reference, tmp_path):
+    cfg = job(tmp_path, "{preset: allreduce, workers_per_group: 2, slice_bytes: 8192}")
+    trainer = DistributedTrainer(cfg, **QUIET)
+    assert trainer.topo.n_servers == 2
+    assert relative_error(trainer.fit().params, reference) <= 1e-5
+
+
 def test_two_runs_of_one_topology_are_bit_identical(ray_session, tmp_path):
     topo = "{workers_per_group: 2, n_servers: 3, slice_bytes: 8192}"
     # Dropout makes the check stronger: its masks must not depend on the worker either.
