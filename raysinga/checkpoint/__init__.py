@@ -1,0 +1,31 @@
+"""Checkpoints: msgpack manifest + Arrow IPC shards + a text parameter table (format version 1).
+
+A checkpoint loads with the library alone: no cluster, no GPU (this package imports neither
+``raysinga.actors`` nor ``raysinga.kernels``), and no pickle anywhere, so a checkpoint from a
+stranger cannot run code.
+"""
+
+from .format import FORMAT_VERSION, CheckpointError, TensorInfo
+from .manage import Latest, latest, prune, save, steps, tensors_of
+from .reader import Checkpoint
+from .storage import Location, RunLock, resolve
+from .writer import begin, commit, write_shard
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Checkpoint",
+    "CheckpointError",
+    "Latest",
+    "Location",
+    "RunLock",
+    "TensorInfo",
+    "begin",
+    "commit",
+    "latest",
+    "prune",
+    "resolve",
+    "save",
+    "steps",
+    "tensors_of",
+    "write_shard",
+]

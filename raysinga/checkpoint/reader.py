@@ -1,0 +1,256 @@
+"""Reading a checkpoint: validate, then map tensors zero-copy.
+
+Opening checks, in order: the manifest's own checksum and structure, the format version, every
+listed file's size (always) and checksum (unless ``verify="fast"``), then every shard's record
+batches against the manifest. Any failure is a :class:`CheckpointError` naming the file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+import pyarrow as pa
+import xxhash
+
+from . import storage
+from .format import FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError, TensorInfo
+from .storage import Location
+
+MAX_MANIFEST = 256 << 20
+_HASH_CHUNK = 16 << 20
+VERIFY = ("full", "fast")
+
+
+def _fail(loc: Location, why: str) -> CheckpointError:
+    return CheckpointError(f"{loc}: {why}")
+
+
+def unseal(loc: Location, blob: bytes) -> dict[str, Any]:
+    try:
+        outer = msgpack.unpackb(blob, raw=False, max_bin_len=MAX_MANIFEST, strict_map_key=True)
+        body, digest = outer["body"], outer["xxh3"]
+        if not isinstance(body, bytes) or not isinstance(digest, str):
+            raise TypeError("bad types")
+    except Exception as e:  # noqa: BLE001 - any malformed input is the same verdict
+        raise _fail(loc, f"not a raysinga manifest ({type(e).__name__})") from None
+    if xxhash.xxh3_64_hexdigest(body) != digest:
+        raise _fail(loc, "checksum mismatch: the manifest is corrupt")
+    try:
+        m = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as e:  # noqa: BLE001
+        raise _fail(loc, f"manifest body does not decode ({type(e).__name__})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
+        raise _fail(loc, "not a raysinga checkpoint manifest")
+    v = m.get("version")
+    if not isinstance(v, int) or v < 1:
+        raise _fail(loc, f"bad format version {v!r}")
+    if v > FORMAT_VERSION:
+        raise _fail(
+            loc,
+            f"written in format version {v}, newer than this reader "
+            f"({FORMAT_VERSION}); upgrade raysinga to read it",
+        )
+    _check_structure(loc, m)
+    return m
+
+
+def _check_structure(loc: Location, m: dict[str, Any]) -> None:
+    def bad(what: str) -> CheckpointError:
+        return _fail(loc, f"malformed manifest: {what}")
+
+    if not isinstance(m.get("step"), int) or m["step"] < 0:
+        raise bad("step")
+    if not isinstance(m.get("meta"), dict):
+        raise bad("meta")
+    files = m.get("files")
+    if not isinstance(files, list) or not all(
+        isinstance(f, dict)
+        and isinstance(f.get("file"), str)
+        and "/" not in f["file"]
+        and isinstance(f.get("size"), int)
+        and isinstance(f.get("xxh3"), str)
+        for f in files
+    ):
+        raise bad("files")
+    tensors = m.get("tensors")
+    if not isinstance(tensors, list):
+        raise bad("tensors")
+    shard_files = {f["file"] for f in files}
+    for t in tensors:
+        try:
+            info = to_info(t)
+            info.check()
+        except (KeyError, TypeError, ValueError) as e:
+            raise bad(f"tensor entry {t!r:.80} ({e})") from None
+        if f"shard-{info.shard}.arrow" not in shard_files:
+            raise bad(f"tensor {info.name!r} points to a missing shard {info.shard}")
+
+
+def to_info(t: dict[str, Any]) -> TensorInfo:
+    ints = ("start", "stop", "version", "shard")
+    if (
+        not all(isinstance(t[k], int) for k in ints)
+        or not isinstance(t["shape"], list)
+        or not all(isinstance(d, int) for d in t["shape"])
+    ):
+        raise TypeError("integer fields expected")
+    return TensorInfo(
+        str(t["name"]),
+        str(t["kind"]),
+        tuple(t["shape"]),
+        str(t["dtype"]),
+        t["start"],
+        t["stop"],
+        t["version"],
+        t["shard"],
+    )
+
+
+def _hash_file(loc: Location) -> str:
+    h = xxhash.xxh3_64()
+    with loc.fs.open_input_stream(loc.path) as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Checkpoint:
+    """A validated checkpoint; tensors are read-only views of the mapped shard files."""
+
+    def __init__(
+        self, loc: Location, manifest: dict[str, Any], arrays: dict[tuple[str, int], np.ndarray]
+    ) -> None:
+        self.location, self.manifest = loc, manifest
+        self.infos = [to_info(t) for t in manifest["tensors"]]
+        self._arrays = arrays
+
+    @property
+    def step(self) -> int:
+        return self.manifest["step"]
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.manifest["meta"]
+
+    @classmethod
+    def open(cls, where: str | Location, verify: str = "full", fs: Any = None) -> Checkpoint:
+        if verify not in VERIFY:
+            raise ValueError(f"verify must be one of {VERIFY}, got {verify!r}")
+        loc = storage.resolve(where, fs)
+        mloc = loc.join(MANIFEST)
+        if not storage.is_dir(loc):
+            raise _fail(loc, "no such checkpoint directory")
+        msize = storage.size(mloc)
+        if msize is None:
+            raise _fail(loc, f"not a checkpoint: it has no {MANIFEST}")
+        if msize > MAX_MANIFEST:
+            raise _fail(mloc, f"too large for a manifest ({msize} bytes)")
+        m = unseal(mloc, storage.read_bytes(mloc))
+        for f in m["files"]:
+            floc = loc.join(f["file"])
+            got = storage.size(floc)
+            if got is None:
+                raise _fail(floc, "missing")
+            if got != f["size"]:
+                raise _fail(
+                    floc, f"size {got} bytes, manifest says {f['size']} (truncated or overwritten)"
+                )
+            if verify == "full" and _hash_file(floc) != f["xxh3"]:
+                raise _fail(floc, "checksum mismatch: the file is corrupt")
+        arrays: dict[tuple[str, int], np.ndarray] = {}
+        expect = {(t["name"], t["start"]): to_info(t) for t in m["tensors"]}
+        for f in m["files"]:
+            if f["file"].startswith("shard-"):
+                arrays.update(_read_shard(loc.join(f["file"]), expect))
+        missing = set(expect) - set(arrays)
+        if missing:
+            raise _fail(
+                loc,
+                f"tensor slices listed in the manifest are absent from the shards: "
+                f"{sorted(missing)[:5]}",
+            )
+        return cls(loc, m, arrays)
+
+    def names(self, kind: str | None = None) -> list[str]:
+        seen: dict[str, None] = {}
+        for i in self.infos:
+            if kind is None or i.kind == kind:
+                seen[i.name] = None
+        return list(seen)
+
+    def info(self, name: str) -> TensorInfo:
+        for i in self.infos:
+            if i.name == name:
+                return i
+        raise KeyError(f"no tensor {name!r} in {self.location}")
+
+    def slices(self, name: str) -> list[tuple[TensorInfo, np.ndarray]]:
+        out = sorted(
+            ((i, self._arrays[(i.name, i.start)]) for i in self.infos if i.name == name),
+            key=lambda p: p[0].start,
+        )
+        if not out:
+            raise KeyError(f"no tensor {name!r} in {self.location}")
+        return out
+
+    def array(self, name: str) -> np.ndarray:
+        """The whole tensor: a zero-copy view when stored in one piece, else assembled."""
+        pieces = self.slices(name)
+        first = pieces[0][0]
+        covered = sum(i.stop - i.start for i, _ in pieces)
+        if covered != first.size or any(
+            a.stop != b.start for (a, _), (b, _) in zip(pieces, pieces[1:], strict=False)
+        ):
+            raise _fail(self.location, f"tensor {name!r}: its slices do not cover it exactly")
+        if len(pieces) == 1:
+            return pieces[0][1].reshape(first.shape)
+        return np.concatenate([a for _, a in pieces]).reshape(first.shape)
+
+    def arrays(self, kind: str | None = "param") -> dict[str, np.ndarray]:
+        return {n: self.array(n) for n in self.names(kind)}
+
+
+def _read_shard(
+    loc: Location, expect: dict[tuple[str, int], TensorInfo]
+) -> dict[tuple[str, int], np.ndarray]:
+    try:
+        if loc.local:
+            source: Any = pa.memory_map(loc.path, "r")
+        else:
+            with loc.fs.open_input_file(loc.path) as f:
+                source = pa.BufferReader(f.read_buffer())
+        reader = pa.ipc.open_file(source)
+        out = {}
+        for i in range(reader.num_record_batches):
+            b = reader.get_batch(i)
+            if b.num_rows != 1 or b.schema.names[-1] != "data":
+                raise ValueError("unexpected record batch layout")
+            row = {k: b.column(k)[0].as_py() for k in b.schema.names[:-1]}
+            info = expect.get((row["name"], row["start"]))
+            if info is None or [
+                row["kind"],
+                row["stop"],
+                tuple(row["shape"]),
+                row["dtype"],
+                row["version"],
+            ] != [info.kind, info.stop, info.shape, info.dtype, info.version]:
+                raise ValueError(f"record {row['name']!r} disagrees with the manifest")
+            buf = b.column("data").buffers()[2]
+            if buf is None:
+                buf = pa.py_buffer(b"")
+            offsets = np.frombuffer(
+                b.column("data").buffers()[1], np.int64, 2, b.column("data").offset * 8
+            )
+            n = int(offsets[1] - offsets[0])
+            if n != info.nbytes:
+                raise ValueError(f"record {info.name!r} holds {n} bytes, expected {info.nbytes}")
+            out[(info.name, info.start)] = np.frombuffer(
+                buf, np.dtype(info.dtype), info.stop - info.start, int(offsets[0])
+            )
+        return out
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a malformed shard, whatever Arrow says about it
+        raise _fail(loc, f"unreadable shard ({type(e).__name__}: {str(e)[:200]})") from None

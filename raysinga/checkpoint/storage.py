@@ -1,0 +1,173 @@
+"""Where checkpoints live: local paths and any pyarrow filesystem URI, through one code path.
+
+Local files get what a crash-safe commit needs and object stores cannot give: fsync of files and
+directories, and an atomic rename of the finished directory. On other filesystems the manifest is
+written last, so a directory without a valid manifest is never taken for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import pyarrow.fs as pafs
+
+from .format import CheckpointError
+
+
+@dataclass(frozen=True)
+class Location:
+    fs: pafs.FileSystem
+    path: str  # a path within ``fs``
+
+    @property
+    def local(self) -> bool:
+        return isinstance(self.fs, pafs.LocalFileSystem)
+
+    def join(self, *parts: str) -> Location:
+        return Location(self.fs, "/".join([self.path.rstrip("/"), *parts]))
+
+    def __str__(self) -> str:
+        return self.path if self.local else f"{self.fs.type_name}://{self.path}"
+
+
+def resolve(where: str | os.PathLike | Location, fs: pafs.FileSystem | None = None) -> Location:
+    """A Location from a local path, a URI (``file://``, ``s3://``, ``gs://``, ``hdfs://``) or
+    a path within an explicit filesystem."""
+    if isinstance(where, Location):
+        return where
+    where = os.fspath(where)
+    if fs is not None:
+        return Location(fs, where)
+    if "://" in where:
+        try:
+            f, path = pafs.FileSystem.from_uri(where)
+        except (ValueError, OSError) as e:
+            raise CheckpointError(f"{where}: cannot open this location: {e}") from None
+        return Location(f, path)
+    return Location(pafs.LocalFileSystem(), os.path.abspath(where))
+
+
+def exists(loc: Location) -> bool:
+    return loc.fs.get_file_info(loc.path).type != pafs.FileType.NotFound
+
+
+def is_dir(loc: Location) -> bool:
+    return loc.fs.get_file_info(loc.path).type == pafs.FileType.Directory
+
+
+def size(loc: Location) -> int | None:
+    info = loc.fs.get_file_info(loc.path)
+    return info.size if info.type == pafs.FileType.File else None
+
+
+def list_dirs(loc: Location) -> list[str]:
+    if not is_dir(loc):
+        return []
+    sel = pafs.FileSelector(loc.path, recursive=False)
+    return [i.base_name for i in loc.fs.get_file_info(sel) if i.type == pafs.FileType.Directory]
+
+
+def fsync_path(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes(loc: Location, data: bytes) -> None:
+    with loc.fs.open_output_stream(loc.path) as f:
+        f.write(data)
+    if loc.local:
+        fsync_path(loc.path)
+
+
+def read_bytes(loc: Location, limit: int | None = None) -> bytes:
+    with loc.fs.open_input_stream(loc.path) as f:
+        return f.read(limit) if limit is not None else f.read()
+
+
+def commit_dir(tmp: Location, final: Location) -> None:
+    """Make ``tmp`` appear as ``final`` all at once (local: rename + directory fsync)."""
+    if exists(final):
+        raise CheckpointError(f"{final}: already exists; a checkpoint is never overwritten")
+    if tmp.local:
+        fsync_path(tmp.path, directory=True)
+        os.rename(tmp.path, final.path)
+        fsync_path(os.path.dirname(final.path), directory=True)
+    else:
+        tmp.fs.move(tmp.path, final.path)
+
+
+def remove_dir(loc: Location) -> None:
+    if exists(loc):
+        loc.fs.delete_dir(loc.path)
+
+
+class RunLock:
+    """One writer per run directory: ``.writer.lock`` holds the writer's host and pid.
+
+    On a local filesystem a lock left by a dead process of this host is taken over; elsewhere a
+    stale lock must be removed by hand (the error says which file).
+    """
+
+    def __init__(self, root: Location) -> None:
+        self.root, self.file = root, root.join(".writer.lock")
+        self.owner = f"{socket.gethostname()} {os.getpid()}"
+        self.held = False
+
+    def acquire(self) -> RunLock:
+        self.root.fs.create_dir(self.root.path, recursive=True)
+        if self.root.local:
+            self._acquire_local()
+        else:
+            if exists(self.file):
+                raise CheckpointError(self._busy(read_bytes(self.file).decode(errors="replace")))
+            write_bytes(self.file, self.owner.encode())
+        self.held = True
+        return self
+
+    def _acquire_local(self) -> None:
+        for _ in range(2):
+            try:
+                fd = os.open(self.file.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                holder = open(self.file.path).read().strip()
+                host, _, pid = holder.partition(" ")
+                if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+                    os.unlink(self.file.path)  # its writer died without letting go
+                    continue
+                raise CheckpointError(self._busy(holder)) from None
+            with os.fdopen(fd, "w") as f:
+                f.write(self.owner)
+            return
+        raise CheckpointError(self._busy("unknown"))
+
+    def _busy(self, holder: str) -> str:
+        return (
+            f"{self.root}: another writer holds this run directory ({holder}); if it is "
+            f"gone, remove {self.file}"
+        )
+
+    def release(self) -> None:
+        if self.held and exists(self.file):
+            self.root.fs.delete_file(self.file.path)
+        self.held = False
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,237 @@
+"""Writing a checkpoint: shards (one per server, possibly from different processes), then a commit.
+
+Each shard is written into the temporary directory ``step-N.tmp-<id>`` beside its final place and
+hashed as it is written; :func:`commit` writes ``params.meta`` and, last, the manifest with every
+file's size and checksum, then renames the directory into place. A crash at any point leaves at
+most a ``.tmp-`` directory, which readers ignore and the next writer removes.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import msgpack
+import pyarrow as pa
+import xxhash
+
+from . import storage
+from .format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST,
+    META,
+    CheckpointError,
+    TensorInfo,
+    as_array,
+)
+from .storage import Location
+
+SCHEMA = pa.schema(
+    [
+        ("name", pa.string()),
+        ("kind", pa.string()),
+        ("start", pa.int64()),
+        ("stop", pa.int64()),
+        ("shape", pa.list_(pa.int64())),
+        ("dtype", pa.string()),
+        ("version", pa.int64()),
+        ("data", pa.large_binary()),
+    ]
+)
+COMPRESSIONS = (None, "zstd", "lz4")
+
+
+class _HashingSink:
+    """A file-like sink that hashes every byte on its way to the real stream."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.hash, self.size = raw, xxhash.xxh3_64(), 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data)
+        self.hash.update(mv)
+        self.raw.write(mv)
+        self.size += mv.nbytes
+        return mv.nbytes
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def close(self) -> None:
+        self.closed = True
+
+    def writable(self) -> bool:
+        return True
+
+
+def _record_batch(info: TensorInfo, arr: Any) -> pa.RecordBatch:
+    raw = pa.py_buffer(arr.reshape(-1).view("uint8") if arr.size else b"")
+    offsets = pa.py_buffer(pa.array([0, raw.size], pa.int64()).buffers()[1])
+    data = pa.LargeBinaryArray.from_buffers(pa.large_binary(), 1, [None, offsets, raw])
+    return pa.record_batch(
+        [
+            pa.array([info.name]),
+            pa.array([info.kind]),
+            pa.array([info.start], pa.int64()),
+            pa.array([info.stop], pa.int64()),
+            pa.array([list(info.shape)], pa.list_(pa.int64())),
+            pa.array([info.dtype]),
+            pa.array([info.version], pa.int64()),
+            data,
+        ],
+        schema=SCHEMA,
+    )
+
+
+def begin(root: str | Location, step: int) -> Location:
+    """Create and return the temporary directory for the checkpoint of ``step``."""
+    root = storage.resolve(root)
+    if not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"step must be a non-negative integer, got {step!r}")
+    tmp = root.join(f"step-{step}.tmp-{uuid.uuid4().hex[:12]}")
+    tmp.fs.create_dir(tmp.path, recursive=True)
+    return tmp
+
+
+def write_shard(
+    tmp: str | Location,
+    shard: int,
+    tensors: Iterable[tuple[TensorInfo, Any]],
+    compression: str | None = None,
+) -> dict[str, Any]:
+    """Write ``shard-<shard>.arrow`` into the temporary directory; returns its record for the
+    manifest (file, size, checksum, and one entry per tensor for ``params.meta``)."""
+    if compression not in COMPRESSIONS:
+        raise CheckpointError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+    tmp = storage.resolve(tmp)
+    loc = tmp.join(f"shard-{shard}.arrow")
+    opts = pa.ipc.IpcWriteOptions(compression=compression)
+    entries = []
+    with loc.fs.open_output_stream(loc.path) as raw:
+        sink = _HashingSink(raw)
+        with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), SCHEMA, options=opts) as w:
+            for info, a in tensors:
+                arr = as_array(a)
+                info = TensorInfo(
+                    info.name,
+                    info.kind,
+                    tuple(int(d) for d in info.shape),
+                    str(arr.dtype),
+                    info.start,
+                    info.stop,
+                    info.version,
+                    shard,
+                )
+                info.check()
+                if arr.size != info.stop - info.start:
+                    raise CheckpointError(
+                        f"tensor {info.name!r}: {arr.size} values for slice "
+                        f"[{info.start}, {info.stop})"
+                    )
+                w.write_batch(_record_batch(info, arr))
+                entries.append(
+                    {
+                        **_info_dict(info),
+                        "xxh3": xxhash.xxh3_64_hexdigest(memoryview(arr.reshape(-1).view("uint8"))),
+                    }
+                )
+    if loc.local:
+        storage.fsync_path(loc.path)
+    return {
+        "file": f"shard-{shard}.arrow",
+        "size": sink.size,
+        "xxh3": sink.hash.hexdigest(),
+        "compression": compression,
+        "tensors": entries,
+    }
+
+
+def commit(
+    tmp: str | Location, step: int, shards: list[dict[str, Any]], meta: dict[str, Any] | None = None
+) -> Location:
+    """Write ``params.meta`` and the manifest, then move the directory to ``step-<step>``."""
+    tmp = storage.resolve(tmp)
+    ids = sorted(int(s["file"].split("-")[1].split(".")[0]) for s in shards)
+    if ids != list(range(len(shards))):
+        raise CheckpointError(f"shards must be numbered 0..{len(shards) - 1}, got {ids}")
+    lines = [
+        "# raysinga checkpoint: name kind shape dtype slice version shard checksum",
+        *(
+            TensorInfo(**_info_args(t), shard=i).meta_line(t["xxh3"])
+            for i, s in enumerate(sorted(shards, key=lambda s: s["file"]))
+            for t in s["tensors"]
+        ),
+    ]
+    meta_bytes = ("\n".join(lines) + "\n").encode()
+    storage.write_bytes(tmp.join(META), meta_bytes)
+    manifest = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "step": step,
+        "created": time.time(),
+        "meta": meta or {},
+        "files": [
+            {
+                "file": s["file"],
+                "size": s["size"],
+                "xxh3": s["xxh3"],
+                "compression": s["compression"],
+            }
+            for s in shards
+        ]
+        + [
+            {
+                "file": META,
+                "size": len(meta_bytes),
+                "xxh3": xxhash.xxh3_64_hexdigest(meta_bytes),
+                "compression": None,
+            }
+        ],
+        "tensors": [
+            {**t, "shard": int(s["file"].split("-")[1].split(".")[0])}
+            for s in shards
+            for t in s["tensors"]
+        ],
+    }
+    storage.write_bytes(tmp.join(MANIFEST), seal(manifest))
+    final = Location(tmp.fs, tmp.path.rsplit(".tmp-", 1)[0])
+    storage.commit_dir(tmp, final)
+    return final
+
+
+def seal(manifest: dict[str, Any]) -> bytes:
+    """The manifest file: a msgpack map ``{"body": <msgpack of the manifest>, "xxh3": hex}``, so
+    that a flipped byte in the manifest itself is caught like one anywhere else."""
+    try:
+        body = msgpack.packb(manifest, use_bin_type=True)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint metadata must be plain data (msgpack): {e}") from None
+    return msgpack.packb({"body": body, "xxh3": xxhash.xxh3_64_hexdigest(body)}, use_bin_type=True)
+
+
+def _info_dict(info: TensorInfo) -> dict[str, Any]:
+    return {
+        "name": info.name,
+        "kind": info.kind,
+        "shape": list(info.shape),
+        "dtype": info.dtype,
+        "start": info.start,
+        "stop": info.stop,
+        "version": info.version,
+    }
+
+
+def _info_args(t: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": t["name"],
+        "kind": t["kind"],
+        "shape": tuple(t["shape"]),
+        "dtype": t["dtype"],
+        "start": t["start"],
+        "stop": t["stop"],
+        "version": t["version"],
+    }
