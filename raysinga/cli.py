@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from . import config as config_mod
+from .checkpoint.format import CheckpointError
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -25,6 +26,83 @@ def _train(args: argparse.Namespace) -> int:
     final = result.final_eval
     if final is not None and "test_accuracy" in final:
         print(f"final test accuracy: {final['test_accuracy']:.4f}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    import json  # noqa: PLC0415
+
+    from .checkpoint import Checkpoint  # noqa: PLC0415
+
+    ck = Checkpoint.open(args.checkpoint, verify="fast")
+    rows: dict[str, dict] = {}
+    for i in ck.infos:
+        r = rows.setdefault(
+            i.name,
+            {
+                "name": i.name,
+                "kind": i.kind,
+                "shape": list(i.shape),
+                "dtype": i.dtype,
+                "version": i.version,
+                "slices": 0,
+                "shards": [],
+            },
+        )
+        r["slices"] += 1
+        r["shards"].append(i.shard)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "path": str(ck.location),
+                    "step": ck.step,
+                    "format_version": ck.manifest["version"],
+                    "meta": ck.meta,
+                    "files": ck.manifest["files"],
+                    "tensors": list(rows.values()),
+                },
+                indent=2,
+                default=str,
+            )
+        )
+        return 0
+    m = ck.manifest
+    total = sum(f["size"] for f in m["files"])
+    print(
+        f"checkpoint {ck.location}\n  format version {m['version']}, step {ck.step}, "
+        f"{len(m['files'])} files, {total:,} bytes"
+    )
+    for k, v in ck.meta.items():
+        print(f"  {k}: {json.dumps(v, default=str)[:120]}")
+    w = max([len(n) for n in rows] + [4])
+    print(f"\n  {'name':<{w}}  {'kind':<5}  {'shape':<16}  {'dtype':<8}  version  slices  shards")
+    for r in rows.values():
+        shape = "x".join(map(str, r["shape"])) or "scalar"
+        shards = ",".join(map(str, sorted(set(r["shards"]))))
+        print(
+            f"  {r['name']:<{w}}  {r['kind']:<5}  {shape:<16}  {r['dtype']:<8}  "
+            f"{r['version']:>7}  {r['slices']:>6}  {shards}"
+        )
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .checkpoint import Checkpoint  # noqa: PLC0415
+
+    ck = Checkpoint.open(args.checkpoint, verify="fast" if args.fast else "full")
+    n = 0 if args.fast else ck.verify_tensors()
+    how = "sizes checked" if args.fast else f"{n:,} tensor bytes and every file hash checked"
+    print(f"ok: {ck.location}: step {ck.step}, {len(ck.infos)} tensor slices, {how}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .checkpoint import Checkpoint, export  # noqa: PLC0415
+
+    ck = Checkpoint.open(args.checkpoint)
+    names = export(ck, args.output, args.format, None if args.kind == "all" else args.kind)
+    print(f"wrote {len(names)} tensors of step {ck.step} to {args.output} ({args.format})")
     return 0
 
 
@@ -59,6 +137,42 @@ def build_parser() -> argparse.ArgumentParser:
         help="Ray cluster to join (default: RAY_ADDRESS, else start an embedded local Ray)",
     )
     t.set_defaults(func=_train)
+
+    i = sub.add_parser(
+        "inspect",
+        help="show a checkpoint's manifest and parameter table",
+        description="Show a checkpoint's manifest and its parameter table "
+        "(sizes are checked; use `verify` for checksums).",
+    )
+    i.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or URI (step-N)")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.set_defaults(func=_inspect)
+
+    v = sub.add_parser(
+        "verify",
+        help="check a checkpoint's sizes and checksums",
+        description="Check every file's size and checksum and every tensor's "
+        "checksum; exit 0 when the checkpoint is intact, 1 otherwise.",
+    )
+    v.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or URI (step-N)")
+    v.add_argument("--fast", action="store_true", help="check sizes only, no hashing")
+    v.set_defaults(func=_verify)
+
+    e = sub.add_parser(
+        "export",
+        help="write a checkpoint's merged tensors to safetensors or npz",
+        description="Write whole (merged) tensors of a checkpoint to one file.",
+    )
+    e.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or URI (step-N)")
+    e.add_argument("--format", choices=("safetensors", "npz"), required=True)
+    e.add_argument("-o", "--output", required=True, metavar="FILE", help="file to write")
+    e.add_argument(
+        "--kind",
+        choices=("param", "slot", "state", "all"),
+        default="param",
+        help="which tensors (default: trainable parameters)",
+    )
+    e.set_defaults(func=_export)
     return p
 
 
@@ -69,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     except (config_mod.ConfigError, ValueError, FileNotFoundError) as e:
         print(f"raysinga: error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:
+        print(f"raysinga: error: {e}", file=sys.stderr)
+        return 1
     except RuntimeError as e:  # a role failed, or the cluster cannot hold the topology
         print(f"raysinga: error: {e}", file=sys.stderr)
         return 1

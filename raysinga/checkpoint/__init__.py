@@ -5,6 +5,8 @@ A checkpoint loads with the library alone: no cluster, no GPU (this package impo
 stranger cannot run code.
 """
 
+from .export import export
+from .finetune import MatchReport, match
 from .format import FORMAT_VERSION, CheckpointError, TensorInfo
 from .manage import Latest, latest, prune, save, steps, tensors_of
 from .reader import Checkpoint
@@ -17,11 +19,14 @@ __all__ = [
     "CheckpointError",
     "Latest",
     "Location",
+    "MatchReport",
     "RunLock",
     "TensorInfo",
     "begin",
     "commit",
+    "export",
     "latest",
+    "match",
     "prune",
     "resolve",
     "save",

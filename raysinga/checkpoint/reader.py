@@ -208,6 +208,44 @@ class Checkpoint:
             return pieces[0][1].reshape(first.shape)
         return np.concatenate([a for _, a in pieces]).reshape(first.shape)
 
+    def flat_range(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Elements ``[start, stop)`` of the flattened tensor, from however it was sliced when
+        saved: how a server of a different topology loads just its own slice (resharding)."""
+        pieces = self.slices(name)
+        size = pieces[0][0].size
+        if not 0 <= start <= stop <= size:
+            raise ValueError(f"range [{start}, {stop}) outside tensor {name!r} of {size} elements")
+        for info, a in pieces:  # one stored piece covers it: a zero-copy view
+            if info.start <= start and stop <= info.stop:
+                return a[start - info.start : stop - info.start]
+        out = np.empty(stop - start, np.dtype(pieces[0][0].dtype))
+        filled = 0
+        for info, a in pieces:
+            lo, hi = max(start, info.start), min(stop, info.stop)
+            if lo < hi:
+                out[lo - start : hi - start] = a[lo - info.start : hi - info.start]
+                filled += hi - lo
+        if filled != stop - start:
+            raise _fail(
+                self.location,
+                f"tensor {name!r}: stored slices leave [{start}, {stop}) partly uncovered",
+            )
+        return out
+
+    def verify_tensors(self) -> int:
+        """Check every tensor slice against its own checksum (the ``params.meta`` column);
+        returns the number of bytes hashed."""
+        total = 0
+        for t in self.manifest["tensors"]:
+            a = self._arrays[(t["name"], t["start"])]
+            if xxhash.xxh3_64_hexdigest(memoryview(a.reshape(-1).view(np.uint8))) != t["xxh3"]:
+                raise _fail(
+                    self.location.join(f"shard-{t['shard']}.arrow"),
+                    f"checksum mismatch in tensor {t['name']!r}",
+                )
+            total += a.nbytes
+        return total
+
     def arrays(self, kind: str | None = "param") -> dict[str, np.ndarray]:
         return {n: self.array(n) for n in self.names(kind)}
 

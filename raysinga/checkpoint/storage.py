@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
-from .format import CheckpointError
+from .format import MANIFEST, CheckpointError
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,31 @@ def read_bytes(loc: Location, limit: int | None = None) -> bytes:
         return f.read(limit) if limit is not None else f.read()
 
 
+def staging_dir(root: Location, name: str, tag: str) -> Location:
+    """Where the checkpoint directory ``name`` is written before its commit.
+
+    Local: a ``<name>.tmp-<tag>`` sibling, renamed into place by :func:`commit_dir`. Elsewhere
+    (object stores have no directory rename; S3 ``move`` copies single objects only): ``name``
+    itself, written in place with the manifest last, which is the commit. A directory of that
+    name without a manifest is what an interrupted writer left: it is removed here; one with a
+    manifest is a checkpoint and is never overwritten.
+    """
+    if root.local:
+        return root.join(f"{name}.tmp-{tag}")
+    final = root.join(name)
+    if exists(final):
+        if exists(final.join(MANIFEST)):
+            raise CheckpointError(f"{final}: already exists; a checkpoint is never overwritten")
+        remove_dir(final)
+    return final
+
+
 def commit_dir(tmp: Location, final: Location) -> None:
-    """Make ``tmp`` appear as ``final`` all at once (local: rename + directory fsync)."""
+    """Make ``tmp`` appear as ``final`` all at once (local: rename + directory fsync).
+    Elsewhere ``tmp`` is ``final`` (see :func:`staging_dir`) and the manifest already written
+    last was the commit: nothing is left to do."""
+    if not tmp.local and tmp.path == final.path:
+        return
     if exists(final):
         raise CheckpointError(f"{final}: already exists; a checkpoint is never overwritten")
     if tmp.local:

@@ -3,7 +3,9 @@
 Each shard is written into the temporary directory ``step-N.tmp-<id>`` beside its final place and
 hashed as it is written; :func:`commit` writes ``params.meta`` and, last, the manifest with every
 file's size and checksum, then renames the directory into place. A crash at any point leaves at
-most a ``.tmp-`` directory, which readers ignore and the next writer removes.
+most a ``.tmp-`` directory, which readers ignore and the next writer removes. Object stores have
+no directory rename: there the shards go straight into ``step-N`` and the manifest, written last,
+is the commit (see :func:`storage.staging_dir`).
 """
 
 from __future__ import annotations
@@ -88,11 +90,12 @@ def _record_batch(info: TensorInfo, arr: Any) -> pa.RecordBatch:
 
 
 def begin(root: str | Location, step: int) -> Location:
-    """Create and return the temporary directory for the checkpoint of ``step``."""
+    """Create and return the directory the checkpoint of ``step`` is written into: a temporary
+    one on local disk, ``step-<step>`` itself on object stores."""
     root = storage.resolve(root)
     if not isinstance(step, int) or step < 0:
         raise CheckpointError(f"step must be a non-negative integer, got {step!r}")
-    tmp = root.join(f"step-{step}.tmp-{uuid.uuid4().hex[:12]}")
+    tmp = storage.staging_dir(root, f"step-{step}", uuid.uuid4().hex[:12])
     tmp.fs.create_dir(tmp.path, recursive=True)
     return tmp
 
