@@ -15,6 +15,7 @@ The manifest is written last and checked first. Nothing is ever unpickled.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -63,7 +64,7 @@ class TensorInfo:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)  # Python ints: a crafted shape cannot overflow
 
     @property
     def nbytes(self) -> int:
@@ -93,8 +94,8 @@ class TensorInfo:
 def as_array(a: Any) -> np.ndarray:
     """A C-contiguous little-endian array of a supported dtype (no copy when it already is)."""
     arr = np.asarray(a)
+    if arr.dtype.byteorder == ">":  # before the check: str() of a big-endian dtype is ">i4"
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
     if str(arr.dtype) not in DTYPES:
         raise CheckpointError(f"dtype {arr.dtype} cannot be stored; supported: {DTYPES}")
-    if arr.dtype.byteorder == ">":
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
     return np.ascontiguousarray(arr)

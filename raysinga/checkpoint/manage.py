@@ -92,10 +92,13 @@ def prune(root: str | Location, keep_last: int, keep_every: int | None = None) -
         raise ValueError(f"keep_every must be >= 1 or None, got {keep_every}")
     root = storage.resolve(root)
     all_steps = steps(root)
+    if not root.local:  # written in place there: a step directory without a manifest is unfinished
+        all_steps = [s for s in all_steps if not storage.remove_unfinished(root.join(f"step-{s}"))]
     keep = set(all_steps[:keep_last])
     if keep_every:
         keep |= {s for s in all_steps if s % keep_every == 0}
-    newest_valid = latest(root, verify="fast").checkpoint
+    # full: a checkpoint whose bytes are corrupt but sizes right must not count as the valid one
+    newest_valid = latest(root, verify="full").checkpoint
     if newest_valid is not None:
         keep.add(newest_valid.step)
     deleted = []

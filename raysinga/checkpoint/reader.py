@@ -12,11 +12,13 @@ from typing import Any
 import msgpack
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import xxhash
 
 from . import storage
 from .format import FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError, TensorInfo
 from .storage import Location
+from .writer import SCHEMA
 
 MAX_MANIFEST = 256 << 20
 _HASH_CHUNK = 16 << 20
@@ -82,7 +84,7 @@ def _check_structure(loc: Location, m: dict[str, Any]) -> None:
         try:
             info = to_info(t)
             info.check()
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, CheckpointError) as e:
             raise bad(f"tensor entry {t!r:.80} ({e})") from None
         if f"shard-{info.shard}.arrow" not in shard_files:
             raise bad(f"tensor {info.name!r} points to a missing shard {info.shard}")
@@ -173,6 +175,34 @@ class Checkpoint:
             )
         return cls(loc, m, arrays)
 
+    @classmethod
+    def from_buffers(cls, files: dict[str, Any], label: str, verify: str = "fast") -> Checkpoint:
+        """A checkpoint from its files' bytes in memory (an object-store copy), with the same
+        checks as :meth:`open`; tensors are views of those bytes."""
+        if verify not in VERIFY:
+            raise ValueError(f"verify must be one of {VERIFY}, got {verify!r}")
+        loc = Location(pafs.LocalFileSystem(), label)
+        if MANIFEST not in files:
+            raise _fail(loc, f"not a checkpoint: it has no {MANIFEST}")
+        m = unseal(loc.join(MANIFEST), bytes(files[MANIFEST]))
+        for f in m["files"]:
+            floc, data = loc.join(f["file"]), files.get(f["file"])
+            if data is None:
+                raise _fail(floc, "missing")
+            if len(data) != f["size"]:
+                raise _fail(floc, f"size {len(data)} bytes, manifest says {f['size']}")
+            if verify == "full" and xxhash.xxh3_64_hexdigest(data) != f["xxh3"]:
+                raise _fail(floc, "checksum mismatch: the file is corrupt")
+        arrays: dict[tuple[str, int], np.ndarray] = {}
+        expect = {(t["name"], t["start"]): to_info(t) for t in m["tensors"]}
+        for f in m["files"]:
+            if f["file"].startswith("shard-"):
+                src = pa.BufferReader(pa.py_buffer(files[f["file"]]))
+                arrays.update(_read_shard(loc.join(f["file"]), expect, src))
+        if set(expect) - set(arrays):
+            raise _fail(loc, "tensor slices listed in the manifest are absent from the shards")
+        return cls(loc, m, arrays)
+
     def names(self, kind: str | None = None) -> list[str]:
         seen: dict[str, None] = {}
         for i in self.infos:
@@ -251,20 +281,27 @@ class Checkpoint:
 
 
 def _read_shard(
-    loc: Location, expect: dict[tuple[str, int], TensorInfo]
+    loc: Location, expect: dict[tuple[str, int], TensorInfo], source: Any = None
 ) -> dict[tuple[str, int], np.ndarray]:
     try:
-        if loc.local:
+        if source is not None:
+            pass
+        elif loc.local:
             source: Any = pa.memory_map(loc.path, "r")
         else:
             with loc.fs.open_input_file(loc.path) as f:
                 source = pa.BufferReader(f.read_buffer())
         reader = pa.ipc.open_file(source)
+        if not reader.schema.equals(SCHEMA):
+            raise ValueError("unexpected schema")
         out = {}
         for i in range(reader.num_record_batches):
             b = reader.get_batch(i)
-            if b.num_rows != 1 or b.schema.names[-1] != "data":
+            if b.num_rows != 1 or not b.schema.equals(SCHEMA):
                 raise ValueError("unexpected record batch layout")
+            # Arrow trusts offsets and lengths it reads; a corrupt shard that passed a size-only
+            # check (verify="fast") must not reach them unchecked (it can crash the process).
+            b.validate(full=True)
             row = {k: b.column(k)[0].as_py() for k in b.schema.names[:-1]}
             info = expect.get((row["name"], row["start"]))
             if info is None or [

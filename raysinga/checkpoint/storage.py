@@ -108,6 +108,15 @@ def staging_dir(root: Location, name: str, tag: str) -> Location:
     return final
 
 
+def remove_unfinished(loc: Location) -> bool:
+    """Remove the checkpoint directory ``loc`` if it has no manifest (an interrupted in-place
+    write on an object store, see :func:`staging_dir`); True if it was removed."""
+    if exists(loc.join(MANIFEST)):
+        return False
+    remove_dir(loc)
+    return True
+
+
 def commit_dir(tmp: Location, final: Location) -> None:
     """Make ``tmp`` appear as ``final`` all at once (local: rename + directory fsync).
     Elsewhere ``tmp`` is ``final`` (see :func:`staging_dir`) and the manifest already written

@@ -10,9 +10,10 @@ is the commit (see :func:`storage.staging_dir`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import msgpack
@@ -96,7 +97,8 @@ def begin(root: str | Location, step: int) -> Location:
     if not isinstance(step, int) or step < 0:
         raise CheckpointError(f"step must be a non-negative integer, got {step!r}")
     tmp = storage.staging_dir(root, f"step-{step}", uuid.uuid4().hex[:12])
-    tmp.fs.create_dir(tmp.path, recursive=True)
+    with _writing(tmp):
+        tmp.fs.create_dir(tmp.path, recursive=True)
     return tmp
 
 
@@ -114,7 +116,7 @@ def write_shard(
     loc = tmp.join(f"shard-{shard}.arrow")
     opts = pa.ipc.IpcWriteOptions(compression=compression)
     entries = []
-    with loc.fs.open_output_stream(loc.path) as raw:
+    with _writing(loc), loc.fs.open_output_stream(loc.path) as raw:
         sink = _HashingSink(raw)
         with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), SCHEMA, options=opts) as w:
             for info, a in tensors:
@@ -143,7 +145,8 @@ def write_shard(
                     }
                 )
     if loc.local:
-        storage.fsync_path(loc.path)
+        with _writing(loc):
+            storage.fsync_path(loc.path)
     return {
         "file": f"shard-{shard}.arrow",
         "size": sink.size,
@@ -161,6 +164,7 @@ def commit(
     ids = sorted(int(s["file"].split("-")[1].split(".")[0]) for s in shards)
     if ids != list(range(len(shards))):
         raise CheckpointError(f"shards must be numbered 0..{len(shards) - 1}, got {ids}")
+    _check_unique(shards)
     lines = [
         "# raysinga checkpoint: name kind shape dtype slice version shard checksum",
         *(
@@ -170,7 +174,8 @@ def commit(
         ),
     ]
     meta_bytes = ("\n".join(lines) + "\n").encode()
-    storage.write_bytes(tmp.join(META), meta_bytes)
+    with _writing(tmp.join(META)):
+        storage.write_bytes(tmp.join(META), meta_bytes)
     manifest = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -200,10 +205,23 @@ def commit(
             for t in s["tensors"]
         ],
     }
-    storage.write_bytes(tmp.join(MANIFEST), seal(manifest))
+    sealed = seal(manifest)
+    with _writing(tmp.join(MANIFEST)):
+        storage.write_bytes(tmp.join(MANIFEST), sealed)
     final = Location(tmp.fs, tmp.path.rsplit(".tmp-", 1)[0])
-    storage.commit_dir(tmp, final)
+    with _writing(final):
+        storage.commit_dir(tmp, final)
     return final
+
+
+@contextlib.contextmanager
+def _writing(loc: Location) -> Iterator[None]:
+    """An OSError while writing (a full disk, a lost connection) as a CheckpointError naming
+    the file; callers (``save``) remove the temporary directory."""
+    try:
+        yield
+    except OSError as e:
+        raise CheckpointError(f"{loc}: could not write: {e}") from e
 
 
 def seal(manifest: dict[str, Any]) -> bytes:
@@ -214,6 +232,27 @@ def seal(manifest: dict[str, Any]) -> bytes:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint metadata must be plain data (msgpack): {e}") from None
     return msgpack.packb({"body": body, "xxh3": xxhash.xxh3_64_hexdigest(body)}, use_bin_type=True)
+
+
+def _check_unique(shards: list[dict[str, Any]]) -> None:
+    """Each slice once, and all slices of a name agree on kind, shape and dtype: a reader keys
+    slices by (name, start), so a duplicate would make the checkpoint unreadable."""
+    seen: dict[tuple[str, int], None] = {}
+    desc: dict[str, tuple[Any, ...]] = {}
+    for s in shards:
+        for t in s["tensors"]:
+            key = (t["name"], t["start"])
+            if key in seen:
+                raise CheckpointError(
+                    f"tensor {t['name']!r}: the slice starting at {t['start']} is stored twice"
+                )
+            seen[key] = None
+            d = (t["kind"], tuple(t["shape"]), t["dtype"])
+            if desc.setdefault(t["name"], d) != d:
+                raise CheckpointError(
+                    f"tensor {t['name']!r}: slices disagree on kind/shape/dtype "
+                    f"({desc[t['name']]} vs {d})"
+                )
 
 
 def _info_dict(info: TensorInfo) -> dict[str, Any]:

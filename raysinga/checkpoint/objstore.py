@@ -1,0 +1,190 @@
+"""Checkpoints in Ray's object store: one ObjectRef per checkpoint, read back zero-copy.
+
+The object is a single uint8 array holding the checkpoint's files back to back (a small msgpack
+index in front), so it is the very bytes of the directory format: the same validation applies, no
+pickle of ours is involved, and a reader on the same node maps it straight out of shared memory.
+A named, detached :class:`CheckpointRegistry` actor can own these objects (it puts them itself),
+so they outlive the job that made them; when an object is lost, :func:`fetch` falls back to the
+disk copy.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from . import storage
+from .format import MANIFEST, CheckpointError
+from .reader import Checkpoint, unseal
+from .storage import Location
+
+MAGIC = b"RSCKPT01"
+ALIGN = 64
+REGISTRY_NAME = "raysinga-checkpoints"
+REGISTRY_NAMESPACE = "raysinga"
+
+
+def pack(where: str | Location) -> np.ndarray:
+    """The files of a committed checkpoint directory as one array (one copy of the bytes)."""
+    loc = storage.resolve(where)
+    manifest = storage.read_bytes(loc.join(MANIFEST))
+    names = [f["file"] for f in unseal(loc.join(MANIFEST), manifest)["files"]] + [MANIFEST]
+    sizes = [len(manifest) if n == MANIFEST else storage.size(loc.join(n)) for n in names]
+    if any(s is None for s in sizes):
+        raise CheckpointError(f"{loc}: a file listed in its manifest is missing")
+    index, off = [], 0
+    for n, s in zip(names, sizes, strict=True):
+        index.append([n, off, s])
+        off += -(-s // ALIGN) * ALIGN
+    head = msgpack.packb({"files": index}, use_bin_type=True)
+    start = -(-(len(MAGIC) + 8 + len(head)) // ALIGN) * ALIGN
+    out = np.zeros(start + off, np.uint8)
+    out[: len(MAGIC) + 8 + len(head)] = np.frombuffer(
+        MAGIC + struct.pack("<Q", len(head)) + head, np.uint8
+    )
+    for n, o, s in index:
+        dst = out[start + o : start + o + s]
+        if n == MANIFEST:
+            dst[:] = np.frombuffer(manifest, np.uint8)
+        else:
+            with loc.fs.open_input_file(loc.join(n).path) as f:
+                if f.readinto(memoryview(dst)) != s:
+                    raise CheckpointError(f"{loc.join(n)}: shorter than its manifest says")
+    return out
+
+
+def unpack(buf: Any, label: str = "object") -> dict[str, memoryview]:
+    """File name -> bytes (views into ``buf``, no copy)."""
+    mv = memoryview(buf).cast("B")
+    try:
+        if bytes(mv[: len(MAGIC)]) != MAGIC:
+            raise ValueError("bad magic")
+        (hlen,) = struct.unpack("<Q", mv[len(MAGIC) : len(MAGIC) + 8])
+        head = msgpack.unpackb(bytes(mv[len(MAGIC) + 8 : len(MAGIC) + 8 + hlen]), raw=False)
+        start = -(-(len(MAGIC) + 8 + hlen) // ALIGN) * ALIGN
+        files = {}
+        for n, o, s in head["files"]:
+            if not (isinstance(n, str) and 0 <= o and 0 <= s and start + o + s <= len(mv)):
+                raise ValueError("index out of range")
+            files[n] = mv[start + o : start + o + s]
+        return files
+    except Exception as e:  # noqa: BLE001 - malformed object, whatever the cause
+        raise CheckpointError(f"{label}: not a packed raysinga checkpoint ({e})") from None
+
+
+def put(where: str | Location) -> Any:
+    """Put a committed checkpoint into the object store, owned by this process."""
+    import ray  # noqa: PLC0415
+
+    return ray.put(pack(where))
+
+
+def get(ref: Any, verify: str = "fast") -> Checkpoint:
+    """The checkpoint behind ``ref``, its tensors read-only views of the shared object."""
+    import ray  # noqa: PLC0415
+
+    arr = ray.get(ref)
+    label = f"object {ref.hex()[:16]}"
+    return Checkpoint.from_buffers(unpack(arr, label), label, verify=verify)
+
+
+class CheckpointRegistry:
+    """A detached actor's table of checkpoints by (run, step): ObjectRef and disk location."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def register(self, run: str, step: int, refs: list[Any], uri: str | None, nbytes: int) -> None:
+        """Record a checkpoint object that someone else owns (it lives as long as its owner)."""
+        self._entries[(run, step)] = {"refs": refs, "uri": uri, "nbytes": nbytes}
+
+    def adopt(self, run: str, step: int, uri: str) -> list[Any]:
+        """Put the committed checkpoint at ``uri`` into the object store from this actor, which
+        thereby owns the object: it outlives the job that asked. Returns ``[ref]``."""
+        import ray  # noqa: PLC0415
+
+        arr = pack(uri)
+        ref = ray.put(arr)
+        self._entries[(run, step)] = {"refs": [ref], "uri": uri, "nbytes": int(arr.nbytes)}
+        return [ref]
+
+    def lookup(self, run: str, step: int | None = None) -> dict[str, Any] | None:
+        """The entry of ``step``, or of the run's newest step when ``step`` is None."""
+        if step is None:
+            steps = [s for r, s in self._entries if r == run]
+            if not steps:
+                return None
+            step = max(steps)
+        e = self._entries.get((run, step))
+        return None if e is None else {**e, "run": run, "step": step}
+
+    def list(self, run: str | None = None) -> list[dict[str, Any]]:
+        return [
+            {"run": r, "step": s, "uri": e["uri"], "nbytes": e["nbytes"]}
+            for (r, s), e in sorted(self._entries.items())
+            if run is None or r == run
+        ]
+
+    def delete(self, run: str, step: int) -> bool:
+        return self._entries.pop((run, step), None) is not None
+
+
+def registry(create: bool = True) -> Any:
+    """The cluster's registry actor (named, detached: it outlives jobs)."""
+    import ray  # noqa: PLC0415
+
+    try:
+        return ray.get_actor(REGISTRY_NAME, namespace=REGISTRY_NAMESPACE)
+    except ValueError:
+        if not create:
+            raise
+    return (
+        ray.remote(CheckpointRegistry)
+        .options(
+            name=REGISTRY_NAME,
+            namespace=REGISTRY_NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+        )
+        .remote()
+    )
+
+
+def publish(where: str | Location, run: str, reg: Any = None) -> Any:
+    """Put a committed checkpoint in the object store, owned by the registry; returns the ref."""
+    import ray  # noqa: PLC0415
+
+    reg = reg or registry()
+    loc = storage.resolve(where)
+    ck = Checkpoint.open(loc, verify="fast")
+    uri = loc.path if loc.local else str(loc)
+    return ray.get(reg.adopt.remote(run, ck.step, uri))[0]
+
+
+def fetch(run: str, step: int | None = None, reg: Any = None, verify: str = "fast") -> Checkpoint:
+    """A registered checkpoint from the object store, or from its disk copy if the object is
+    gone (its node died, or it was evicted)."""
+    import ray  # noqa: PLC0415
+    from ray.exceptions import ObjectLostError, OwnerDiedError, RayError  # noqa: PLC0415
+
+    reg = reg or registry(create=False)
+    entry = ray.get(reg.lookup.remote(run, step))
+    if entry is None:
+        raise CheckpointError(
+            f"no checkpoint of run {run!r}"
+            + (f" at step {step}" if step is not None else "")
+            + " in the registry"
+        )
+    try:
+        return get(entry["refs"][0], verify=verify)
+    except (ObjectLostError, OwnerDiedError, RayError) as e:
+        if not entry["uri"]:
+            raise CheckpointError(
+                f"run {run!r} step {entry['step']}: the object is lost "
+                f"({type(e).__name__}) and there is no disk copy"
+            ) from None
+        return Checkpoint.open(entry["uri"], verify="full")

@@ -1,0 +1,112 @@
+"""Checkpoints through Ray's object store: zero-copy in another task, a registry that outlives
+the job that published, and the fall-back to disk when the object is gone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from ray import cloudpickle
+
+from raysinga import checkpoint as C
+from raysinga.checkpoint import objstore as O
+
+# Ray's workers cannot import this test module: ship its functions by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+DTYPES = ["float16", "float32", "float64", "int8", "int64", "uint16", "bool"]
+
+
+def _load_in_task(refs):
+    ck = O.get(refs[0], verify="full")
+    return {n: (a.copy(), a.flags.writeable) for n, a in ck.arrays(None).items()}
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.dictionaries(
+        st.from_regex(r"[a-z]{1,4}(/[a-z]{1,4}){0,2}", fullmatch=True),
+        st.sampled_from(DTYPES).flatmap(
+            lambda dt: hnp.arrays(
+                dt, hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4)
+            )
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_round_trip_through_the_object_store_into_another_task(
+    ray_session, tmp_path_factory, tensors
+):
+    root = tmp_path_factory.mktemp("ck")
+    path = C.save(root, 1, tensors, meta={"k": [1, 2]})
+    ref = O.put(path)
+    got = ray_session.get(ray_session.remote(_load_in_task).remote([ref]))
+    assert set(got) == set(tensors)
+    for name, a in tensors.items():
+        b, writeable = got[name]
+        assert b.dtype == a.dtype and b.shape == a.shape
+        np.testing.assert_array_equal(b, a)
+        if a.size:  # a view of the shared object, not a private copy
+            assert not writeable
+
+
+def test_a_corrupt_object_is_refused(ray_session, tmp_path):
+    path = C.save(tmp_path, 2, {"w": np.arange(100, dtype=np.float32)})
+    files = O.unpack(O.pack(path))  # views into the packed buffer
+    shard = files["shard-0.arrow"]
+    shard[len(shard) // 2] ^= 0xFF
+    with pytest.raises(C.CheckpointError, match=r"shard-0.arrow: checksum mismatch"):
+        C.Checkpoint.from_buffers(files, "object x", verify="full")
+    with pytest.raises(C.CheckpointError, match="not a packed raysinga checkpoint"):
+        O.unpack(np.zeros(100, np.uint8))
+
+
+PUBLISH = textwrap.dedent("""
+    import sys, numpy as np, ray
+    from raysinga import checkpoint as C
+    from raysinga.checkpoint import objstore as O
+    ray.init(address=sys.argv[1], log_to_driver=False)
+    path = C.save(sys.argv[2], 7, {"w": np.arange(10, dtype=np.float32)})
+    if sys.argv[3] == "registry":
+        O.publish(path, "job-run")
+    else:  # an object owned by this short-lived job, merely registered
+        ref = O.put(path)
+        ray.get(O.registry().register.remote("lost-run", 7, [ref], str(path), 0))
+    print("published")
+""")
+
+
+def publish_from_another_job(ray_session, root, how):
+    addr = ray_session.get_runtime_context().gcs_address
+    r = subprocess.run(
+        [sys.executable, "-c", PUBLISH, addr, str(root), how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and "published" in r.stdout, r.stderr
+
+
+def test_the_registry_keeps_a_checkpoint_after_its_job_ends(ray_session, tmp_path):
+    publish_from_another_job(ray_session, tmp_path, "registry")
+    ck = O.fetch("job-run", 7)
+    np.testing.assert_array_equal(ck.array("w"), np.arange(10, dtype=np.float32))
+    assert "object" in str(ck.location)  # it came from memory, not from the disk copy
+    assert any(e["run"] == "job-run" for e in ray_session.get(O.registry().list.remote()))
+    assert ray_session.get(O.registry().delete.remote("job-run", 7))
+
+
+def test_a_lost_object_falls_back_to_the_disk_copy(ray_session, tmp_path):
+    publish_from_another_job(ray_session, tmp_path, "owned-by-job")
+    ck = O.fetch("lost-run", 7)  # the owner (that job) is gone: the object is too
+    assert str(ck.location).endswith("step-7")
+    np.testing.assert_array_equal(ck.array("w"), np.arange(10, dtype=np.float32))
