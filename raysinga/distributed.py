@@ -25,6 +25,7 @@ from .actors.worker import Worker
 from .config import JobConfig
 from .data import load_dataset
 from .model import Net
+from .optim import make_optimizer
 from .trainer import MetricsLog, TrainResult, _check_fits, _format
 
 ROLE_CLASSES = {"server": ParamServer, "worker": Worker, "stub": Stub}
@@ -53,6 +54,8 @@ class DistributedTrainer:
                 f"topology.workers_per_group {self.topo.workers_per_group}"
             )
         self.shapes = self.net.param_shapes()
+        self.updater = {k: v for k, v in cfg.updater.items() if k != "clip_norm"}
+        self.schedule = make_optimizer(self.updater).schedule  # for the lr in progress lines
         self.slices = plan_slices(
             self.shapes, self.net.dtype.itemsize, self.topo.n_servers, self.topo.slice_bytes
         )
@@ -70,7 +73,7 @@ class DistributedTrainer:
         self.placement = p = cluster.place(topo)
         tag = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
         model, dtype = cfg.model.to_dict(), cfg.dtype
-        updater = {k: v for k, v in cfg.updater.items() if k != "clip_norm"}
+        updater = self.updater
         self.servers = [
             cluster.spawn(
                 self.classes["server"],
@@ -260,13 +263,7 @@ class DistributedTrainer:
         }
 
     def _lr(self, step: int) -> float:
-        from .optim import make_optimizer  # noqa: PLC0415
-
-        if not hasattr(self, "_opt"):
-            self._opt = make_optimizer(
-                {k: v for k, v in self.cfg.updater.items() if k != "clip_norm"}
-            )
-        return self._opt.lr(step)
+        return self.schedule(step)
 
     def gather_params(self) -> dict[str, np.ndarray]:
         """Whole parameters assembled from the servers' slices (small models, tests)."""
