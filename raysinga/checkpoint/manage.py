@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,14 +84,26 @@ def latest(root: str | Location, verify: str = "full") -> Latest:
     return out
 
 
-def prune(root: str | Location, keep_last: int, keep_every: int | None = None) -> list[int]:
+def prune(
+    root: str | Location, keep_last: int, keep_every: int | None = None, lock: bool = True
+) -> list[int]:
     """Delete checkpoints beyond the newest ``keep_last``, except every ``keep_every``-th step
-    and the newest valid one; remove leftover temporary directories. Returns deleted steps."""
+    and the newest valid one; remove leftover temporary directories. Returns deleted steps.
+
+    It takes the run's writer lock (a live writer's temporary directory is not leftover);
+    ``lock=False`` is for a writer that already holds it."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     if keep_every is not None and keep_every < 1:
         raise ValueError(f"keep_every must be >= 1 or None, got {keep_every}")
     root = storage.resolve(root)
+    if not storage.exists(root):
+        raise CheckpointError(f"{root}: no such run directory")
+    with RunLock(root) if lock else contextlib.nullcontext():
+        return _prune(root, keep_last, keep_every)
+
+
+def _prune(root: Location, keep_last: int, keep_every: int | None) -> list[int]:
     all_steps = steps(root)
     if not root.local:  # written in place there: a step directory without a manifest is unfinished
         all_steps = [s for s in all_steps if not storage.remove_unfinished(root.join(f"step-{s}"))]

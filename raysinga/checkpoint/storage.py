@@ -7,6 +7,7 @@ written last, so a directory without a valid manifest is never taken for a check
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 from dataclasses import dataclass
@@ -162,20 +163,31 @@ class RunLock:
         return self
 
     def _acquire_local(self) -> None:
-        for _ in range(2):
+        # Check-and-create under an flock of the run directory itself: the kernel drops it when
+        # its holder dies, so it is never stale, and two writers taking over one dead lock
+        # cannot both win. The lock file appears whole (rename), so a writer killed while
+        # taking it never leaves an empty one behind.
+        guard = os.open(self.root.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            for name in os.listdir(self.root.path):  # left by writers killed mid-acquire
+                if name.startswith(".writer.lock.tmp-"):
+                    os.unlink(os.path.join(self.root.path, name))
             try:
-                fd = os.open(self.file.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
                 holder = open(self.file.path).read().strip()
+            except FileNotFoundError:
+                holder = None
+            if holder is not None:
                 host, _, pid = holder.partition(" ")
-                if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
-                    os.unlink(self.file.path)  # its writer died without letting go
-                    continue
-                raise CheckpointError(self._busy(holder)) from None
-            with os.fdopen(fd, "w") as f:
+                if not (host == socket.gethostname() and pid.isdigit() and not _alive(int(pid))):
+                    raise CheckpointError(self._busy(holder))
+                # else: its writer died without letting go; the rename below replaces it
+            tmp = f"{self.file.path}.tmp-{os.getpid()}"
+            with open(tmp, "w") as f:
                 f.write(self.owner)
-            return
-        raise CheckpointError(self._busy("unknown"))
+            os.rename(tmp, self.file.path)
+        finally:
+            os.close(guard)  # also releases the flock
 
     def _busy(self, holder: str) -> str:
         return (

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -33,6 +34,8 @@ from raysinga.checkpoint import (
 )
 from raysinga.checkpoint.format import DTYPES, MANIFEST
 from raysinga.checkpoint.writer import seal
+
+REPO = Path(__file__).resolve().parents[2]
 
 SETTINGS = settings(
     max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None
@@ -331,6 +334,61 @@ def test_lock_of_a_live_or_foreign_holder_is_respected(tmp_path, holder):
     with pytest.raises(CheckpointError, match="another writer"):
         save(tmp_path, 1, {"w": np.ones(2)})
     assert (tmp_path / ".writer.lock").read_text() == text
+
+
+def test_lock_left_half_taken_by_a_killed_writer_is_cleared(tmp_path):
+    # a writer SIGKILLed while taking the lock leaves at most its temporary file, never an
+    # empty lock that would refuse every later writer
+    (tmp_path / f".writer.lock.tmp-{_dead_pid()}").write_text("")
+    save(tmp_path, 1, {"w": np.ones(2)})
+    assert sorted(os.listdir(tmp_path)) == ["step-1"]
+
+
+TAKE_OVER = """
+import sys
+from raysinga.checkpoint import RunLock, resolve, CheckpointError
+try:
+    RunLock(resolve(sys.argv[1])).acquire()
+    print("won", flush=True)
+    sys.stdin.read()  # hold it until every contender has answered
+except CheckpointError:
+    print("refused", flush=True)
+"""
+
+
+def test_two_writers_taking_over_one_dead_lock_cannot_both_win(tmp_path):
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for _ in range(3):
+        (tmp_path / ".writer.lock").write_text(f"{socket.gethostname()} {_dead_pid()}")
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", TAKE_OVER, str(tmp_path)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for _ in range(4)
+        ]
+        outs = sorted(p.stdout.readline().strip() for p in procs)
+        for p in procs:
+            p.stdin.close()
+            p.wait(timeout=60)
+        assert outs == ["refused"] * 3 + ["won"]
+
+
+def test_prune_refuses_while_another_writer_holds_the_run(tmp_path):
+    save(tmp_path, 1, {"w": np.ones(2)})
+    save(tmp_path, 2, {"w": np.ones(2)})
+    with RunLock(resolve(tmp_path)):
+        (tmp_path / "step-3.tmp-live").mkdir()  # that writer's save in progress
+        with pytest.raises(CheckpointError, match="another writer"):
+            prune(tmp_path, keep_last=1)
+        assert steps(tmp_path) == [2, 1] and (tmp_path / "step-3.tmp-live").exists()
+        assert prune(tmp_path, keep_last=1, lock=False) == [1]  # the writer's own call
+    with pytest.raises(CheckpointError, match="no such run directory"):
+        prune(tmp_path / "nope", keep_last=1)
+    assert not (tmp_path / "nope").exists()
 
 
 # --- latest / prune -----------------------------------------------------------------------------
