@@ -7,11 +7,13 @@ written last, so a directory without a valid manifest is never taken for a check
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow.fs as pafs
 import xxhash
@@ -89,6 +91,27 @@ def hash_local_file(path: str) -> tuple[int, str]:
             return 0, xxhash.xxh3_64_hexdigest(b"")
         with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m, memoryview(m) as mv:
             return size, xxhash.xxh3_64_hexdigest(mv)
+
+
+def _load_sync_file_range() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing ``[offset, offset + length)`` of ``fd`` to the device now,
+    without waiting (a hint: errors surface at the ``fsync`` that follows)."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 def write_bytes(loc: Location, data: bytes) -> None:
