@@ -11,7 +11,6 @@ is the commit (see :func:`storage.staging_dir`).
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -32,6 +31,7 @@ from .format import (
     TensorInfo,
     as_array,
 )
+from .sink import ShardSink
 from .storage import Location
 
 SCHEMA = pa.schema(
@@ -47,93 +47,6 @@ SCHEMA = pa.schema(
     ]
 )
 COMPRESSIONS = (None, "zstd", "lz4")
-
-
-PIECE = 16 << 20  # bytes written (and hashed) per call on large buffers
-SMALL = 64 << 10  # writes below this are gathered: Arrow's framing comes in pieces of bytes
-
-
-class _ShardSink:
-    """The file-like object Arrow writes a shard into: every byte is hashed on a helper thread
-    while the kernel copies it out (xxhash and ``write`` both let go of the GIL), so the file's
-    checksum costs no extra pass.
-
-    On local disk the bytes go straight to a file descriptor, and the kernel is told to start
-    writing back each finished stretch (``sync_file_range``), so the device works while later
-    tensors are still being copied and the closing ``fsync`` finds little left to do.
-    """
-
-    def __init__(self, loc: Location, pool: ThreadPoolExecutor) -> None:
-        self.loc, self.pool = loc, pool
-        self.hash, self.size, self.closed = xxhash.xxh3_64(), 0, False
-        self._small = bytearray()
-        self._started = 0  # bytes handed to the kernel's write-back so far
-        if loc.local:
-            self.fd: int | None = os.open(loc.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            self.stream: Any = None
-        else:
-            self.fd, self.stream = None, loc.fs.open_output_stream(loc.path)
-
-    def write(self, data: Any) -> int:
-        mv = memoryview(data).cast("B")
-        n = len(mv)
-        if n < SMALL:
-            self._small += mv
-            if len(self._small) >= SMALL:
-                self._drain()
-            return n
-        self._drain()
-        for i in range(0, n, PIECE):
-            piece = mv[i : i + PIECE]
-            hashed = self.pool.submit(self.hash.update, piece)
-            try:
-                self._put(piece)
-            finally:
-                hashed.result()
-        return n
-
-    def _drain(self) -> None:
-        if self._small:
-            self.hash.update(self._small)
-            self._put(memoryview(self._small))
-            self._small = bytearray()
-
-    def _put(self, mv: memoryview) -> None:
-        if self.fd is None:
-            self.stream.write(mv)
-        else:
-            done = 0
-            while done < len(mv):
-                done += os.write(self.fd, mv[done:])
-            if self.size + len(mv) - self._started >= PIECE:
-                storage.start_writeback(self.fd, self._started, self.size + len(mv) - self._started)
-                self._started = self.size + len(mv)
-        self.size += len(mv)
-
-    def flush(self) -> None:
-        pass
-
-    def writable(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        self.closed = True
-
-    def finish(self) -> None:
-        """Write what is gathered and make it durable (local: fsync)."""
-        self._drain()
-        if self.fd is None:
-            self.stream.close()
-        else:
-            os.fsync(self.fd)
-        self.release()
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        elif self.stream is not None and not self.stream.closed:
-            self.stream.close()
 
 
 def _record_batch(info: TensorInfo, arr: Any) -> pa.RecordBatch:
@@ -177,7 +90,7 @@ def write_shard(
     manifest (file, size, checksum, and one entry per tensor for ``params.meta``).
 
     Hashing costs a save almost nothing: each tensor and the file's bytes are hashed on helper
-    threads while Arrow writes them (see :class:`_ShardSink`).
+    threads while Arrow writes them (see :mod:`.sink`).
     """
     if compression not in COMPRESSIONS:
         raise CheckpointError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
@@ -186,8 +99,8 @@ def write_shard(
     opts = pa.ipc.IpcWriteOptions(compression=compression)
     infos: list[TensorInfo] = []
     hashes: list[Future[str]] = []
-    with ThreadPoolExecutor(2, thread_name_prefix="ckpt-hash") as pool, _writing(loc):
-        sink = _ShardSink(loc, pool)
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool, _writing(loc):
+        sink = ShardSink(loc)
         try:
             with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), SCHEMA, options=opts) as w:
                 for info, a in tensors:
@@ -201,7 +114,7 @@ def write_shard(
             sink.finish()
         finally:
             sink.release()
-        size, digest = sink.size, sink.hash.hexdigest()
+        size, digest = sink.size, sink.hexdigest()
     entries = [{**_info_dict(i), "xxh3": h.result()} for i, h in zip(infos, hashes, strict=True)]
     return {
         "file": f"shard-{shard}.arrow",

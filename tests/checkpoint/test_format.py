@@ -29,6 +29,7 @@ from raysinga.checkpoint import (
     prune,
     resolve,
     save,
+    sink,
     steps,
     write_shard,
 )
@@ -115,6 +116,22 @@ def test_multi_shard_round_trip_with_slices(tensors, compression, nshards, data)
         ck = Checkpoint.open(final)
         check_all(ck, tensors)
         assert {i.version for i in ck.infos} == {3}
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "page_cache"])
+def test_writes_across_staging_buffer_edges(tmp_path, monkeypatch, direct):
+    monkeypatch.setattr(sink, "DIRECT", direct)
+    stage = sink.STAGE
+    sizes = [0, 1, 4095, stage - 700, stage, stage + 3, 2 * stage + 5]
+    rng = np.random.default_rng(1)
+    tensors = {f"t{i}": rng.integers(0, 255, n, dtype=np.uint8) for i, n in enumerate(sizes)}
+    for step, (name, arr) in enumerate(tensors.items()):  # one tensor per file: every tail
+        ck = Checkpoint.open(save(tmp_path, step, {name: arr}), verify="full")
+        assert_same(ck.array(name), arr)
+    ck = Checkpoint.open(save(tmp_path, 99, tensors), verify="full")  # and all in one
+    for name, arr in tensors.items():
+        assert_same(ck.array(name), arr)
+    assert ck.verify_tensors() == sum(sizes)
 
 
 def test_uncompressed_read_is_a_read_only_memory_map(tmp_path):

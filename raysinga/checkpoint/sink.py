@@ -1,0 +1,179 @@
+"""Where a shard's bytes go: the file-like object Arrow's IPC writer writes into.
+
+Every byte is hashed (xxh3) on its way out, on a helper thread, so the file's checksum costs no
+extra pass over the data.
+
+On local disk the bytes are gathered into two page-aligned staging buffers and written with
+``O_DIRECT`` while the other buffer fills: no page-cache copy, no dirty pages to flush at
+``fsync``, and a checkpoint does not push the training job's own pages out of memory. Where the
+filesystem refuses ``O_DIRECT`` (older tmpfs, some network filesystems), or with
+``RAYSINGA_CHECKPOINT_DIRECT=0``, the same buffers go through the page cache and the kernel is
+asked to start writing each one back at once (``sync_file_range``), so the closing ``fsync``
+finds little left to do.
+
+Elsewhere (object stores) the bytes go to the filesystem's output stream as they come.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import xxhash
+
+from . import storage
+from .storage import Location
+
+# RAYSINGA_CHECKPOINT_DIRECT=0 turns O_DIRECT off (for a filesystem that takes it but misbehaves)
+DIRECT = os.environ.get("RAYSINGA_CHECKPOINT_DIRECT", "1") != "0" and hasattr(os, "O_DIRECT")
+STAGE = 8 << 20  # bytes per staging buffer (a multiple of every block size O_DIRECT needs)
+BLOCK = 4096  # O_DIRECT writes are whole blocks; the file is cut back to size at the end
+PIECE = 16 << 20  # stream writes (and their hashing) per call on large buffers
+
+
+class ShardSink:
+    def __init__(self, loc: Location) -> None:
+        self.hash, self.size, self.closed = xxhash.xxh3_64(), 0, False
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="ckpt-io")
+        self._local = loc.local
+        if self._local:
+            self._file: Any = _StagedFile(loc.path, self.hash, self._io)
+        else:
+            self._file = loc.fs.open_output_stream(loc.path)
+
+    # -- the file-like interface Arrow's PythonFile calls
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        if self._local:
+            self._file.write(mv)
+        else:
+            for i in range(0, n, PIECE):  # hash one piece while the stream takes it
+                piece = mv[i : i + PIECE]
+                hashed = self._io.submit(self.hash.update, piece)
+                try:
+                    self._file.write(piece)
+                finally:
+                    hashed.result()
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.closed = True  # Arrow closing its writer; the file is finished by finish()
+
+    # -- ours
+    def finish(self) -> None:
+        """Write out what is staged and make the file durable (local: fsync)."""
+        if self._local:
+            self._file.finish(self.size)
+        else:
+            self._file.close()
+        self.release()
+
+    def release(self) -> None:
+        """Free the file and the helper thread (after finish, or after a failure)."""
+        if self._local:
+            self._file.release()
+        elif not self._file.closed:
+            self._file.close()
+        self._io.shutdown(wait=True)
+
+    def hexdigest(self) -> str:
+        return self.hash.hexdigest()
+
+
+class _StagedFile:
+    """A local file written from two aligned staging buffers, one filling while the other is
+    hashed and written on the I/O thread."""
+
+    def __init__(self, path: str, hash_: Any, io: ThreadPoolExecutor) -> None:
+        self.hash, self.io = hash_, io
+        self.direct = DIRECT
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        try:
+            self.fd: int | None = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
+        except OSError as e:
+            if not self.direct or e.errno != errno.EINVAL:
+                raise
+            self.direct = False
+            self.fd = os.open(path, flags, 0o644)
+        self.bufs = [mmap.mmap(-1, STAGE), mmap.mmap(-1, STAGE)]  # page-aligned
+        self.views = [memoryview(b) for b in self.bufs]
+        self.pending: list[Future[None] | None] = [None, None]
+        self.cur, self.fill, self.offset = 0, 0, 0
+
+    def write(self, mv: memoryview) -> None:
+        while len(mv):
+            take = min(len(mv), STAGE - self.fill)
+            self.views[self.cur][self.fill : self.fill + take] = mv[:take]
+            self.fill += take
+            mv = mv[take:]
+            if self.fill == STAGE:
+                self._hand_off()
+
+    def _hand_off(self) -> None:
+        """Queue the current buffer for hashing and writing; continue in the other one."""
+        i, n = self.cur, self.fill
+        self.pending[i] = self.io.submit(self._out, i, n, self.offset)
+        self.offset += n
+        self.cur, self.fill = 1 - i, 0
+        self._wait(self.cur)  # its previous write must be done before it is refilled
+
+    def _wait(self, i: int) -> None:
+        fut, self.pending[i] = self.pending[i], None
+        if fut is not None:
+            fut.result()
+
+    def _out(self, i: int, n: int, offset: int) -> None:
+        view = self.views[i]
+        self.hash.update(view[:n])
+        length = -(-n // BLOCK) * BLOCK if self.direct else n
+        if length > n:  # the tail: whole blocks for O_DIRECT, zero padded, cut off by finish
+            view[n:length] = bytes(length - n)
+        done = 0
+        while done < length:
+            try:
+                done += os.pwrite(self.fd, view[done:length], offset + done)
+            except OSError as e:
+                if not (self.direct and e.errno == errno.EINVAL):
+                    raise
+                # the filesystem took O_DIRECT at open but refuses it now: write through the
+                # page cache from here on
+                flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+                self.direct, length = False, n
+        if not self.direct:
+            storage.start_writeback(self.fd, offset, n)
+
+    def finish(self, size: int) -> None:
+        if self.fill:
+            self._hand_off()
+        self._wait(0)
+        self._wait(1)
+        if os.fstat(self.fd).st_size != size:
+            os.ftruncate(self.fd, size)  # drop the O_DIRECT padding of the last block
+        os.fsync(self.fd)
+
+    def release(self) -> None:
+        for i in (0, 1):
+            fut, self.pending[i] = self.pending[i], None
+            if fut is not None:
+                fut.exception()  # let a write in flight finish before the buffers go
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        for v in self.views:
+            v.release()
+        for b in self.bufs:
+            b.close()
+        self.views, self.bufs = [], []
