@@ -3,8 +3,8 @@
 Every byte is hashed (xxh3) on its way out, on a helper thread, so the file's checksum costs no
 extra pass over the data.
 
-On local disk the bytes are gathered into two page-aligned staging buffers and written with
-``O_DIRECT`` while the other buffer fills: no page-cache copy, no dirty pages to flush at
+On local disk the bytes are gathered into page-aligned staging buffers and written with
+``O_DIRECT`` while the next buffer fills: no page-cache copy, no dirty pages to flush at
 ``fsync``, and a checkpoint does not push the training job's own pages out of memory. Where the
 filesystem refuses ``O_DIRECT`` (older tmpfs, some network filesystems), or with
 ``RAYSINGA_CHECKPOINT_DIRECT=0``, the same buffers go through the page cache and the kernel is
@@ -20,6 +20,7 @@ import errno
 import fcntl
 import mmap
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -31,6 +32,7 @@ from .storage import Location
 # RAYSINGA_CHECKPOINT_DIRECT=0 turns O_DIRECT off (for a filesystem that takes it but misbehaves)
 DIRECT = os.environ.get("RAYSINGA_CHECKPOINT_DIRECT", "1") != "0" and hasattr(os, "O_DIRECT")
 STAGE = 8 << 20  # bytes per staging buffer (a multiple of every block size O_DIRECT needs)
+NBUF = 4  # staging buffers: one filling, the others being hashed and written
 BLOCK = 4096  # O_DIRECT writes are whole blocks; the file is cut back to size at the end
 PIECE = 16 << 20  # stream writes (and their hashing) per call on large buffers
 
@@ -38,7 +40,7 @@ PIECE = 16 << 20  # stream writes (and their hashing) per call on large buffers
 class ShardSink:
     def __init__(self, loc: Location) -> None:
         self.hash, self.size, self.closed = xxhash.xxh3_64(), 0, False
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="ckpt-io")
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
         self._local = loc.local
         if self._local:
             self._file: Any = _StagedFile(loc.path, self.hash, self._io)
@@ -93,11 +95,12 @@ class ShardSink:
 
 
 class _StagedFile:
-    """A local file written from two aligned staging buffers, one filling while the other is
-    hashed and written on the I/O thread."""
+    """A local file written from ``NBUF`` aligned staging buffers: one fills while the others
+    are hashed (in file order, on the sink's helper thread) and written (side by side, each at
+    its own offset: a fast device wants several writes in flight)."""
 
-    def __init__(self, path: str, hash_: Any, io: ThreadPoolExecutor) -> None:
-        self.hash, self.io = hash_, io
+    def __init__(self, path: str, hash_: Any, hasher: ThreadPoolExecutor) -> None:
+        self.hash, self.hasher = hash_, hasher
         self.direct = DIRECT
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         try:
@@ -107,10 +110,12 @@ class _StagedFile:
                 raise
             self.direct = False
             self.fd = os.open(path, flags, 0o644)
-        self.bufs = [mmap.mmap(-1, STAGE), mmap.mmap(-1, STAGE)]  # page-aligned
+        self.writers = ThreadPoolExecutor(NBUF, thread_name_prefix="ckpt-write")
+        self.bufs = [mmap.mmap(-1, STAGE) for _ in range(NBUF)]  # page-aligned
         self.views = [memoryview(b) for b in self.bufs]
-        self.pending: list[Future[None] | None] = [None, None]
+        self.pending: list[list[Future[None]]] = [[] for _ in range(NBUF)]
         self.cur, self.fill, self.offset = 0, 0, 0
+        self._flip = threading.Lock()
 
     def write(self, mv: memoryview) -> None:
         while len(mv):
@@ -122,21 +127,24 @@ class _StagedFile:
                 self._hand_off()
 
     def _hand_off(self) -> None:
-        """Queue the current buffer for hashing and writing; continue in the other one."""
+        """Queue the current buffer for hashing and writing; go on in the next one."""
         i, n = self.cur, self.fill
-        self.pending[i] = self.io.submit(self._out, i, n, self.offset)
+        view = self.views[i]
+        self.pending[i] = [
+            self.hasher.submit(self.hash.update, view[:n]),
+            self.writers.submit(self._out, i, n, self.offset),
+        ]
         self.offset += n
-        self.cur, self.fill = 1 - i, 0
-        self._wait(self.cur)  # its previous write must be done before it is refilled
+        self.cur, self.fill = (i + 1) % NBUF, 0
+        self._wait(self.cur)  # its earlier hashing and writing must be done before a refill
 
     def _wait(self, i: int) -> None:
-        fut, self.pending[i] = self.pending[i], None
-        if fut is not None:
-            fut.result()
+        futs, self.pending[i] = self.pending[i], []
+        for f in futs:
+            f.result()
 
     def _out(self, i: int, n: int, offset: int) -> None:
         view = self.views[i]
-        self.hash.update(view[:n])
         length = -(-n // BLOCK) * BLOCK if self.direct else n
         if length > n:  # the tail: whole blocks for O_DIRECT, zero padded, cut off by finish
             view[n:length] = bytes(length - n)
@@ -148,27 +156,29 @@ class _StagedFile:
                 if not (self.direct and e.errno == errno.EINVAL):
                     raise
                 # the filesystem took O_DIRECT at open but refuses it now: write through the
-                # page cache from here on
-                flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
-                fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
-                self.direct, length = False, n
+                # page cache from here on (the padding, if any, is cut off by finish)
+                with self._flip:
+                    flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+                    fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+                    self.direct = False
         if not self.direct:
-            storage.start_writeback(self.fd, offset, n)
+            storage.start_writeback(self.fd, offset, length)
 
     def finish(self, size: int) -> None:
         if self.fill:
             self._hand_off()
-        self._wait(0)
-        self._wait(1)
+        for i in range(NBUF):
+            self._wait(i)
         if os.fstat(self.fd).st_size != size:
             os.ftruncate(self.fd, size)  # drop the O_DIRECT padding of the last block
         os.fsync(self.fd)
 
     def release(self) -> None:
-        for i in (0, 1):
-            fut, self.pending[i] = self.pending[i], None
-            if fut is not None:
-                fut.exception()  # let a write in flight finish before the buffers go
+        for futs in self.pending:  # let work in flight finish before the buffers go
+            for f in futs:
+                f.exception()
+        self.pending = [[] for _ in range(NBUF)]
+        self.writers.shutdown(wait=True)
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
