@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -53,7 +53,10 @@ class ParamServer:
             self.buf.arrays[s.name][...] = net.init_param(s.param, seed).reshape(-1)[
                 s.start : s.stop
             ]
+        self.shapes = net.param_shapes()
         self.optimizer = make_optimizer(updater)
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")  # background writes
+        self._writer: Future[dict[str, Any]] | None = None
         # Servers work while the workers wait for them, so spread updates over the node's cores.
         self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
         self.versions = np.zeros(len(self.slices), np.int64)
@@ -142,11 +145,104 @@ class ParamServer:
         """Copies of this server's slices by slice name (for tests and small models)."""
         return {s.name: self.buf.arrays[s.name].copy() for s in self.slices}
 
+    # ------------------------------------------------------------------ checkpoints
+    @reports_role
+    def snapshot(self, tmp: Any, shard: int, compression: str | None) -> dict[str, Any]:
+        """Copy this server's slices and their optimizer slots at this step boundary, and write
+        them as shard ``shard`` of the checkpoint being made in ``tmp`` in the background.
+
+        Returns at once with the optimizer's description (for the manifest) and the seconds the
+        copy took: the time training waits. :meth:`snapshot_result` gives the shard's record.
+        """
+        from raysinga import run_state  # noqa: PLC0415
+        from raysinga.checkpoint import writer  # noqa: PLC0415
+
+        self._join_writer()  # the driver waits for the previous one; never run two at once
+        t0 = time.perf_counter()
+        st = self.optimizer.state_dict()
+        values = {s.name: self.buf.arrays[s.name].copy() for s in self.slices}
+        slots: dict[str, dict[str, np.ndarray]] = {}
+        for key, arr in st["slots"].items():
+            name, _, slot = key.rpartition("/")
+            slots.setdefault(name, {})[slot] = np.array(arr, copy=True)
+        version = int(self.versions.min()) if len(self.versions) else 0
+        tensors = run_state.slice_tensors(self.slices, self.shapes, values, slots, version)
+        self._writer = self._io.submit(writer.write_shard, tmp, shard, tensors, compression)
+        counts = {s.param: int(st["counts"].get(s.name, 0)) for s in self.slices}
+        return {
+            "optimizer": {
+                "name": st["name"],
+                "hparams": st["hparams"],
+                "schedule": st["schedule"],
+                "counts": counts,
+            },
+            "seconds": time.perf_counter() - t0,
+        }
+
+    @reports_role
+    def snapshot_result(self, wait: bool = True) -> dict[str, Any] | None:
+        """The shard record of the background write; None while it runs (``wait=False``).
+        A failed write raises here, naming the file."""
+        if self._writer is None:
+            raise RuntimeError("no checkpoint write was started")
+        if not wait and not self._writer.done():
+            return None
+        fut, self._writer = self._writer, None
+        return fut.result()
+
+    def _join_writer(self) -> None:
+        if self._writer is not None:
+            fut, self._writer = self._writer, None
+            fut.exception()  # a failure was (or will be) reported through snapshot_result
+
+    @reports_role
+    def load(self, source: Any, verify_files: list[str], resume: bool, names: Any = None) -> int:
+        """Overwrite this server's slices from a checkpoint, whatever slicing wrote it.
+
+        ``resume``: parameters, optimizer slots, update counts, schedule and hyperparameters
+        (the checkpoint's are authoritative). Otherwise (``--init-from``) only the parameters in
+        ``names`` (model name -> checkpoint name); the rest keep their initial values.
+        ``verify_files``: shard files this server hashes in full (its share of the check).
+        Returns the number of elements loaded.
+        """
+        from raysinga import run_state  # noqa: PLC0415
+
+        ck = source.open(verify="fast")
+        source.verify_files(ck, verify_files)
+        loaded = 0
+        for s in self.slices:
+            stored = s.param if resume else (names or {}).get(s.param)
+            if stored is None:
+                continue
+            self.buf.arrays[s.name][...] = ck.flat_range(stored, s.start, s.stop)
+            loaded += s.size
+        if resume:
+            opt = run_state.run_info(ck)["optimizer"]
+            slots, counts = {}, {}
+            for s in self.slices:
+                counts[s.name] = int(opt["counts"].get(s.param, 0))
+                for slot in run_state.slot_names(ck, s.param):
+                    slots[f"{s.name}/{slot}"] = ck.flat_range(f"{s.param}/{slot}", s.start, s.stop)
+            self.optimizer.load_state_dict(
+                {
+                    "name": opt["name"],
+                    "hparams": opt["hparams"],
+                    "schedule": opt["schedule"],
+                    "slots": slots,
+                    "counts": counts,
+                }
+            )
+            self.versions[:] = max(counts.values(), default=0)
+        self._publish()
+        return loaded
+
     @reports_role
     def pid(self) -> int:
         return os.getpid()
 
     def shutdown(self) -> None:
+        self._join_writer()
+        self._io.shutdown(wait=True)
         self.pool.shutdown(wait=False)
         self._attached.close()
         self.buf.close()

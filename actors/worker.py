@@ -92,6 +92,7 @@ class Worker:
         self.n_groups, self.group_batch = n_groups, group_batch
         self.net = Net(ModelSpec.from_dict(model), dtype=dtype)
         self.state = self.net.init_state()
+        self.batch_offset = 0  # the data cursor's offset (a resumed run's, else 0)
         self.train = load_dataset(data, split="train")
         self.test = load_dataset(data, split="test") if has_split(data, "test") else None
         self.plan = BatchPlan(len(self.train), group_batch, seed, shuffle)
@@ -110,7 +111,21 @@ class Worker:
 
     def batch_index(self, step: int) -> int:
         """Groups take turns through one data order, so no two groups train on one batch."""
-        return step * self.n_groups + self.group
+        return step * self.n_groups + self.group + self.batch_offset
+
+    @reports_role
+    def get_state(self) -> dict[str, np.ndarray]:
+        """Copies of this worker's non-trainable state (batch-norm running statistics)."""
+        return {k: np.array(v, copy=True) for k, v in self.state.items()}
+
+    @reports_role
+    def restore(self, state: dict[str, np.ndarray], batch_offset: int) -> None:
+        """Resume: saved non-trainable state (what of it there is) and the data cursor."""
+        for k, v in state.items():
+            if k not in self.state or self.state[k].shape != v.shape:
+                raise ValueError(f"worker state {k!r} does not fit this model")
+            self.state[k][...] = v
+        self.batch_offset = batch_offset
 
     @reports_role
     def compute(

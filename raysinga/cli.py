@@ -15,14 +15,27 @@ from .checkpoint.format import CheckpointError
 
 def _train(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config, args.set)
-    if cfg.topology is None or args.local:
-        from .trainer import Trainer  # noqa: PLC0415 - keeps `raysinga --help` fast
+    start = {
+        "resume": "auto" if args.auto_resume else args.resume,
+        "init_from": args.init_from,
+        "fresh": args.fresh,
+    }
+    if sum(map(bool, start.values())) > 1:
+        raise ValueError("--resume, --auto-resume, --init-from and --fresh exclude one another")
+    from .run_state import Preempted  # noqa: PLC0415
 
-        result = Trainer(cfg).fit()
-    else:
-        from .distributed import DistributedTrainer  # noqa: PLC0415 - imports Ray
+    try:
+        if cfg.topology is None or args.local:
+            from .trainer import Trainer  # noqa: PLC0415 - keeps `raysinga --help` fast
 
-        result = DistributedTrainer(cfg, address=args.address).fit()
+            result = Trainer(cfg, **start).fit()
+        else:
+            from .distributed import DistributedTrainer  # noqa: PLC0415 - imports Ray
+
+            result = DistributedTrainer(cfg, address=args.address, gather=False, **start).fit()
+    except Preempted as e:
+        print(f"raysinga: {e}", file=sys.stderr)
+        return 128 + e.signum
     final = result.final_eval
     if final is not None and "test_accuracy" in final:
         print(f"final test accuracy: {final['test_accuracy']:.4f}")
@@ -135,6 +148,28 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ADDR",
         default=None,
         help="Ray cluster to join (default: RAY_ADDRESS, else start an embedded local Ray)",
+    )
+    t.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run from its newest valid checkpoint (an error if there is none)",
+    )
+    t.add_argument(
+        "--auto-resume",
+        action="store_true",
+        help="continue from the newest valid checkpoint if there is one, else start",
+    )
+    t.add_argument(
+        "--init-from",
+        metavar="CKPT",
+        default=None,
+        help="start a new run from another checkpoint's parameters, matched by name "
+        "(fine-tuning); prints what matched",
+    )
+    t.add_argument(
+        "--fresh",
+        action="store_true",
+        help="delete the run's existing checkpoints and start over",
     )
     t.set_defaults(func=_train)
 

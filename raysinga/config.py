@@ -58,6 +58,18 @@ TOP_KEYS = {
     "disp_freq": "print training metrics every N steps",
     "run_dir": "where metrics.jsonl is written (default: runs/<name>)",
     "topology": "servers, groups, workers per group, resources (absent: one process, no Ray)",
+    "checkpoint_after": "no periodic checkpoint before this step (SINGA's checkpoint_after)",
+    "checkpoint_frequency": "checkpoint every N steps from checkpoint_after (0: none)",
+    "checkpoint_every_seconds": "also checkpoint when this many seconds have passed (0: never)",
+    "checkpoint": "dir (a path or URI), keep_last, keep_every, object_store, compression, final",
+}
+CHECKPOINT_KEYS = {
+    "dir": "where checkpoints go: a path or a pyarrow URI (default: <run_dir>/checkpoints)",
+    "keep_last": "keep the newest N checkpoints (default 3)",
+    "keep_every": "also keep every checkpoint whose step is a multiple of N (default: none)",
+    "object_store": "also put each checkpoint into Ray's object store (default false)",
+    "compression": "null | zstd | lz4 (default null)",
+    "final": "checkpoint at the end and on SIGTERM/Ctrl-C (default true)",
 }
 DATA_KEYS = {"source", "batch_size", "shuffle", "eval_batch_size"}
 
@@ -70,6 +82,16 @@ class DataConfig:
     batch_size: int = 64
     shuffle: bool = True
     eval_batch_size: int = 1024
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None
+    keep_last: int = 3
+    keep_every: int | None = None
+    object_store: bool = False
+    compression: str | None = None
+    final: bool = True
 
 
 @dataclass(frozen=True)
@@ -86,11 +108,37 @@ class JobConfig:
     disp_freq: int = 100
     run_dir: str | None = None
     topology: Topology | None = None
+    checkpoint_after: int = 0
+    checkpoint_frequency: int = 0
+    checkpoint_every_seconds: float = 0.0
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def clip_norm(self) -> float | None:
         return self.updater.get("clip_norm")
+
+    @property
+    def run_path(self) -> str:
+        return self.run_dir or f"runs/{self.name}"
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or f"{self.run_path}/checkpoints"
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether ``step`` (steps done) is a periodic checkpoint step."""
+        f, a = self.checkpoint_frequency, self.checkpoint_after
+        return bool(f) and step > 0 and step >= a and (step - a) % f == 0
+
+    def next_checkpoint(self, step: int) -> int | None:
+        """The first periodic checkpoint step after ``step``, or None."""
+        f, a = self.checkpoint_frequency, self.checkpoint_after
+        if not f:
+            return None
+        if step < a:
+            return a if a > 0 else f
+        return a + ((step - a) // f + 1) * f
 
 
 def _int(path: str, v: Any, minimum: int) -> int:
@@ -101,7 +149,7 @@ def _int(path: str, v: Any, minimum: int) -> int:
 
 def _choice(path: str, v: Any, allowed: tuple[str, ...]) -> str:
     if v not in allowed:
-        raise ConfigError(f"{path}: expected one of {', '.join(allowed)}, got {v!r}")
+        raise ConfigError(f"{path}: expected one of {', '.join(map(str, allowed))}, got {v!r}")
     return v
 
 
@@ -126,6 +174,36 @@ def _data(d: Any) -> DataConfig:
         shuffle=d.get("shuffle", True),
         eval_batch_size=_int("data.eval_batch_size", d.get("eval_batch_size", 1024), 1),
     )
+
+
+def _checkpoint(d: Any) -> CheckpointConfig:
+    d = _mapping("checkpoint", d or {})
+    unknown = set(d) - set(CHECKPOINT_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"checkpoint: unknown key(s) {sorted(unknown)}; allowed: {', '.join(CHECKPOINT_KEYS)}"
+        )
+    where = d.get("dir")
+    if where is not None and (not isinstance(where, str) or not where):
+        raise ConfigError(f"checkpoint.dir: expected a path or URI, got {where!r}")
+    keep_every = d.get("keep_every")
+    for key in ("object_store", "final"):
+        if key in d and not isinstance(d[key], bool):
+            raise ConfigError(f"checkpoint.{key}: expected true or false, got {d[key]!r}")
+    return CheckpointConfig(
+        dir=where,
+        keep_last=_int("checkpoint.keep_last", d.get("keep_last", 3), 1),
+        keep_every=None if keep_every is None else _int("checkpoint.keep_every", keep_every, 1),
+        object_store=d.get("object_store", False),
+        compression=_choice("checkpoint.compression", d.get("compression"), (None, "zstd", "lz4")),
+        final=d.get("final", True),
+    )
+
+
+def _seconds(path: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+        raise ConfigError(f"{path}: expected a number of seconds >= 0, got {v!r}")
+    return float(v)
 
 
 def _updater(d: Any) -> dict[str, Any]:
@@ -185,6 +263,12 @@ def from_dict(d: Any) -> JobConfig:
         disp_freq=_int("disp_freq", d.get("disp_freq", 100), 1),
         run_dir=d.get("run_dir"),
         topology=topology,
+        checkpoint_after=_int("checkpoint_after", d.get("checkpoint_after", 0), 0),
+        checkpoint_frequency=_int("checkpoint_frequency", d.get("checkpoint_frequency", 0), 0),
+        checkpoint_every_seconds=_seconds(
+            "checkpoint_every_seconds", d.get("checkpoint_every_seconds", 0)
+        ),
+        checkpoint=_checkpoint(d.get("checkpoint")),
         raw=copy.deepcopy(d),
     )
 

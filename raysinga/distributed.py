@@ -8,20 +8,28 @@ down on success, failure or Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from . import run_state
 from .actors import cluster
 from .actors.errors import get_all
 from .actors.server import ParamServer
 from .actors.slicing import plan_slices
 from .actors.stub import Stub
 from .actors.worker import Worker
+from .checkpoint import CheckpointError, storage, writer
+from .checkpoint.finetune import map_name, match
+from .checkpoint.manage import prune, steps
+from .checkpoint.storage import RunLock
 from .config import JobConfig
 from .data import load_dataset
 from .model import Net
@@ -40,8 +48,21 @@ class DistributedTrainer:
         log: Callable[[str], None] = print,
         classes: dict[str, type] | None = None,
         address: str | None = None,
+        resume: bool | str = False,
+        init_from: str | None = None,
+        fresh: bool = False,
+        gather: bool = True,
     ) -> None:
+        """``resume``: True continues the newest valid checkpoint of the run (an error if there
+        is none), ``"auto"`` continues one if there is one; ``init_from``: a checkpoint whose
+        parameters start a new run, matched by name; ``fresh``: delete the run's checkpoints
+        first; ``gather``: return the final parameters in the result (small models)."""
+        if resume not in (False, True, "auto"):
+            raise ValueError(f"resume must be True, False or 'auto', got {resume!r}")
+        if sum(map(bool, (resume, init_from, fresh))) > 1:
+            raise ValueError("resume, init_from and fresh exclude one another")
         self.cfg, self.log, self.address = cfg, log, address
+        self.resume, self.init_from, self.fresh, self.gather = resume, init_from, fresh, gather
         self.topo = cfg.topology
         self.classes = {**ROLE_CLASSES, **(classes or {})}
         self.net = Net(cfg.model, dtype=cfg.dtype)
@@ -59,7 +80,22 @@ class DistributedTrainer:
         self.slices = plan_slices(
             self.shapes, self.net.dtype.itemsize, self.topo.n_servers, self.topo.slice_bytes
         )
-        self.run_dir = Path(cfg.run_dir or Path("runs") / cfg.name)
+        self.run_dir = Path(cfg.run_path)
+        self.ck_root = storage.resolve(cfg.checkpoint_dir)
+        self.lock: RunLock | None = None
+        self.source: run_state.Source | None = None  # what this run starts from, if anything
+        self.start_info: dict[str, Any] | None = None  # its run state (resume)
+        self.steps0: list[int] = [0] * self.topo.n_groups
+        self.batch_offset = 0
+        self.history0: list[dict[str, Any]] = []
+        self.pending: dict[str, Any] | None = None  # the checkpoint being written
+        self.saved: list[dict[str, Any]] = []  # per checkpoint: step, path, blocked, seconds
+        self.stop_signal: int | None = None
+        self.seed = cfg.seed
+        self.saved_steps: set[int] = set()  # steps with a checkpoint (made or resumed from)
+        self.init_names: dict[str, str] = {}
+        self.start_manifest: dict[str, Any] = {}
+        self.max_chunk = 1 << 30
         self.servers: list[Any] = []
         self.workers: list[list[Any]] = []
         self.stubs: list[Any] = []
@@ -69,6 +105,7 @@ class DistributedTrainer:
     def start(self) -> None:
         cfg, topo = self.cfg, self.topo
         cluster.connect(self.address)
+        self._open_checkpoints()
         cluster.check_fits(topo)
         self.placement = p = cluster.place(topo)
         tag = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
@@ -119,6 +156,8 @@ class DistributedTrainer:
             self._get([w.describe.remote() for w in row], "worker", g)
             for g, row in enumerate(self.workers)
         ]
+        if self.source is not None:  # before the servers first publish their values
+            self._restore()
         worker_nodes = {w["node"] for row in worker_infos for w in row}
         for k, (s, info) in enumerate(zip(self.servers, server_infos, strict=True)):
             remote = bool(worker_nodes - {info["node"]})
@@ -163,19 +202,255 @@ class DistributedTrainer:
     def _get(self, refs: list[Any], role: str, group: int | None = None) -> list[Any]:
         return get_all(refs, role, group)
 
+    # ------------------------------------------------------------------ checkpoints: where from
+    def _open_checkpoints(self) -> None:
+        """Take the run's writer lock and decide what the run starts from."""
+        cfg, root = self.cfg, self.ck_root
+        self.lock = RunLock(root).acquire()
+        try:
+            have = steps(root)
+            if self.fresh and have:
+                for s in have:
+                    storage.remove_dir(root.join(f"step-{s}"))
+                self.log(f"raysinga: --fresh: deleted {len(have)} checkpoint(s) in {root}")
+                have = []
+            if self.resume:
+                self._find_resume()
+            elif have:
+                raise CheckpointError(
+                    f"{root} already holds checkpoints of run {cfg.name!r} (newest: step "
+                    f"{have[0]}); pass --resume to continue it, --fresh to delete them and start "
+                    "over, or give the run another name or checkpoint.dir"
+                )
+            if self.init_from is not None:
+                self._find_init()
+        except BaseException:
+            self.lock.release()
+            self.lock = None
+            raise
+
+    def _find_resume(self) -> None:
+        cfg = self.cfg
+        src, skipped = run_state.find_resume(self.ck_root, cfg.name, cfg.checkpoint.object_store)
+        for where, why in skipped:
+            self.log(f"raysinga: skipping {where}: {why}")
+        if src is None:
+            if self.resume == "auto":
+                self.log(f"raysinga: no checkpoint of {cfg.name!r} in {self.ck_root}: starting")
+                return
+            raise CheckpointError(
+                f"--resume: no valid checkpoint of run {cfg.name!r} in {self.ck_root}"
+                + (f" ({len(skipped)} invalid one(s) skipped)" if skipped else "")
+                + "; run without --resume to start fresh"
+            )
+        ck = src.open(verify="fast")
+        info = run_state.run_info(ck)
+        run_state.check_fits(ck, self.shapes)
+        if info["model"]["digest"] != cfg.model.digest():
+            self.log("raysinga: the model spec changed since the checkpoint (same parameters)")
+        if info["rng"]["seed"] != cfg.seed:
+            self.log(
+                f"raysinga: resuming with the checkpoint's seed {info['rng']['seed']} "
+                f"(the job file says {cfg.seed})"
+            )
+        n_before = len(info["steps"])
+        if n_before != self.topo.n_groups:
+            # groups take turns through one data order: start all at the slowest one's step
+            self.log(f"raysinga: {n_before} group(s) saved, {self.topo.n_groups} now")
+        base = min(info["steps"])
+        self.steps0 = (
+            [base] * self.topo.n_groups if n_before != self.topo.n_groups else list(info["steps"])
+        )
+        self.batch_offset = int(info["cursor"]["batch_offset"])
+        self.seed = int(info["rng"]["seed"])
+        self.history0 = [r for r in info["history"] if r.get("step", 0) <= max(self.steps0)]
+        self.source, self.start_info, self.start_manifest = src, info, ck.manifest
+        self.saved_steps = {ck.step}
+        self.log(f"raysinga: resuming {cfg.name!r} at step {max(self.steps0)} from {src.label}")
+
+    def _find_init(self) -> None:
+        src = run_state.Source(location=storage.resolve(self.init_from), label=str(self.init_from))
+        ck = src.open(verify="fast")
+        arrays = {n: ck.array(n) for n in ck.names("param")}
+        _, report = match(arrays, self.shapes)
+        self.init_names = {
+            map_name(n, None, None): n for n in arrays if map_name(n, None, None) in report.matched
+        }
+        self.log(f"raysinga: --init-from {src.label} (step {ck.step}): {report}")
+        if not report.matched:
+            raise CheckpointError(f"--init-from {src.label}: no parameter of it fits this model")
+        self.source, self.start_manifest = src, ck.manifest
+
+    def _restore(self) -> None:
+        """Load the start checkpoint into the servers (each verifies its share of the files in
+        full) and the workers (state and data cursor)."""
+        assert self.source is not None
+        files = [f["file"] for f in self.start_manifest["files"]]
+        plan = run_state.plan_verification(files, len(self.servers))
+        resume = self.start_info is not None
+        names = None if resume else self.init_names
+        t0 = time.perf_counter()
+        self._get(
+            [
+                s.load.remote(self.source, plan[k], resume, names)
+                for k, s in enumerate(self.servers)
+            ],
+            "server",
+        )
+        ck = self.source.open(verify="fast")
+        state_names = list(self.net.state_shapes())
+        calls = []
+        for g, row in enumerate(self.workers):
+            for i, w in enumerate(row):
+                st = run_state.worker_state(ck, g, i, state_names)
+                calls.append(w.restore.remote(st, self.batch_offset if resume else 0))
+        self._get(calls, "worker")
+        self.log(f"raysinga: loaded {self.source.label} in {time.perf_counter() - t0:.2f} s")
+
+    # ------------------------------------------------------------------ checkpoints: writing
+    def _checkpoint(self, done: list[int], history: list[dict[str, Any]]) -> None:
+        """Snapshot every role at this step boundary and let the servers write in the
+        background; the previous checkpoint, if still writing, is finished first."""
+        self._finish_checkpoint(wait=True)
+        step = max(done)
+        if step in self.saved_steps:
+            return
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        tmp = writer.begin(self.ck_root, step)
+        try:
+            infos = self._get(
+                [
+                    s.snapshot.remote(tmp, k, cfg.checkpoint.compression)
+                    for k, s in enumerate(self.servers)
+                ],
+                "server",
+            )
+            states = {}
+            for g, row in enumerate(self.workers):
+                for i, st in enumerate(self._get([w.get_state.remote() for w in row], "worker", g)):
+                    states[(g, i)] = st
+            optimizer = run_state.merge_optimizer([i["optimizer"] for i in infos])
+        except BaseException:
+            storage.remove_dir(tmp)
+            raise
+        meta = run_state.run_meta(
+            cfg, done, self.batch_offset, optimizer, list(history), seed=self.seed
+        )
+        self.saved_steps.add(step)
+        self.pending = {
+            "step": step,
+            "tmp": tmp,
+            "states": states,
+            "meta": meta,
+            "records": [None] * len(self.servers),
+            "blocked": time.perf_counter() - t0,
+            "t0": t0,
+        }
+
+    def _finish_checkpoint(self, wait: bool) -> None:
+        """Commit the checkpoint being written once every server's shard is durable (``wait``:
+        block until then). A failed write removes the partial checkpoint and raises."""
+        p = self.pending
+        if p is None:
+            return
+        todo = [k for k, r in enumerate(p["records"]) if r is None]
+        try:
+            got = self._get([self.servers[k].snapshot_result.remote(wait) for k in todo], "server")
+            for k, r in zip(todo, got, strict=True):
+                p["records"][k] = r
+            if any(r is None for r in p["records"]):
+                return
+            self.pending = None
+            state = writer.write_shard(
+                p["tmp"],
+                len(self.servers),
+                run_state.state_tensors(p["states"]),
+                self.cfg.checkpoint.compression,
+            )
+            path = writer.commit(p["tmp"], p["step"], [*p["records"], state], p["meta"])
+        except BaseException as e:
+            self.pending = None
+            for k in todo:  # let the other servers' writes end before the directory goes
+                with contextlib.suppress(Exception):
+                    self._get([self.servers[k].snapshot_result.remote(True)], "server")
+            storage.remove_dir(p["tmp"])
+            if isinstance(e, Exception):
+                raise CheckpointError(
+                    f"checkpoint of step {p['step']} failed, nothing was committed: {e}"
+                ) from e
+            raise
+        seconds = time.perf_counter() - p["t0"]
+        self.saved.append(
+            {"step": p["step"], "path": str(path), "blocked": p["blocked"], "seconds": seconds}
+        )
+        self.log(
+            f"raysinga: checkpoint step {p['step']} -> {path} (training waited "
+            f"{p['blocked'] * 1e3:.0f} ms; written in {seconds:.2f} s)"
+        )
+        c = self.cfg.checkpoint
+        prune(self.ck_root, c.keep_last, c.keep_every, lock=False)
+        if c.object_store:
+            from .checkpoint import objstore  # noqa: PLC0415
+
+            objstore.registry().adopt.remote(
+                self.cfg.name, p["step"], path.path if path.local else str(path)
+            )
+
+    @contextlib.contextmanager
+    def _stop_signals(self) -> Iterator[None]:
+        """SIGTERM (preemption, ``ray job stop``) or Ctrl-C: finish the steps under way,
+        checkpoint, stop. A second signal stops at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def on_signal(signum: int, frame: Any) -> None:
+            if self.stop_signal is not None:
+                for sig, h in old.items():
+                    signal.signal(sig, h)
+                raise KeyboardInterrupt
+            self.stop_signal = signum
+            self.log(
+                f"raysinga: {signal.Signals(signum).name}: stopping at the next step boundary"
+                + (" after a checkpoint" if self.cfg.checkpoint.final else "")
+                + "; signal again to stop at once"
+            )
+
+        old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, h in old.items():
+                signal.signal(sig, h)
+
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainResult:
-        self.start()
         try:
-            return self._loop()
+            self.start()
+            with self._stop_signals():
+                return self._loop()
         finally:
-            self.shutdown()
+            try:
+                if self.pending is not None:  # a failure elsewhere: never commit half of it
+                    p, self.pending = self.pending, None
+                    with contextlib.suppress(Exception):
+                        self._get([s.snapshot_result.remote(True) for s in self.servers], "server")
+                    storage.remove_dir(p["tmp"])
+            finally:
+                self.shutdown()
+                if self.lock is not None:
+                    self.lock.release()
+                    self.lock = None
 
     def _chunk_end(self, s: int) -> int:
         cfg = self.cfg
-        ends = [cfg.train_steps, (s // cfg.disp_freq + 1) * cfg.disp_freq]
+        ends = [cfg.train_steps, (s // cfg.disp_freq + 1) * cfg.disp_freq, s + self.max_chunk]
         if cfg.test_freq:
             ends.append((s // cfg.test_freq + 1) * cfg.test_freq)
+        nxt = cfg.next_checkpoint(s)
+        if nxt is not None:
+            ends.append(nxt)
         if self.topo.staleness is not None and self.topo.n_groups > 1:
             ends.append(s + max(1, self.topo.staleness))
         return min(ends)
@@ -185,20 +460,22 @@ class DistributedTrainer:
 
         cfg, topo = self.cfg, self.topo
         G, total = topo.n_groups, cfg.train_steps
-        done = [0] * G
+        done = list(self.steps0)
         pending: dict[Any, tuple[int, int, int]] = {}
-        result = TrainResult({}, {})
+        result = TrainResult({}, {}, list(self.history0))
         window: list[dict[str, float]] = []
-        t_window = time.perf_counter()
+        t_window = t_ckpt = time.perf_counter()
         self.log(
             f"raysinga: training {cfg.name!r} on Ray: {topo.preset}, {topo.n_servers} "
             f"server(s), {G} group(s) x {topo.workers_per_group} worker(s), "
             f"{len(self.slices)} slices, {total} steps per group, batch {cfg.data.batch_size}"
         )
+        barrier = cfg.next_checkpoint(max(done))
+        hold = False  # a checkpoint (by time) or a stop is due: let running chunks end
 
         def launch(g: int) -> None:
             s = done[g]
-            if s >= total:
+            if s >= total or hold or (barrier is not None and s >= barrier):
                 return
             e = self._chunk_end(s)
             if topo.staleness is not None and G > 1 and e - 1 - min(done) > topo.staleness:
@@ -207,13 +484,31 @@ class DistributedTrainer:
 
         with MetricsLog(self.run_dir, result) as metrics:
             record = metrics.record
-            for g in range(G):
-                launch(g)
-            while pending:
+            while True:
+                for g in range(G):
+                    if all(v[0] != g for v in pending.values()):
+                        launch(g)
+                if not pending:  # every group is held or finished: a step boundary for all
+                    finished = all(d >= total for d in done)
+                    if self.stop_signal is not None or finished:
+                        if cfg.checkpoint.final:
+                            self._checkpoint(done, result.history)
+                        self._finish_checkpoint(wait=True)
+                        if finished:
+                            break
+                        raise run_state.Preempted(self.stop_signal, max(done), self.saved)
+                    self._checkpoint(done, result.history)
+                    barrier, hold, t_ckpt = (
+                        cfg.next_checkpoint(max(done)),
+                        False,
+                        time.perf_counter(),
+                    )
+                    continue
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 g, s, e = pending.pop(ready[0])
                 window += self._get(ready, "stub", g)[0]
                 done[g] = e
+                self._tune_chunks(window)
                 if g == 0 and (e % cfg.disp_freq == 0 or e == total):
                     rec = self._train_record(e, window, time.perf_counter() - t_window)
                     record(rec)
@@ -228,11 +523,22 @@ class DistributedTrainer:
                         record(rec)
                         self.log(_format(rec, total))
                     t_window = time.perf_counter()
-                for h in range(G):
-                    if h == g or all(v[0] != h for v in pending.values()):
-                        launch(h)
-        result.params = self.gather_params()
+                self._finish_checkpoint(wait=False)
+                every = cfg.checkpoint_every_seconds
+                if self.stop_signal is not None or (
+                    every and time.perf_counter() - t_ckpt >= every
+                ):
+                    hold = True
+        if self.gather:
+            result.params = self.gather_params()
         return result
+
+    def _tune_chunks(self, window: list[dict[str, float]]) -> None:
+        """Keep chunks (steps run between two visits of this loop) near a second, so that a
+        stop signal or a time-based checkpoint is acted on soon."""
+        if window:
+            per_step = max(sum(r["total"] for r in window) / len(window), 1e-4)
+            self.max_chunk = max(1, int(1.0 / per_step))
 
     def _train_record(self, step: int, window: list[dict[str, float]], dt: float) -> dict:
         n = max(len(window), 1)

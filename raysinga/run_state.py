@@ -1,0 +1,319 @@
+"""What a training checkpoint holds, and how trainers write and read it.
+
+A training checkpoint is an ordinary checkpoint (:mod:`raysinga.checkpoint`) whose shards are
+written by the parameter servers, one each, in parallel: every slice of every parameter (kind
+``param``) and of every optimizer slot (kind ``slot``, named ``<param>/<slot>``), stored under the
+parameter's own name and flat element range. Any other slicing reads it back with
+``flat_range`` (resharding). One more shard, written by the driver, holds the workers'
+non-trainable state (kind ``state``): group 0 / worker 0's under the plain names (what evaluation
+and export use) and every worker's under ``worker/g<G>w<I>/<name>``.
+
+The manifest's ``meta["run"]`` holds everything else resume needs::
+
+    format      RUN_FORMAT
+    model       {"digest": ModelSpec.digest(), "spec": ...}
+    topology    the topology that wrote it (informative: a different one reshards)
+    steps       steps done per group
+    cursor      {"batch_offset": B}: group g's next batch is steps[g] * n_groups + g + B
+    rng         {"seed": S}: the seed of initialisation, data order and dropout masks; every
+                random draw is a pure function of it and of step/sample counters, so the
+                seed is the whole RNG state
+    optimizer   {"name", "hparams", "schedule", "counts": {param: updates applied}}
+    history     the metric records so far (metrics.jsonl up to this step)
+    best        the best evaluation so far ({"step", "metric", "value"}) or None
+    config      the job as given
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .checkpoint import Checkpoint, CheckpointError, Location
+from .checkpoint.finetune import MatchReport
+from .checkpoint.format import TensorInfo
+from .checkpoint.manage import latest
+from .checkpoint.reader import _hash_file
+
+RUN_FORMAT = 1
+WORKER_PREFIX = "worker/"
+
+
+def worker_key(group: int, index: int, name: str) -> str:
+    return f"{WORKER_PREFIX}g{group}w{index}/{name}"
+
+
+class Preempted(Exception):
+    """Training stopped on a signal (SIGTERM, Ctrl-C) after checkpointing, so that it resumes."""
+
+    def __init__(self, signum: int, step: int, saved: list[dict[str, Any]]) -> None:
+        import signal  # noqa: PLC0415
+
+        self.signum, self.step = signum, step
+        self.path = saved[-1]["path"] if saved and saved[-1]["step"] == step else None
+        where = f"checkpoint {self.path}" if self.path else "no checkpoint (checkpoint.final off)"
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} at step {step}; {where}; "
+            "continue with --resume"
+        )
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def slice_tensors(
+    slices: list[Any],
+    shapes: dict[str, tuple[int, ...]],
+    values: dict[str, np.ndarray],
+    slots: dict[str, dict[str, np.ndarray]],
+    version: int,
+) -> list[tuple[TensorInfo, np.ndarray]]:
+    """A server's shard: its parameter slices, then their optimizer slots.
+
+    ``values`` and ``slots`` are keyed by slice name (``Slice.name``); slots of a slice that
+    has not been updated yet may be absent.
+    """
+    out = []
+    for s in slices:
+        shape, arr = tuple(shapes[s.param]), values[s.name]
+        out.append(
+            (TensorInfo(s.param, "param", shape, str(arr.dtype), s.start, s.stop, version), arr)
+        )
+    for s in slices:
+        for slot, arr in sorted(slots.get(s.name, {}).items()):
+            info = TensorInfo(
+                f"{s.param}/{slot}",
+                "slot",
+                tuple(shapes[s.param]),
+                str(arr.dtype),
+                s.start,
+                s.stop,
+                version,
+            )
+            out.append((info, arr))
+    return out
+
+
+def state_tensors(
+    states: dict[tuple[int, int], dict[str, np.ndarray]],
+) -> list[tuple[TensorInfo, np.ndarray]]:
+    """The driver's shard: non-trainable state of every worker (keyed by (group, index))."""
+    out = []
+    first = states.get((0, 0), {})
+    named = [(n, a) for n, a in first.items()]
+    named += [
+        (worker_key(g, i, n), a) for (g, i), st in sorted(states.items()) for n, a in st.items()
+    ]
+    for name, a in named:
+        a = np.ascontiguousarray(a)
+        out.append((TensorInfo(name, "state", a.shape, str(a.dtype), 0, a.size), a))
+    return out
+
+
+def merge_optimizer(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The servers' optimizer descriptions as one: update counts by parameter."""
+    counts: dict[str, int] = {}
+    for p in parts:
+        for param, c in p["counts"].items():
+            if counts.setdefault(param, c) != c:
+                raise CheckpointError(
+                    f"optimizer: slices of {param!r} disagree on the update count "
+                    f"({counts[param]} vs {c})"
+                )
+    first = parts[0]
+    return {
+        "name": first["name"],
+        "hparams": first["hparams"],
+        "schedule": first["schedule"],
+        "counts": dict(sorted(counts.items())),
+    }
+
+
+def run_meta(
+    cfg: Any,
+    steps: list[int],
+    batch_offset: int,
+    optimizer: dict[str, Any],
+    history: list[dict[str, Any]],
+    seed: int | None = None,
+) -> dict[str, Any]:
+    """The manifest meta of a training checkpoint (see the module's docstring)."""
+    topo = cfg.topology.to_dict() if cfg.topology is not None else None
+    return {
+        "run": {
+            "format": RUN_FORMAT,
+            "name": cfg.name,
+            "model": {"digest": cfg.model.digest(), "spec": cfg.model.to_dict()},
+            "topology": topo,
+            "steps": list(steps),
+            "cursor": {"batch_offset": batch_offset},
+            "rng": {"seed": cfg.seed if seed is None else seed},
+            "optimizer": optimizer,
+            "history": history,
+            "best": best_eval(history),
+            "config": cfg.raw,
+        }
+    }
+
+
+def best_eval(history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The best evaluation: highest test accuracy where there is one, else lowest test loss."""
+    evals = [r for r in history if r.get("kind") == "eval"]
+    if not evals:
+        return None
+    if all("test_accuracy" in r for r in evals):
+        r = max(evals, key=lambda r: (r["test_accuracy"], -r["step"]))
+        return {"step": r["step"], "metric": "test_accuracy", "value": r["test_accuracy"]}
+    r = min(evals, key=lambda r: (r["test_loss"], r["step"]))
+    return {"step": r["step"], "metric": "test_loss", "value": r["test_loss"]}
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass
+class Source:
+    """Where a checkpoint to resume or start from lives: a directory or an object-store ref."""
+
+    location: Location | None = None
+    refs: list[Any] | None = None
+    label: str = ""
+
+    def open(self, verify: str = "fast") -> Checkpoint:
+        if self.refs is not None:
+            from .checkpoint import objstore  # noqa: PLC0415 - needs Ray
+
+            return objstore.get(self.refs[0], verify=verify)
+        assert self.location is not None
+        return Checkpoint.open(self.location, verify=verify)
+
+    def verify_files(self, ck: Checkpoint, files: list[str]) -> None:
+        """Hash the given files of a disk checkpoint against its manifest (each reader checks
+        its share, so a large checkpoint is verified by all of them side by side)."""
+        if self.location is None:
+            return  # an object-store copy: verified when it was made, and held in memory
+        sums = {f["file"]: f["xxh3"] for f in ck.manifest["files"]}
+        for name in files:
+            if _hash_file(self.location.join(name)) != sums[name]:
+                raise CheckpointError(
+                    f"{self.location.join(name)}: checksum mismatch: the file is corrupt"
+                )
+
+
+def run_info(ck: Checkpoint) -> dict[str, Any]:
+    """``meta["run"]`` of a training checkpoint, checked for the keys resume relies on."""
+    run = ck.meta.get("run") if isinstance(ck.meta, dict) else None
+    keys = ("format", "model", "steps", "cursor", "rng", "optimizer", "history")
+    if not isinstance(run, dict) or any(k not in run for k in keys):
+        raise CheckpointError(
+            f"{ck.location}: a checkpoint, but not of a training run (no run state in its "
+            "manifest); use --init-from to load its parameters into a new run"
+        )
+    if not isinstance(run["format"], int) or run["format"] > RUN_FORMAT:
+        raise CheckpointError(
+            f"{ck.location}: run state format {run['format']!r} is newer than this raysinga "
+            f"({RUN_FORMAT}); upgrade to resume it"
+        )
+    return run
+
+
+def check_fits(ck: Checkpoint, shapes: dict[str, tuple[int, ...]]) -> MatchReport:
+    """Resume needs every parameter by name and shape: anything else is refused with the list."""
+    stored = {n: ck.info(n).shape for n in ck.names("param")}
+    report = MatchReport()
+    for n, shape in stored.items():
+        if n not in shapes:
+            report.unexpected.append(n)
+        elif tuple(shape) != tuple(shapes[n]):
+            report.mismatched.append((n, tuple(shape), tuple(shapes[n])))
+        else:
+            report.matched.append(n)
+    report.missing = [n for n in shapes if n not in stored]
+    if not report.perfect:
+        raise CheckpointError(
+            f"{ck.location}: the checkpoint does not fit this model (to start a new run from "
+            f"what matches, use --init-from instead of --resume):\n{report}"
+        )
+    return report
+
+
+def slot_names(ck: Checkpoint, param: str) -> list[str]:
+    pre = param + "/"
+    return sorted(
+        n[len(pre) :] for n in ck.names("slot") if n.startswith(pre) and "/" not in n[len(pre) :]
+    )
+
+
+def worker_state(ck: Checkpoint, group: int, index: int, names: list[str]) -> dict[str, np.ndarray]:
+    """A worker's saved non-trainable state: its own if this checkpoint has it (same topology),
+    else group 0 / worker 0's (a different topology)."""
+    have = set(ck.names("state"))
+    out = {}
+    for n in names:
+        own = worker_key(group, index, n)
+        if own in have:
+            out[n] = ck.array(own)
+        elif n in have:
+            out[n] = ck.array(n)
+    return out
+
+
+def find_resume(root: str | Location, run: str, use_registry: bool) -> tuple[Source | None, list]:
+    """The newest valid checkpoint of a run: from the object store when its registry has one at
+    least as new as the newest on disk, else from disk. Returns (source, skipped) where skipped
+    lists newer directories that failed validation, with the reason."""
+    found = latest(root, verify="fast")
+    disk = found.checkpoint
+    if use_registry:
+        entry = _registry_entry(run)
+        if entry is not None and (disk is None or entry["step"] >= disk.step):
+            return Source(
+                refs=entry["refs"], label=f"object store, run {run!r} step {entry['step']}"
+            ), found.skipped
+    if disk is None:
+        return None, found.skipped
+    return Source(location=disk.location, label=str(disk.location)), found.skipped
+
+
+def _registry_entry(run: str) -> dict[str, Any] | None:
+    import ray  # noqa: PLC0415
+
+    from .checkpoint import objstore  # noqa: PLC0415
+
+    try:
+        reg = objstore.registry(create=False)
+    except ValueError:
+        return None
+    entry = ray.get(reg.lookup.remote(run))
+    if entry is None:
+        return None
+    ready, _ = ray.wait(entry["refs"], timeout=0, fetch_local=False)
+    return entry if ready else None
+
+
+def plan_verification(files: list[str], readers: int) -> list[list[str]]:
+    """Share the full hashing of a checkpoint's files among ``readers``."""
+    out: list[list[str]] = [[] for _ in range(max(readers, 1))]
+    for i, f in enumerate(files):
+        out[i % len(out)].append(f)
+    return out
+
+
+__all__ = [
+    "RUN_FORMAT",
+    "Preempted",
+    "Source",
+    "best_eval",
+    "check_fits",
+    "find_resume",
+    "merge_optimizer",
+    "plan_verification",
+    "run_info",
+    "run_meta",
+    "slice_tensors",
+    "slot_names",
+    "state_tensors",
+    "worker_state",
+]
