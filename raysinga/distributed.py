@@ -28,7 +28,7 @@ from .actors.stub import Stub
 from .actors.worker import Worker
 from .checkpoint import CheckpointError, storage, writer
 from .checkpoint.finetune import map_name, match
-from .checkpoint.manage import prune, steps
+from .checkpoint.manage import prune
 from .checkpoint.storage import RunLock
 from .config import JobConfig
 from .data import load_dataset
@@ -205,71 +205,35 @@ class DistributedTrainer:
     # ------------------------------------------------------------------ checkpoints: where from
     def _open_checkpoints(self) -> None:
         """Take the run's writer lock and decide what the run starts from."""
-        cfg, root = self.cfg, self.ck_root
-        self.lock = RunLock(root).acquire()
+        cfg = self.cfg
+        self.lock = RunLock(self.ck_root).acquire()
         try:
-            have = steps(root)
-            if self.fresh and have:
-                for s in have:
-                    storage.remove_dir(root.join(f"step-{s}"))
-                self.log(f"raysinga: --fresh: deleted {len(have)} checkpoint(s) in {root}")
-                have = []
-            if self.resume:
-                self._find_resume()
-            elif have:
-                raise CheckpointError(
-                    f"{root} already holds checkpoints of run {cfg.name!r} (newest: step "
-                    f"{have[0]}); pass --resume to continue it, --fresh to delete them and start "
-                    "over, or give the run another name or checkpoint.dir"
+            src, ck = run_state.open_run(self.ck_root, cfg, self.resume, self.fresh, self.log)
+            if src is not None and ck is not None:
+                info = run_state.run_info(ck)
+                run_state.check_fits(ck, self.shapes)
+                self.steps0, self.batch_offset = run_state.cursor_for(info, self.topo.n_groups)
+                if len(info["steps"]) != self.topo.n_groups:
+                    self.log(
+                        f"raysinga: {len(info['steps'])} group(s) saved, {self.topo.n_groups} "
+                        f"now: all start at step {self.steps0[0]}"
+                    )
+                self.seed = int(info["rng"]["seed"])
+                self.history0 = [r for r in info["history"] if r.get("step", 0) <= max(self.steps0)]
+                self.source, self.start_info, self.start_manifest = src, info, ck.manifest
+                self.saved_steps.add(ck.step)
+                self.log(
+                    f"raysinga: resuming {cfg.name!r} at step {max(self.steps0)} from {src.label}"
                 )
-            if self.init_from is not None:
+            elif self.init_from is not None:
                 self._find_init()
         except BaseException:
             self.lock.release()
             self.lock = None
             raise
 
-    def _find_resume(self) -> None:
-        cfg = self.cfg
-        src, skipped = run_state.find_resume(self.ck_root, cfg.name, cfg.checkpoint.object_store)
-        for where, why in skipped:
-            self.log(f"raysinga: skipping {where}: {why}")
-        if src is None:
-            if self.resume == "auto":
-                self.log(f"raysinga: no checkpoint of {cfg.name!r} in {self.ck_root}: starting")
-                return
-            raise CheckpointError(
-                f"--resume: no valid checkpoint of run {cfg.name!r} in {self.ck_root}"
-                + (f" ({len(skipped)} invalid one(s) skipped)" if skipped else "")
-                + "; run without --resume to start fresh"
-            )
-        ck = src.open(verify="fast")
-        info = run_state.run_info(ck)
-        run_state.check_fits(ck, self.shapes)
-        if info["model"]["digest"] != cfg.model.digest():
-            self.log("raysinga: the model spec changed since the checkpoint (same parameters)")
-        if info["rng"]["seed"] != cfg.seed:
-            self.log(
-                f"raysinga: resuming with the checkpoint's seed {info['rng']['seed']} "
-                f"(the job file says {cfg.seed})"
-            )
-        n_before = len(info["steps"])
-        if n_before != self.topo.n_groups:
-            # groups take turns through one data order: start all at the slowest one's step
-            self.log(f"raysinga: {n_before} group(s) saved, {self.topo.n_groups} now")
-        base = min(info["steps"])
-        self.steps0 = (
-            [base] * self.topo.n_groups if n_before != self.topo.n_groups else list(info["steps"])
-        )
-        self.batch_offset = int(info["cursor"]["batch_offset"])
-        self.seed = int(info["rng"]["seed"])
-        self.history0 = [r for r in info["history"] if r.get("step", 0) <= max(self.steps0)]
-        self.source, self.start_info, self.start_manifest = src, info, ck.manifest
-        self.saved_steps = {ck.step}
-        self.log(f"raysinga: resuming {cfg.name!r} at step {max(self.steps0)} from {src.label}")
-
     def _find_init(self) -> None:
-        src = run_state.Source(location=storage.resolve(self.init_from), label=str(self.init_from))
+        src = run_state.init_source(self.init_from)
         ck = src.open(verify="fast")
         arrays = {n: ck.array(n) for n in ck.names("param")}
         _, report = match(arrays, self.shapes)

@@ -26,16 +26,20 @@ The manifest's ``meta["run"]`` holds everything else resume needs::
 
 from __future__ import annotations
 
+import signal
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .checkpoint import Checkpoint, CheckpointError, Location
-from .checkpoint.finetune import MatchReport
+from .checkpoint import Checkpoint, CheckpointError, Location, storage, writer
+from .checkpoint.finetune import MatchReport, match
 from .checkpoint.format import TensorInfo
-from .checkpoint.manage import latest
+from .checkpoint.manage import latest, prune, steps
 from .checkpoint.reader import _hash_file
+from .checkpoint.storage import RunLock
 
 RUN_FORMAT = 1
 WORKER_PREFIX = "worker/"
@@ -180,8 +184,11 @@ class Source:
     location: Location | None = None
     refs: list[Any] | None = None
     label: str = ""
+    checkpoint: Checkpoint | None = None  # already open (in this process only)
 
     def open(self, verify: str = "fast") -> Checkpoint:
+        if self.checkpoint is not None:
+            return self.checkpoint
         if self.refs is not None:
             from .checkpoint import objstore  # noqa: PLC0415 - needs Ray
 
@@ -192,7 +199,7 @@ class Source:
     def verify_files(self, ck: Checkpoint, files: list[str]) -> None:
         """Hash the given files of a disk checkpoint against its manifest (each reader checks
         its share, so a large checkpoint is verified by all of them side by side)."""
-        if self.location is None:
+        if self.location is None or self.checkpoint is not None:
             return  # an object-store copy: verified when it was made, and held in memory
         sums = {f["file"]: f["xxh3"] for f in ck.manifest["files"]}
         for name in files:
@@ -317,3 +324,235 @@ __all__ = [
     "state_tensors",
     "worker_state",
 ]
+
+
+# --------------------------------------------------------------------------- starting a run
+
+
+def open_run(
+    root: Location,
+    cfg: Any,
+    resume: bool | str,
+    fresh: bool,
+    log: Any,
+) -> tuple[Source | None, Checkpoint | None]:
+    """Decide what a run starts from (the caller holds the run's lock): the newest valid
+    checkpoint when resuming, nothing otherwise. A fresh start over existing checkpoints is
+    refused unless ``fresh``, which deletes them."""
+    have = steps(root)
+    if fresh and have:
+        for s in have:
+            storage.remove_dir(root.join(f"step-{s}"))
+        log(f"raysinga: --fresh: deleted {len(have)} checkpoint(s) in {root}")
+        have = []
+    if not resume:
+        if have:
+            raise CheckpointError(
+                f"{root} already holds checkpoints of run {cfg.name!r} (newest: step "
+                f"{have[0]}); pass --resume to continue it, --fresh to delete them and start "
+                "over, or give the run another name or checkpoint.dir"
+            )
+        return None, None
+    src, skipped = find_resume(root, cfg.name, cfg.checkpoint.object_store)
+    for where, why in skipped:
+        log(f"raysinga: skipping {where}: {why}")
+    if src is None:
+        if resume == "auto":
+            log(f"raysinga: no checkpoint of {cfg.name!r} in {root}: starting")
+            return None, None
+        raise CheckpointError(
+            f"--resume: no valid checkpoint of run {cfg.name!r} in {root}"
+            + (f" ({len(skipped)} invalid one(s) skipped)" if skipped else "")
+            + "; run without --resume to start fresh"
+        )
+    ck = src.open(verify="fast")
+    info = run_info(ck)
+    if info["model"]["digest"] != cfg.model.digest():
+        log("raysinga: the model spec changed since the checkpoint (its parameters still fit)")
+    if info["rng"]["seed"] != cfg.seed:
+        log(
+            f"raysinga: resuming with the checkpoint's seed {info['rng']['seed']} "
+            f"(the job file says {cfg.seed})"
+        )
+    return src, ck
+
+
+def cursor_for(info: dict[str, Any], n_groups: int) -> tuple[list[int], int]:
+    """Steps per group and the batch offset for ``n_groups`` groups, from a checkpoint's run
+    state: the same groups continue where they were; a different number of groups starts at
+    the slowest one's step, at the data position the run had reached there."""
+    saved = [int(s) for s in info["steps"]]
+    offset = int(info["cursor"]["batch_offset"])
+    if len(saved) == n_groups:
+        return saved, offset
+    base = min(saved)
+    return [base] * n_groups, offset + base * (len(saved) - n_groups)
+
+
+def init_source(where: Any) -> Source:
+    """A checkpoint to start from: a path or URI, a Checkpoint, or an object-store ref."""
+    if isinstance(where, Checkpoint):
+        return Source(checkpoint=where, label=str(where.location))
+    if isinstance(where, (str, Location)) or hasattr(where, "__fspath__"):
+        loc = storage.resolve(where)
+        return Source(location=loc, label=str(loc))
+    return Source(refs=[where], label="object store")
+
+
+class LocalCheckpoints:
+    """Checkpoints of the single-process trainer, in the layout of a one-server run (so either
+    trainer resumes the other's), written in this process at step boundaries."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.t, cfg = trainer, trainer.cfg
+        self.root = storage.resolve(cfg.checkpoint_dir)
+        self.seed, self.start, self.batch_offset = cfg.seed, 0, 0
+        self.history: list[dict[str, Any]] = []
+        self.params = trainer.net.init_params(cfg.seed)
+        self.state = trainer.net.init_state()
+        self.stop_signal: int | None = None
+        self.saved_steps: set[int] = set()
+        self.saved: list[dict[str, Any]] = []
+        self.lock: RunLock | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> LocalCheckpoints:
+        self.lock = RunLock(self.root).acquire()
+        try:
+            self._open()
+        except BaseException:
+            self.lock.release()
+            raise
+        if threading.current_thread() is threading.main_thread():
+            self._old = {
+                s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)
+            }
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        if self.lock is not None:
+            self.lock.release()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.stop_signal is not None:
+            for s, h in self._old.items():
+                signal.signal(s, h)
+            raise KeyboardInterrupt
+        self.stop_signal = signum
+        self.t.log(f"raysinga: {signal.Signals(signum).name}: stopping after this step")
+
+    def _open(self) -> None:
+        t, cfg = self.t, self.t.cfg
+        shapes = t.net.param_shapes()
+        src, ck = open_run(self.root, cfg, t.resume, t.fresh, t.log)
+        if src is not None and ck is not None:
+            ck = src.open(verify="full")
+            info = run_info(ck)
+            check_fits(ck, shapes)
+            self.params = {p: np.array(ck.array(p)) for p in shapes}
+            self.state.update(
+                {k: np.array(v) for k, v in worker_state(ck, 0, 0, list(self.state)).items()}
+            )
+            opt = info["optimizer"]
+            t.optimizer.load_state_dict(
+                {
+                    "name": opt["name"],
+                    "hparams": opt["hparams"],
+                    "schedule": opt["schedule"],
+                    "slots": {
+                        f"{p}/{s}": ck.array(f"{p}/{s}") for p in shapes for s in slot_names(ck, p)
+                    },
+                    "counts": {p: int(opt["counts"].get(p, 0)) for p in shapes},
+                }
+            )
+            (self.start,), self.batch_offset = cursor_for(info, 1)
+            self.seed = int(info["rng"]["seed"])
+            self.history = [r for r in info["history"] if r.get("step", 0) <= self.start]
+            self.saved_steps.add(ck.step)
+            t.log(f"raysinga: resuming {cfg.name!r} at step {self.start} from {src.label}")
+        elif t.init_from is not None:
+            src = init_source(t.init_from)
+            ck = src.open(verify="full")
+            arrays = {n: ck.array(n) for n in ck.names("param")}
+            got, report = match(arrays, shapes)
+            t.log(f"raysinga: starting from {src.label} (step {ck.step}): {report}")
+            if not got:
+                raise CheckpointError(f"{src.label}: no parameter of it fits this model")
+            for p, a in got.items():
+                self.params[p] = np.array(a, dtype=t.net.dtype)
+            self.state.update(
+                {k: np.array(v) for k, v in worker_state(ck, 0, 0, list(self.state)).items()}
+            )
+
+    def due(self, step: int) -> bool:
+        return self.t.cfg.checkpoint_due(step)
+
+    def save(
+        self, step: int, params: dict, state: dict, history: list, final: bool = False
+    ) -> None:
+        from .kernels import to_numpy  # noqa: PLC0415
+
+        cfg = self.t.cfg
+        if (final and not cfg.checkpoint.final) or step in self.saved_steps or step == 0:
+            return
+        t0 = time.perf_counter()
+        shapes = self.t.net.param_shapes()
+        slices = [_WholeSlice(p, int(np.prod(s))) for p, s in shapes.items()]
+        st = self.t.optimizer.state_dict()
+        slots: dict[str, dict[str, np.ndarray]] = {}
+        for key, arr in st["slots"].items():
+            p, _, slot = key.rpartition("/")
+            slots.setdefault(f"{p}[0:{int(np.prod(shapes[p]))}]", {})[slot] = to_numpy(arr).reshape(
+                -1
+            )
+        values = {s.name: to_numpy(params[s.param]).reshape(-1) for s in slices}
+        tmp = writer.begin(self.root, step)
+        try:
+            shard = writer.write_shard(
+                tmp,
+                0,
+                slice_tensors(slices, shapes, values, slots, step),
+                cfg.checkpoint.compression,
+            )
+            st_shard = writer.write_shard(
+                tmp,
+                1,
+                state_tensors({(0, 0): {k: to_numpy(v) for k, v in state.items()}}),
+                cfg.checkpoint.compression,
+            )
+            opt = {
+                "name": st["name"],
+                "hparams": st["hparams"],
+                "schedule": st["schedule"],
+                "counts": {p: int(st["counts"].get(p, 0)) for p in shapes},
+            }
+            meta = run_meta(cfg, [step], self.batch_offset, opt, list(history), seed=self.seed)
+            path = writer.commit(tmp, step, [shard, st_shard], meta)
+        except BaseException:
+            storage.remove_dir(tmp)
+            raise
+        self.saved_steps.add(step)
+        self.saved.append({"step": step, "path": str(path), "seconds": time.perf_counter() - t0})
+        self.t.log(f"raysinga: checkpoint step {step} -> {path}")
+        prune(self.root, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, lock=False)
+
+    def preempted(self, step: int) -> None:
+        raise Preempted(self.stop_signal or signal.SIGTERM, step, self.saved)
+
+
+@dataclass(frozen=True)
+class _WholeSlice:
+    param: str
+    size: int
+    start: int = 0
+    server: int = 0
+
+    @property
+    def stop(self) -> int:
+        return self.size
+
+    @property
+    def name(self) -> str:
+        return f"{self.param}[0:{self.size}]"

@@ -43,6 +43,9 @@ class MetricsLog:
     def __init__(self, run_dir: Path, result: TrainResult) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.result, self.file = result, (run_dir / "metrics.jsonl").open("w")
+        for rec in result.history:  # a resumed run's records so far
+            self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
 
     def record(self, rec: dict[str, Any]) -> None:
         self.result.history.append(rec)
@@ -76,8 +79,25 @@ def evaluate(
 class Trainer:
     """Runs a :class:`JobConfig` in this process (no Ray)."""
 
-    def __init__(self, cfg: JobConfig, log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        log: Callable[[str], None] = print,
+        resume: bool | str = False,
+        init_from: Any = None,
+        fresh: bool = False,
+    ) -> None:
+        """``resume`` (True, or "auto": only if there is a checkpoint), ``init_from`` (a
+        checkpoint path, URI, :class:`~raysinga.checkpoint.Checkpoint` or object-store ref whose
+        parameters start a new run) and ``fresh`` (delete the run's checkpoints first) work as
+        in :class:`~raysinga.distributed.DistributedTrainer`; checkpoints are written in this
+        process, in the same layout (one server)."""
+        if resume not in (False, True, "auto"):
+            raise ValueError(f"resume must be True, False or 'auto', got {resume!r}")
+        if sum(map(bool, (resume, init_from is not None, fresh))) > 1:
+            raise ValueError("resume, init_from and fresh exclude one another")
         self.cfg, self.log = cfg, log
+        self.resume, self.init_from, self.fresh = resume, init_from, fresh
         self.device = _resolve_device(cfg.device)
         self.xp = K.xp_for(self.device)
         self.net = Net(cfg.model, dtype=cfg.dtype)
@@ -90,13 +110,20 @@ class Trainer:
         _check_fits(self.net, self.train_data)
         self.plan = BatchPlan(len(self.train_data), cfg.data.batch_size, cfg.seed, cfg.data.shuffle)
         self.optimizer = make_optimizer({k: v for k, v in cfg.updater.items() if k != "clip_norm"})
-        self.run_dir = Path(cfg.run_dir or Path("runs") / cfg.name)
+        self.run_dir = Path(cfg.run_path)
 
     def fit(self) -> TrainResult:
+        from .run_state import LocalCheckpoints  # noqa: PLC0415
+
+        with LocalCheckpoints(self) as ckpts:
+            return self._fit(ckpts)
+
+    def _fit(self, ckpts: Any) -> TrainResult:
         cfg, xp, dtype = self.cfg, self.xp, self.net.dtype
-        params = {k: xp.asarray(v) for k, v in self.net.init_params(cfg.seed).items()}
-        state = {k: xp.asarray(v) for k, v in self.net.init_state().items()}
-        result = TrainResult({}, {})
+        seed = ckpts.seed
+        params = {k: xp.asarray(v) for k, v in ckpts.params.items()}
+        state = {k: xp.asarray(v) for k, v in ckpts.state.items()}
+        result = TrainResult({}, {}, list(ckpts.history))
         self.log(
             f"raysinga: training {cfg.name!r} on {self.device} for {cfg.train_steps} steps, "
             f"batch {cfg.data.batch_size}, {len(self.train_data)} training samples, "
@@ -106,10 +133,14 @@ class Trainer:
         window_loss, window_steps, t0 = 0.0, 0, time.perf_counter()
         with MetricsLog(self.run_dir, result) as metrics:
             record = metrics.record
-            for step in range(cfg.train_steps):
-                epoch, _ = self.plan.cursor(step)
-                x, y = self.train_data.get(self.plan.indices(step))
-                ctx = StepContext(train=True, seed=cfg.seed, step=step)
+            for step in range(ckpts.start, cfg.train_steps):
+                if ckpts.stop_signal is not None:
+                    ckpts.save(step, params, state, result.history, final=True)
+                    ckpts.preempted(step)
+                b = step + ckpts.batch_offset
+                epoch, _ = self.plan.cursor(b)
+                x, y = self.train_data.get(self.plan.indices(b))
+                ctx = StepContext(train=True, seed=seed, step=b)
                 loss, grads, _ = self.net.loss_and_grads(
                     params, state, xp.asarray(x, dtype), xp.asarray(y), ctx
                 )
@@ -156,6 +187,10 @@ class Trainer:
                     record(rec)
                     self.log(_format(rec, cfg.train_steps))
                     t0 = time.perf_counter()  # evaluation time is not training throughput
+                if ckpts.due(done):
+                    ckpts.save(done, params, state, result.history)
+                    t0 = time.perf_counter()
+            ckpts.save(cfg.train_steps, params, state, result.history, final=True)
         result.params = {k: K.to_numpy(v) for k, v in params.items()}
         result.state = {k: K.to_numpy(v) for k, v in state.items()}
         return result

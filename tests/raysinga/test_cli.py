@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from raysinga.checkpoint import Checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,7 +62,7 @@ def test_help_lists_train():
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_a_distributed_run_cleanly(tmp_path):
+def test_ctrl_c_checkpoints_and_stops_a_distributed_run(tmp_path):
     p = subprocess.Popen(
         [
             sys.executable,
@@ -90,4 +93,10 @@ def test_ctrl_c_stops_a_distributed_run_cleanly(tmp_path):
     finally:
         p.kill()
     assert p.returncode == 130, "".join(lines) + out
-    assert out.rstrip().endswith("raysinga: interrupted")
+    last = out.rstrip().splitlines()[-1]
+    m = re.fullmatch(
+        r"raysinga: stopped by SIGINT at step (\d+); checkpoint (\S+); continue with --resume", last
+    )
+    assert m, out
+    ck = Checkpoint.open(m.group(2), verify="full")
+    assert ck.step == int(m.group(1)) > 0 and m.group(2).endswith(f"step-{ck.step}")
