@@ -1,0 +1,319 @@
+"""Checkpoints of the distributed trainer and exact resume: same topology bit for bit, another
+topology by resharding, every piece of state used, bad input refused, failed writes never
+committed, a SIGKILLed driver resumed from the command line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from raysinga import config
+from raysinga.checkpoint import Checkpoint, CheckpointError, save, steps
+from raysinga.distributed import DistributedTrainer
+
+ROOT = Path(__file__).resolve().parents[2]
+QUIET = {"log": lambda line: None}
+
+# Batch norm (state), dropout (the RNG), Adam (slots and update counts), a cosine schedule.
+JOB = """
+name: resume
+seed: 5
+model:
+  input_shape: [64]
+  layers:
+    - {kind: dense, name: fc1, units: 48, activation: relu}
+    - {kind: batchnorm, name: bn1}
+    - {kind: dropout, name: drop, rate: 0.2}
+    - {kind: dense, name: out, units: 10}
+data: {source: {kind: digits}, batch_size: 32}
+updater: {name: adam, lr: {kind: cosine, lr: 0.01, steps: 60, min_lr: 0.0001}}
+train_steps: 40
+disp_freq: 5
+test_freq: 20
+checkpoint_frequency: 10
+topology: {preset: sandblaster, n_servers: 1, workers_per_group: 2}
+"""
+
+
+def job(tmp_path: Path, *more: str) -> config.JobConfig:
+    f = tmp_path / "job.yaml"
+    if not f.exists():
+        f.write_text(JOB)
+    return config.load(f, [f"run_dir={tmp_path}", *more])
+
+
+def tensors(path: Path | str) -> dict[str, bytes]:
+    ck = Checkpoint.open(path, verify="full")
+    return {n: ck.array(n).tobytes() for k in ("param", "slot", "state") for n in ck.names(k)}
+
+
+def losses(history: list[dict], after: int) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in history if r["kind"] == "train" and r["step"] > after}
+
+
+@pytest.fixture(scope="module")
+def ray_module():
+    """``ray_session`` for module fixtures (the same embedded Ray)."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    return ray
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, ray_module):
+    """The uninterrupted 40-step run."""
+    d = tmp_path_factory.mktemp("straight")
+    result = DistributedTrainer(job(d), **QUIET).fit()
+    return d, result
+
+
+@pytest.fixture(scope="module")
+def halfway(tmp_path_factory, ray_module):
+    """The same run stopped after 20 steps (its final checkpoint is step 20)."""
+    d = tmp_path_factory.mktemp("halfway")
+    DistributedTrainer(job(d, "train_steps=20"), **QUIET).fit()
+    return d
+
+
+def resumed_from(tmp_path: Path, src_run: Path, *more: str) -> tuple[Path, object]:
+    """Copy the halfway run's step-20 checkpoint into a new run directory and resume it."""
+    import shutil
+
+    (tmp_path / "checkpoints").mkdir(exist_ok=True)
+    shutil.copytree(src_run / "checkpoints" / "step-20", tmp_path / "checkpoints" / "step-20")
+    result = DistributedTrainer(job(tmp_path, *more), resume=True, **QUIET).fit()
+    return tmp_path, result
+
+
+def test_resume_is_bit_exact_with_the_same_loss_curve(straight, halfway, tmp_path):
+    (sd, sres), (rd, rres) = straight, resumed_from(tmp_path, halfway)
+    assert steps(rd / "checkpoints")[0] == 40
+    assert tensors(rd / "checkpoints/step-40") == tensors(sd / "checkpoints/step-40")
+    for k in sres.params:
+        assert sres.params[k].tobytes() == rres.params[k].tobytes(), k
+    assert losses(rres.history, 20) == losses(sres.history, 20) and losses(sres.history, 20)
+    # the restored history is the halfway run's, then the resumed steps
+    assert [r["step"] for r in rres.history if r["kind"] == "train"] == list(range(5, 45, 5))
+
+
+def test_resume_with_more_workers_and_servers_reshards(ray_module, tmp_path):
+    """Batch norm normalises each worker's sub-batch, so a model with it trains differently on
+    another number of workers; without it, 3 workers and 2 servers continue the 2-worker,
+    1-server run to rounding."""
+    text = JOB.replace("    - {kind: batchnorm, name: bn1}\n", "")
+    for d in ("straight", "halfway", "resharded"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "job.yaml").write_text(text)
+    want = DistributedTrainer(job(tmp_path / "straight"), **QUIET).fit().params
+    DistributedTrainer(job(tmp_path / "halfway", "train_steps=20"), **QUIET).fit()
+    topo = "topology={preset: sandblaster, n_servers: 2, workers_per_group: 3, slice_bytes: 1024}"
+    _, res = resumed_from(tmp_path / "resharded", tmp_path / "halfway", topo)
+    ck = Checkpoint.open(tmp_path / "resharded/checkpoints/step-40")
+    assert {i.shard for i in ck.infos if i.name == "fc1/W"} == {0, 1}  # cut over both servers
+    for k, a in want.items():
+        assert np.abs(res.params[k] - a).max() <= 1e-5 * np.abs(a).max(), k
+
+
+# --- every piece of state is used -------------------------------------------------------------
+
+
+def _rewrite(src: Path, dst_root: Path, alter: str) -> None:
+    """Re-save ``src`` (whole tensors, one shard) with one piece of its state altered."""
+    ck = Checkpoint.open(src)
+    params = {n: np.array(ck.array(n)) for n in ck.names("param")}
+    slots = {n: np.array(ck.array(n)) for n in ck.names("slot")}
+    state = {n: np.array(ck.array(n)) for n in ck.names("state")}
+    meta = ck.meta
+    run = meta["run"]
+    if alter == "optimizer slots":
+        slots = {n: np.zeros_like(a) for n, a in slots.items()}
+    elif alter == "update counts":  # Adam's bias correction
+        run["optimizer"]["counts"] = {p: 1 for p in run["optimizer"]["counts"]}
+    elif alter == "schedule state":
+        run["optimizer"]["schedule"]["lr"] = 0.02
+    elif alter == "data cursor":
+        run["cursor"]["batch_offset"] = 3
+    elif alter == "rng":
+        run["rng"]["seed"] = 6
+    elif alter == "batch-norm state":
+        for n in list(state):
+            if n.endswith("running_mean"):
+                state[n] = state[n] + 1.0
+    else:
+        assert alter == "nothing"
+    save(dst_root, ck.step, params, slots, state, meta)
+
+
+ALTERATIONS = [
+    "optimizer slots",
+    "update counts",
+    "schedule state",
+    "data cursor",
+    "rng",
+    "batch-norm state",
+]
+
+
+def test_every_piece_of_state_is_used(straight, halfway, tmp_path):
+    """Resumed from a faithful copy the run ends bit-identical; with any one piece of state
+    altered it does not (batch-norm statistics only show in evaluation and the saved state)."""
+    want = tensors(straight[0] / "checkpoints/step-40")
+    outcome = {}
+    for alter in ["nothing", *ALTERATIONS]:
+        d = tmp_path / alter.replace(" ", "-")
+        _rewrite(halfway / "checkpoints/step-20", d / "checkpoints", alter)
+        DistributedTrainer(job(d), resume=True, **QUIET).fit()
+        got = tensors(d / "checkpoints/step-40")
+        outcome[alter] = sorted(n for n in want if got[n] != want[n])
+    assert outcome["nothing"] == []
+    for alter in ALTERATIONS:
+        assert outcome[alter], f"altering the {alter} changed nothing"
+    assert any(n.startswith("fc1/") for n in outcome["rng"])  # dropout masks and data order
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def test_resume_without_a_checkpoint(ray_session, tmp_path):
+    with pytest.raises(CheckpointError, match="--resume: no valid checkpoint of run 'resume'"):
+        DistributedTrainer(job(tmp_path), resume=True, **QUIET).fit()
+    res = DistributedTrainer(job(tmp_path, "train_steps=10"), resume="auto", **QUIET).fit()
+    assert res.history[-1]["step"] == 10 and steps(tmp_path / "checkpoints") == [10]
+
+
+def test_a_fresh_start_over_checkpoints_is_refused_unless_fresh(halfway, tmp_path):
+    import shutil
+
+    shutil.copytree(halfway / "checkpoints", tmp_path / "checkpoints")
+    with pytest.raises(CheckpointError, match=r"already holds checkpoints .* \(newest: step 20\)"):
+        DistributedTrainer(job(tmp_path), **QUIET).fit()
+    assert steps(tmp_path / "checkpoints") == [20, 10]
+    DistributedTrainer(job(tmp_path, "train_steps=10"), fresh=True, **QUIET).fit()
+    assert steps(tmp_path / "checkpoints") == [10]
+
+
+def test_a_checkpoint_of_another_model_is_refused_with_the_names(halfway, tmp_path):
+    import shutil
+
+    shutil.copytree(halfway / "checkpoints", tmp_path / "checkpoints")
+    text = JOB.replace("units: 48", "units: 24").replace("name: out", "name: head")
+    (tmp_path / "job.yaml").write_text(text)
+    with pytest.raises(CheckpointError) as e:
+        DistributedTrainer(job(tmp_path), resume=True, **QUIET).fit()
+    msg = str(e.value)
+    assert "use --init-from" in msg
+    assert "shape mismatch: fc1/W: checkpoint [64, 48], model [64, 24]" in msg
+    assert "missing (initialised fresh): head/W" in msg and "unexpected (ignored): out/W" in msg
+
+
+def test_init_from_loads_what_matches(halfway, tmp_path):
+    text = JOB.replace("name: out", "name: head")  # a new head; fc1 and bn1 are reused
+    (tmp_path / "job.yaml").write_text(text)
+    lines: list[str] = []
+    src = halfway / "checkpoints/step-20"
+    t = DistributedTrainer(
+        job(tmp_path, "train_steps=1", "updater.lr=0.0"), init_from=str(src), log=lines.append
+    )
+    res = t.fit()
+    report = next(line for line in lines if "--init-from" in line)
+    assert "matched 4, missing 2, unexpected 2" in report
+    ck = Checkpoint.open(src)
+    np.testing.assert_array_equal(res.params["fc1/W"], ck.array("fc1/W"))  # lr 0: unchanged
+    assert not np.array_equal(res.params["head/b"], ck.array("out/b"))
+
+
+def test_init_from_something_that_is_not_a_checkpoint(ray_session, tmp_path):
+    (tmp_path / "junk").mkdir()
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        DistributedTrainer(job(tmp_path), init_from=str(tmp_path / "junk"), **QUIET).fit()
+
+
+def test_resume_and_fresh_exclude_each_other(tmp_path):
+    with pytest.raises(ValueError, match="exclude"):
+        DistributedTrainer(job(tmp_path), resume=True, fresh=True)
+
+
+# --- a failed background write ------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip() or r.returncode}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_a_failed_background_write_reaches_the_driver_and_commits_nothing(
+    ray_session, tmp_path, small_fs
+):
+    # 64x4096 float32 weights with Adam's two slots: 3 MiB, more than the 2 MiB disk holds
+    text = JOB.replace("units: 48", "units: 4096")
+    (tmp_path / "job.yaml").write_text(text)
+    cfg = job(tmp_path, "train_steps=20", f"checkpoint.dir={small_fs / 'ck'}")
+    with pytest.raises(
+        CheckpointError, match="checkpoint of step 10 failed, nothing was committed"
+    ):
+        DistributedTrainer(cfg, **QUIET).fit()
+    assert steps(small_fs / "ck") == []
+    assert [d for d in os.listdir(small_fs / "ck") if d != ".writer.lock"] == []
+
+
+# --- the driver SIGKILLed, resumed from the command line ----------------------------------------
+
+
+@pytest.mark.slow
+def test_sigkilled_driver_resumes_bit_exact(ray_session, tmp_path):
+    text = JOB.replace("train_steps: 40", "train_steps: 200").replace("steps: 60", "steps: 200")
+    text = text.replace("checkpoint_frequency: 10", "checkpoint_frequency: 20")
+    text = text.replace("disp_freq: 5", "disp_freq: 10").replace("test_freq: 20", "test_freq: 0")
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    for d in (ref, run):
+        d.mkdir()
+        (d / "job.yaml").write_text(text)
+    want = DistributedTrainer(job(ref), **QUIET).fit()
+
+    address = ray_session.get_runtime_context().gcs_address
+    cmd = [
+        sys.executable,
+        "-m",
+        "raysinga.cli",
+        "train",
+        str(run / "job.yaml"),
+        "--address",
+        address,
+        "--set",
+        f"run_dir={run}",
+    ]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    try:
+        while not (run / "checkpoints/step-120").exists():
+            assert p.poll() is None, p.stdout.read()
+            assert time.monotonic() < deadline, "the run never reached step 120"
+            time.sleep(0.02)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        p.kill()
+    killed_at = steps(run / "checkpoints")[0]
+    assert 120 <= killed_at < 200
+    r = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"resuming 'resume' at step {killed_at}" in r.stdout
+    assert tensors(run / "checkpoints/step-200") == tensors(ref / "checkpoints/step-200")
+    got = Checkpoint.open(run / "checkpoints/step-200").meta["run"]["history"]
+    assert losses(got, killed_at) == losses(want.history, killed_at)
