@@ -423,7 +423,7 @@ class LocalCheckpoints:
         except BaseException:
             self.lock.release()
             raise
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread() and not _in_ray_worker():
             self._old = {
                 s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)
             }
@@ -540,6 +540,16 @@ class LocalCheckpoints:
 
     def preempted(self, step: int) -> None:
         raise Preempted(self.stop_signal or signal.SIGTERM, step, self.saved)
+
+
+def _in_ray_worker() -> bool:
+    """Inside a Ray task or actor, where signals are Ray's to handle."""
+    import sys  # noqa: PLC0415
+
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return False
+    return ray.get_runtime_context().worker.mode == ray.WORKER_MODE
 
 
 @dataclass(frozen=True)

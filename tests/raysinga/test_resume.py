@@ -317,3 +317,61 @@ def test_sigkilled_driver_resumes_bit_exact(ray_session, tmp_path):
     assert tensors(run / "checkpoints/step-200") == tensors(ref / "checkpoints/step-200")
     got = Checkpoint.open(run / "checkpoints/step-200").meta["run"]["history"]
     assert losses(got, killed_at) == losses(want.history, killed_at)
+
+
+# --- the driver's memory during a checkpoint of a large model -----------------------------------
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+@pytest.mark.slow
+def test_driver_memory_stays_flat_while_a_1_gib_model_is_checkpointed(ray_session, tmp_path):
+    """Parameters never pass through the driver: its peak RSS while the servers write two
+    checkpoints of 1 GiB of parameters stays within 200 MiB of what it was before."""
+    width = 8192
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "x.npy", rng.standard_normal((16, width), dtype=np.float32))
+    np.save(tmp_path / "y.npy", rng.integers(0, 10, 16).astype(np.int64))
+    layers = [{"kind": "dense", "name": f"fc{i}", "units": width} for i in range(4)]
+    cfg = config.from_dict(
+        {
+            "name": "big",
+            "model": {
+                "input_shape": [width],
+                "layers": [*layers, {"kind": "dense", "name": "out", "units": 10}],
+            },
+            "data": {
+                "source": {
+                    "kind": "npy",
+                    "x": str(tmp_path / "x.npy"),
+                    "y": str(tmp_path / "y.npy"),
+                },
+                "batch_size": 2,
+            },
+            "updater": {"name": "sgd", "lr": 1e-6},
+            "train_steps": 2,
+            "disp_freq": 1,
+            "run_dir": str(tmp_path / "run"),
+            "checkpoint_frequency": 1,
+            "topology": {"preset": "sandblaster", "n_servers": 1, "workers_per_group": 1},
+        }
+    )
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak (VmHWM) to the current RSS
+    except OSError as e:
+        pytest.skip(f"cannot reset the peak RSS: {e}")
+    before = _rss_kib("VmRSS")
+    t = DistributedTrainer(cfg, gather=False, **QUIET)
+    t.fit()
+    peak = _rss_kib("VmHWM")
+    assert [s["step"] for s in t.saved] == [1, 2]
+    ck = Checkpoint.open(tmp_path / "run/checkpoints/step-2", verify="fast")
+    assert sum(i.nbytes for i in ck.infos if i.kind == "param") >= 1 << 30
+    assert (peak - before) / 1024 < 200, f"driver RSS rose {(peak - before) / 1024:.0f} MiB"
