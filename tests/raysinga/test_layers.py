@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -62,8 +64,10 @@ CASES = [
 @pytest.mark.parametrize("kind,opts,in_shape", CASES, ids=lambda v: str(v))
 def test_layer_gradients_match_finite_differences(kind, opts, in_shape, batch):
     if kind == "batchnorm" and batch == 1 and len(in_shape) == 1:
-        batch = 2  # one sample per channel has zero variance: the layer is undefined there
-    rng = np.random.default_rng(hash((kind, in_shape, batch)) % 2**32)
+        # one sample has zero variance (undefined); two normalise to exactly -1 and +1, a flat
+        # function whose gradient is rounding noise
+        batch = 3
+    rng = np.random.default_rng(zlib.crc32(repr((kind, opts, in_shape, batch)).encode()))
     layer = LAYERS[kind]("L", **opts)
     out_shape = layer.build(in_shape)
     params = {k: rng.normal(size=s) for k, s in layer.param_shapes().items()}
