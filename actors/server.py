@@ -57,6 +57,7 @@ class ParamServer:
         self.optimizer = make_optimizer(updater)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")  # background writes
         self._writer: Future[dict[str, Any]] | None = None
+        self._snap: dict[str, np.ndarray] = {}  # snapshot buffers, reused
         # Servers work while the workers wait for them, so spread updates over the node's cores.
         self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
         self.versions = np.zeros(len(self.slices), np.int64)
@@ -160,11 +161,14 @@ class ParamServer:
         self._join_writer()  # the driver waits for the previous one; never run two at once
         t0 = time.perf_counter()
         st = self.optimizer.state_dict()
-        values = {s.name: self.buf.arrays[s.name].copy() for s in self.slices}
+        live = {s.name: self.buf.arrays[s.name] for s in self.slices}
+        live |= {f"{k}#slot": np.asarray(a) for k, a in st["slots"].items()}
+        copies = self._snapshot_into(live)
+        values = {s.name: copies[s.name] for s in self.slices}
         slots: dict[str, dict[str, np.ndarray]] = {}
-        for key, arr in st["slots"].items():
+        for key in st["slots"]:
             name, _, slot = key.rpartition("/")
-            slots.setdefault(name, {})[slot] = np.array(arr, copy=True)
+            slots.setdefault(name, {})[slot] = copies[f"{key}#slot"]
         version = int(self.versions.min()) if len(self.versions) else 0
         tensors = run_state.slice_tensors(self.slices, self.shapes, values, slots, version)
         self._writer = self._io.submit(writer.write_shard, tmp, shard, tensors, compression)
@@ -178,6 +182,25 @@ class ParamServer:
             },
             "seconds": time.perf_counter() - t0,
         }
+
+    def _snapshot_into(self, live: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Copies of ``live`` in buffers kept from one checkpoint to the next (already paged
+        in: a fresh allocation would cost page faults on every checkpoint), filled in chunks on
+        the update pool's threads."""
+        if set(self._snap) != set(live) or any(
+            self._snap[k].shape != a.shape or self._snap[k].dtype != a.dtype
+            for k, a in live.items()
+        ):
+            self._snap = {k: np.empty_like(a) for k, a in live.items()}
+        jobs = []
+        for k, a in live.items():
+            src, dst = a.reshape(-1), self._snap[k].reshape(-1)
+            step = 1 << 22
+            jobs += [
+                (dst[i : i + step], src[i : i + step]) for i in range(0, max(src.size, 1), step)
+            ]
+        list(self.pool.map(lambda d_s: np.copyto(*d_s), jobs))
+        return self._snap
 
     @reports_role
     def snapshot_result(self, wait: bool = True) -> dict[str, Any] | None:

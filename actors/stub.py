@@ -185,26 +185,31 @@ class Stub:
         ]
         return refs
 
-    def _raise_ended(self, serving: list[Any], timeout: float) -> None:
-        """Raise the error of a serve call that ended early (an exception or a death)."""
+    def _raise_ended(self, serving: list[Any], timeout: float, servers_only: bool = False) -> None:
+        """Raise the error of a serve call that ended early (an exception or a death).
+
+        ``servers_only``: while the servers apply a chunk's last step, the workers' calls have
+        ended normally; only a server's call ending then is an error."""
         import ray  # noqa: PLC0415
 
-        ready, _ = ray.wait(serving, num_returns=1, timeout=timeout)
+        k = len(self.workers)
+        watch = serving[k:] if servers_only else serving
+        ready, _ = ray.wait(watch, num_returns=1, timeout=timeout)
         if not ready:
             return
-        i, k = serving.index(ready[0]), len(self.workers)
+        i = serving.index(ready[0])
         if i < k:
             get_all(ready, "worker", self.group, indices=[i])
         else:
             get_all(ready, "server", indices=[i - k])
         raise RuntimeError("a role stopped serving before its last step")
 
-    def _check(self, serving: list[Any]) -> None:
-        self._raise_ended(serving, timeout=0)
+    def _check(self, serving: list[Any], servers_only: bool = False) -> None:
+        self._raise_ended(serving, timeout=0, servers_only=servers_only)
 
-    def _failed(self, serving: list[Any]) -> None:
+    def _failed(self, serving: list[Any], servers_only: bool = False) -> None:
         """A role rang 'failed': its serve call is ending with the error; raise that error."""
-        self._raise_ended(serving, timeout=60)
+        self._raise_ended(serving, timeout=60, servers_only=servers_only)
         raise RuntimeError("a role reported a failure, but no call ended with it in 60 s")
 
     def _ring_workers(self, step: int, serving: list[Any]) -> list[tuple[dict, None]]:
@@ -221,9 +226,9 @@ class Stub:
     def _ring_servers(self, step: int, serving: list[Any]) -> list[float]:
         for bell in self.bells["go_s"]:
             bell.ring(step)
-        msgs = wait_all(self.bells["done_s"], len(self.servers), lambda: self._check(serving))
+        msgs = wait_all(self.bells["done_s"], len(self.servers), lambda: self._check(serving, True))
         if any(m[2] for m in msgs):
-            self._failed(serving)
+            self._failed(serving, servers_only=True)
         return [m[3] for m in msgs]
 
     def _sum(self, grads: list[np.ndarray], ab: tuple[int, int]) -> None:
