@@ -353,7 +353,7 @@ class DistributedTrainer:
             f"{p['blocked'] * 1e3:.0f} ms; written in {seconds:.2f} s)"
         )
         c = self.cfg.checkpoint
-        prune(self.ck_root, c.keep_last, c.keep_every, lock=False)
+        prune(self.ck_root, c.keep_last, c.keep_every, lock=False, known_valid=p["step"])
         if c.object_store:
             from .checkpoint import objstore  # noqa: PLC0415
 

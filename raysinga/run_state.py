@@ -536,7 +536,13 @@ class LocalCheckpoints:
         self.saved_steps.add(step)
         self.saved.append({"step": step, "path": str(path), "seconds": time.perf_counter() - t0})
         self.t.log(f"raysinga: checkpoint step {step} -> {path}")
-        prune(self.root, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, lock=False)
+        prune(
+            self.root,
+            cfg.checkpoint.keep_last,
+            cfg.checkpoint.keep_every,
+            lock=False,
+            known_valid=step,
+        )
 
     def preempted(self, step: int) -> None:
         raise Preempted(self.stop_signal or signal.SIGTERM, step, self.saved)

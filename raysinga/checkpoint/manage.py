@@ -85,13 +85,18 @@ def latest(root: str | Location, verify: str = "full") -> Latest:
 
 
 def prune(
-    root: str | Location, keep_last: int, keep_every: int | None = None, lock: bool = True
+    root: str | Location,
+    keep_last: int,
+    keep_every: int | None = None,
+    lock: bool = True,
+    known_valid: int | None = None,
 ) -> list[int]:
     """Delete checkpoints beyond the newest ``keep_last``, except every ``keep_every``-th step
     and the newest valid one; remove leftover temporary directories. Returns deleted steps.
 
     It takes the run's writer lock (a live writer's temporary directory is not leftover);
-    ``lock=False`` is for a writer that already holds it."""
+    ``lock=False`` is for a writer that already holds it. ``known_valid``: a step the caller
+    has just committed, taken as the newest valid one without reading it back."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     if keep_every is not None and keep_every < 1:
@@ -100,10 +105,12 @@ def prune(
     if not storage.exists(root):
         raise CheckpointError(f"{root}: no such run directory")
     with RunLock(root) if lock else contextlib.nullcontext():
-        return _prune(root, keep_last, keep_every)
+        return _prune(root, keep_last, keep_every, known_valid)
 
 
-def _prune(root: Location, keep_last: int, keep_every: int | None) -> list[int]:
+def _prune(
+    root: Location, keep_last: int, keep_every: int | None, known_valid: int | None
+) -> list[int]:
     all_steps = steps(root)
     if not root.local:  # written in place there: a step directory without a manifest is unfinished
         all_steps = [s for s in all_steps if not storage.remove_unfinished(root.join(f"step-{s}"))]
@@ -111,9 +118,12 @@ def _prune(root: Location, keep_last: int, keep_every: int | None) -> list[int]:
     if keep_every:
         keep |= {s for s in all_steps if s % keep_every == 0}
     # full: a checkpoint whose bytes are corrupt but sizes right must not count as the valid one
-    newest_valid = latest(root, verify="full").checkpoint
-    if newest_valid is not None:
-        keep.add(newest_valid.step)
+    if known_valid is not None:
+        keep.add(known_valid)
+    else:
+        newest_valid = latest(root, verify="full").checkpoint
+        if newest_valid is not None:
+            keep.add(newest_valid.step)
     deleted = []
     for s in all_steps:
         if s not in keep:

@@ -370,8 +370,8 @@ def test_driver_memory_stays_flat_while_a_1_gib_model_is_checkpointed(ray_sessio
     before = _rss_kib("VmRSS")
     t = DistributedTrainer(cfg, gather=False, **QUIET)
     t.fit()
-    peak = _rss_kib("VmHWM")
+    peak = _rss_kib("VmHWM")  # before this test maps the checkpoint itself, below
+    assert (peak - before) / 1024 < 200, f"driver RSS rose {(peak - before) / 1024:.0f} MiB"
     assert [s["step"] for s in t.saved] == [1, 2]
     ck = Checkpoint.open(tmp_path / "run/checkpoints/step-2", verify="fast")
     assert sum(i.nbytes for i in ck.infos if i.kind == "param") >= 1 << 30
-    assert (peak - before) / 1024 < 200, f"driver RSS rose {(peak - before) / 1024:.0f} MiB"
