@@ -357,9 +357,7 @@ class DistributedTrainer:
         if c.object_store:
             from .checkpoint import objstore  # noqa: PLC0415
 
-            objstore.registry().adopt.remote(
-                self.cfg.name, p["step"], path.path if path.local else str(path)
-            )
+            objstore.registry().adopt.remote(self.cfg.name, p["step"], str(path))
 
     @contextlib.contextmanager
     def _stop_signals(self) -> Iterator[None]:

@@ -267,21 +267,25 @@ def worker_state(ck: Checkpoint, group: int, index: int, names: list[str]) -> di
     return out
 
 
-def find_resume(root: str | Location, run: str, use_registry: bool) -> tuple[Source | None, list]:
+def find_resume(
+    root: str | Location, run: str, use_registry: bool
+) -> tuple[Source | None, Checkpoint | None, list]:
     """The newest valid checkpoint of a run: from the object store when its registry has one at
-    least as new as the newest on disk, else from disk. Returns (source, skipped) where skipped
-    lists newer directories that failed validation, with the reason."""
+    least as new as the newest on disk, else from disk. Returns (source, the checkpoint opened
+    with size checks, skipped) where skipped lists newer directories that failed validation,
+    with the reason."""
     found = latest(root, verify="fast")
     disk = found.checkpoint
     if use_registry:
         entry = _registry_entry(run)
         if entry is not None and (disk is None or entry["step"] >= disk.step):
-            return Source(
+            src = Source(
                 refs=entry["refs"], label=f"object store, run {run!r} step {entry['step']}"
-            ), found.skipped
+            )
+            return src, src.open(verify="fast"), found.skipped
     if disk is None:
-        return None, found.skipped
-    return Source(location=disk.location, label=str(disk.location)), found.skipped
+        return None, None, found.skipped
+    return Source(location=disk.location, label=str(disk.location)), disk, found.skipped
 
 
 def _registry_entry(run: str) -> dict[str, Any] | None:
@@ -353,7 +357,7 @@ def open_run(
                 "over, or give the run another name or checkpoint.dir"
             )
         return None, None
-    src, skipped = find_resume(root, cfg.name, cfg.checkpoint.object_store)
+    src, ck, skipped = find_resume(root, cfg.name, cfg.checkpoint.object_store)
     for where, why in skipped:
         log(f"raysinga: skipping {where}: {why}")
     if src is None:
@@ -365,7 +369,6 @@ def open_run(
             + (f" ({len(skipped)} invalid one(s) skipped)" if skipped else "")
             + "; run without --resume to start fresh"
         )
-    ck = src.open(verify="fast")
     info = run_info(ck)
     if info["model"]["digest"] != cfg.model.digest():
         log("raysinga: the model spec changed since the checkpoint (its parameters still fit)")
@@ -452,9 +455,7 @@ class LocalCheckpoints:
             info = run_info(ck)
             check_fits(ck, shapes)
             self.params = {p: np.array(ck.array(p)) for p in shapes}
-            self.state.update(
-                {k: np.array(v) for k, v in worker_state(ck, 0, 0, list(self.state)).items()}
-            )
+            self._load_state(ck)
             opt = info["optimizer"]
             t.optimizer.load_state_dict(
                 {
@@ -482,9 +483,12 @@ class LocalCheckpoints:
                 raise CheckpointError(f"{src.label}: no parameter of it fits this model")
             for p, a in got.items():
                 self.params[p] = np.array(a, dtype=t.net.dtype)
-            self.state.update(
-                {k: np.array(v) for k, v in worker_state(ck, 0, 0, list(self.state)).items()}
-            )
+            self._load_state(ck)
+
+    def _load_state(self, ck: Checkpoint) -> None:
+        """Group 0 / worker 0's saved non-trainable state, as writable copies."""
+        saved = worker_state(ck, 0, 0, list(self.state))
+        self.state.update({k: np.array(v) for k, v in saved.items()})
 
     def due(self, step: int) -> bool:
         return self.t.cfg.checkpoint_due(step)
@@ -501,12 +505,11 @@ class LocalCheckpoints:
         shapes = self.t.net.param_shapes()
         slices = [_WholeSlice(p, int(np.prod(s))) for p, s in shapes.items()]
         st = self.t.optimizer.state_dict()
+        slice_of = {s.param: s.name for s in slices}
         slots: dict[str, dict[str, np.ndarray]] = {}
         for key, arr in st["slots"].items():
             p, _, slot = key.rpartition("/")
-            slots.setdefault(f"{p}[0:{int(np.prod(shapes[p]))}]", {})[slot] = to_numpy(arr).reshape(
-                -1
-            )
+            slots.setdefault(slice_of[p], {})[slot] = to_numpy(arr).reshape(-1)
         values = {s.name: to_numpy(params[s.param]).reshape(-1) for s in slices}
         tmp = writer.begin(self.root, step)
         try:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import subprocess
+
 import pytest
 
 from raysinga.kernels import gpu_available, gpu_unavailable_reason
@@ -32,10 +35,33 @@ def _ray_stop_last(items):
 def ray_session():
     """The embedded Ray shared by the session (``ray.init`` costs seconds), started on first
     use. Eight logical CPUs, so topologies of up to four workers fit a two-core machine."""
+    return start_ray()
+
+
+def start_ray():
+    """The session's embedded Ray (module-scoped fixtures call this directly)."""
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     return ray
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 2 MiB tmpfs: a disk that fills up (skipped where mounting is not allowed)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip() or r.returncode}")
+    try:
+        yield mnt
+    finally:
+        gc.collect()  # Checkpoints map their shards: let go of them before unmounting
+        if subprocess.run(["umount", str(mnt)]).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 @pytest.fixture(scope="module")

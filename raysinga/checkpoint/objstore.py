@@ -161,8 +161,7 @@ def publish(where: str | Location, run: str, reg: Any = None) -> Any:
     reg = reg or registry()
     loc = storage.resolve(where)
     ck = Checkpoint.open(loc, verify="fast")
-    uri = loc.path if loc.local else str(loc)
-    return ray.get(reg.adopt.remote(run, ck.step, uri))[0]
+    return ray.get(reg.adopt.remote(run, ck.step, str(loc)))[0]
 
 
 def fetch(run: str, step: int | None = None, reg: Any = None, verify: str = "fast") -> Checkpoint:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import random
 import shutil
@@ -264,23 +263,6 @@ def test_sigkilled_writer_never_leaves_a_valid_looking_broken_checkpoint(tmp_pat
 
 
 # --- full disk ----------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip() or r.returncode}")
-    try:
-        yield mnt
-    finally:
-        gc.collect()  # Checkpoints map their shards: let go of them before unmounting
-        if subprocess.run(["umount", str(mnt)]).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 def test_full_disk(small_fs):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import start_ray
 
 from raysinga import config
 from raysinga.checkpoint import Checkpoint, CheckpointError, save, steps
@@ -61,10 +62,7 @@ def losses(history: list[dict], after: int) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def ray_module():
     """``ray_session`` for module fixtures (the same embedded Ray)."""
-    ray = pytest.importorskip("ray")
-    if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    return ray
+    return start_ray()
 
 
 @pytest.fixture(scope="module")
@@ -242,19 +240,6 @@ def test_resume_and_fresh_exclude_each_other(tmp_path):
 
 
 # --- a failed background write ------------------------------------------------------------------
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip() or r.returncode}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)])
 
 
 def test_a_failed_background_write_reaches_the_driver_and_commits_nothing(
