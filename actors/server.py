@@ -8,6 +8,7 @@ the new values through shared memory, readers elsewhere through a snapshot in th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -57,7 +58,9 @@ class ParamServer:
         self.optimizer = make_optimizer(updater)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")  # background writes
         self._writer: Future[dict[str, Any]] | None = None
-        self._snap: dict[str, np.ndarray] = {}  # snapshot buffers, reused
+        self._snap: dict[tuple[str, int], np.ndarray] = {}  # snapshot buffers, reused
+        self._image: Any = None  # the shard image snapshots are copied into, reused
+        self._preparing: Future[None] | None = None
         # Servers work while the workers wait for them, so spread updates over the node's cores.
         self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
         self.versions = np.zeros(len(self.slices), np.int64)
@@ -155,23 +158,20 @@ class ParamServer:
         Returns at once with the optimizer's description (for the manifest) and the seconds the
         copy took: the time training waits. :meth:`snapshot_result` gives the shard's record.
         """
-        from raysinga import run_state  # noqa: PLC0415
         from raysinga.checkpoint import writer  # noqa: PLC0415
 
         self._join_writer()  # the driver waits for the previous one; never run two at once
         t0 = time.perf_counter()
         st = self.optimizer.state_dict()
-        live = {s.name: self.buf.arrays[s.name] for s in self.slices}
-        live |= {f"{k}#slot": np.asarray(a) for k, a in st["slots"].items()}
-        copies = self._snapshot_into(live)
-        values = {s.name: copies[s.name] for s in self.slices}
-        slots: dict[str, dict[str, np.ndarray]] = {}
-        for key in st["slots"]:
-            name, _, slot = key.rpartition("/")
-            slots.setdefault(name, {})[slot] = copies[f"{key}#slot"]
-        version = int(self.versions.min()) if len(self.versions) else 0
-        tensors = run_state.slice_tensors(self.slices, self.shapes, values, slots, version)
-        self._writer = self._io.submit(writer.write_shard, tmp, shard, tensors, compression)
+        live = self._tensors(st)
+        image = None
+        if compression is None:
+            image = self._image_for(live)
+        if image is not None:
+            tensors = image.place(live, self.pool)
+        else:
+            tensors = self._copies(live)
+        self._writer = self._io.submit(writer.write_shard, tmp, shard, tensors, compression, image)
         counts = {s.param: int(st["counts"].get(s.name, 0)) for s in self.slices}
         return {
             "optimizer": {
@@ -183,24 +183,74 @@ class ParamServer:
             "seconds": time.perf_counter() - t0,
         }
 
-    def _snapshot_into(self, live: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _tensors(self, st: dict[str, Any], slot_names: tuple[str, ...] | None = None) -> list:
+        """This server's shard as (info, live array) pairs: slices, then optimizer slots. With
+        ``slot_names``, the slots the optimizer will have, as untouched placeholders."""
+        from raysinga import run_state  # noqa: PLC0415
+
+        values = {s.name: self.buf.arrays[s.name] for s in self.slices}
+        slots: dict[str, dict[str, np.ndarray]] = {}
+        if slot_names is None:
+            for key, a in st["slots"].items():
+                name, _, slot = key.rpartition("/")
+                slots.setdefault(name, {})[slot] = np.asarray(a)
+        else:
+            for s in self.slices:
+                a = values[s.name]
+                slots[s.name] = {n: np.empty(a.shape, a.dtype) for n in slot_names}
+        version = int(self.versions.min()) if len(self.versions) else 0
+        return run_state.slice_tensors(self.slices, self.shapes, values, slots, version)
+
+    def _image_for(self, live: list) -> Any:
+        """The shard image to copy ``live`` into: the one kept from the last checkpoint (or
+        prepared at start) when the layout still fits, else a new one; None where Arrow's
+        layout cannot be used (the copies then go to plain buffers)."""
+        from raysinga.checkpoint import writer  # noqa: PLC0415
+
+        if self._preparing is not None:
+            self._preparing.exception()
+            self._preparing = None
+        if self._image is None or not self._image.fits(live):
+            self._image = None
+            try:
+                self._image = writer.ShardImage(live)
+            except ValueError:
+                return None
+        return self._image
+
+    @reports_role
+    def prepare_snapshots(self) -> None:
+        """Lay out and map the shard image in the background now, so that the first checkpoint
+        costs training no more than the later ones (periodic checkpoints, no compression)."""
+        from raysinga.checkpoint import writer  # noqa: PLC0415
+
+        placeholders = self._tensors({}, self.optimizer.slot_names())
+
+        def prepare() -> None:
+            with contextlib.suppress(ValueError):
+                self._image = writer.ShardImage(placeholders)
+
+        self._preparing = self._io.submit(prepare)
+
+    def _copies(self, live: list) -> list:
         """Copies of ``live`` in buffers kept from one checkpoint to the next (already paged
         in: a fresh allocation would cost page faults on every checkpoint), filled in chunks on
         the update pool's threads."""
-        if set(self._snap) != set(live) or any(
+        keys = [(i.name, i.start) for i, _ in live]
+        if list(self._snap) != keys or any(
             self._snap[k].shape != a.shape or self._snap[k].dtype != a.dtype
-            for k, a in live.items()
+            for k, (_, a) in zip(keys, live, strict=True)
         ):
-            self._snap = {k: np.empty_like(a) for k, a in live.items()}
+            self._snap = {k: np.empty_like(a) for k, (_, a) in zip(keys, live, strict=True)}
         jobs = []
-        for k, a in live.items():
+        for k, (_, a) in zip(keys, live, strict=True):
             src, dst = a.reshape(-1), self._snap[k].reshape(-1)
             step = 1 << 22
             jobs += [
                 (dst[i : i + step], src[i : i + step]) for i in range(0, max(src.size, 1), step)
             ]
         list(self.pool.map(lambda d_s: np.copyto(*d_s), jobs))
-        return self._snap
+        return [(i, self._snap[k]) for k, (i, _) in zip(keys, live, strict=True)]
 
     @reports_role
     def snapshot_result(self, wait: bool = True) -> dict[str, Any] | None:

@@ -158,6 +158,11 @@ class DistributedTrainer:
         ]
         if self.source is not None:  # before the servers first publish their values
             self._restore()
+        c = self.cfg.checkpoint
+        if (self.cfg.checkpoint_frequency or self.cfg.checkpoint_every_seconds) and (
+            c.compression is None
+        ):  # periodic checkpoints: the servers map their snapshot images now, in the background
+            self._get([s.prepare_snapshots.remote() for s in self.servers], "server")
         worker_nodes = {w["node"] for row in worker_infos for w in row}
         for k, (s, info) in enumerate(zip(self.servers, server_infos, strict=True)):
             remote = bool(worker_nodes - {info["node"]})

@@ -11,6 +11,11 @@ filesystem refuses ``O_DIRECT`` (older tmpfs, some network filesystems), or with
 asked to start writing each one back at once (``sync_file_range``), so the closing ``fsync``
 finds little left to do.
 
+A writer that laid the shard out in memory beforehand (:class:`.writer.ShardImage`: each tensor
+already at its file offset in one page-aligned region) passes that region as ``image``: tensor
+bytes Arrow hands over from their place in it are not copied at all, and the file is written
+straight from it.
+
 Elsewhere (object stores) the bytes go to the filesystem's output stream as they come.
 """
 
@@ -24,6 +29,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from . import storage
@@ -37,13 +43,22 @@ BLOCK = 4096  # O_DIRECT writes are whole blocks; the file is cut back to size a
 PIECE = 16 << 20  # stream writes (and their hashing) per call on large buffers
 
 
+def address(mv: memoryview) -> int:
+    """Where a (non-empty) buffer's bytes are in memory."""
+    return int(np.frombuffer(mv, np.uint8).ctypes.data)
+
+
 class ShardSink:
-    def __init__(self, loc: Location) -> None:
+    def __init__(self, loc: Location, image: mmap.mmap | None = None) -> None:
         self.hash, self.size, self.closed = xxhash.xxh3_64(), 0, False
         self._io = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
         self._local = loc.local
         if self._local:
-            self._file: Any = _StagedFile(loc.path, self.hash, self._io)
+            self._file: Any = (
+                _StagedFile(loc.path, self.hash, self._io)
+                if image is None
+                else _ImageFile(loc.path, self.hash, self._io, image)
+            )
         else:
             self._file = loc.fs.open_output_stream(loc.path)
 
@@ -111,11 +126,14 @@ class _StagedFile:
             self.direct = False
             self.fd = os.open(path, flags, 0o644)
         self.writers = ThreadPoolExecutor(NBUF, thread_name_prefix="ckpt-write")
+        self._flip = threading.Lock()
+        self._buffers()
+
+    def _buffers(self) -> None:
         self.bufs = [mmap.mmap(-1, STAGE) for _ in range(NBUF)]  # page-aligned
         self.views = [memoryview(b) for b in self.bufs]
         self.pending: list[list[Future[None]]] = [[] for _ in range(NBUF)]
         self.cur, self.fill, self.offset = 0, 0, 0
-        self._flip = threading.Lock()
 
     def write(self, mv: memoryview) -> None:
         while len(mv):
@@ -132,7 +150,7 @@ class _StagedFile:
         view = self.views[i]
         self.pending[i] = [
             self.hasher.submit(self.hash.update, view[:n]),
-            self.writers.submit(self._out, i, n, self.offset),
+            self.writers.submit(self._out, view, n, self.offset),
         ]
         self.offset += n
         self.cur, self.fill = (i + 1) % NBUF, 0
@@ -143,8 +161,8 @@ class _StagedFile:
         for f in futs:
             f.result()
 
-    def _out(self, i: int, n: int, offset: int) -> None:
-        view = self.views[i]
+    def _out(self, view: memoryview, n: int, offset: int) -> None:
+        """Write ``view[:n]`` at ``offset`` (``view`` reaches at least to the next block end)."""
         length = -(-n // BLOCK) * BLOCK if self.direct else n
         if length > n:  # the tail: whole blocks for O_DIRECT, zero padded, cut off by finish
             view[n:length] = bytes(length - n)
@@ -187,3 +205,77 @@ class _StagedFile:
         for b in self.bufs:
             b.close()
         self.views, self.bufs = [], []
+
+
+class _ImageFile(_StagedFile):
+    """A local file written straight from a shard image: Arrow's writes of tensor bytes that
+    already sit at their file offset in the image cost nothing; the small pieces in between
+    (Arrow's framing and metadata) are copied to their places. Every ``STAGE`` bytes placed
+    are hashed (in order) and written, up to ``NBUF`` writes side by side."""
+
+    def __init__(self, path: str, hash_: Any, hasher: ThreadPoolExecutor, image: mmap.mmap) -> None:
+        self.image = image
+        super().__init__(path, hash_, hasher)
+
+    def _buffers(self) -> None:
+        self.view = memoryview(self.image)
+        self.base = address(self.view)
+        self.placed = self.sent = 0
+        self.inflight: list[list[Future[None]]] = []
+        self.bufs, self.views, self.pending = [], [], []
+
+    def write(self, mv: memoryview) -> None:
+        n = len(mv)
+        if not n:
+            return
+        end = self.placed + n
+        if end > len(self.view):
+            raise ValueError(
+                f"shard image of {len(self.view)} bytes is too small: it was laid out "
+                "for other tensors"
+            )
+        src = address(mv)
+        if src != self.base + self.placed:
+            if self.base <= src < self.base + len(self.view):
+                raise ValueError(
+                    "a tensor in the shard image is not at its file offset: the "
+                    "image was laid out for other tensors"
+                )
+            self.view[self.placed : end] = mv
+        self.placed = end
+        while self.placed - self.sent >= STAGE:
+            self._send(self.sent + STAGE)
+
+    def _send(self, upto: int) -> None:
+        a = self.sent
+        self.inflight.append(
+            [
+                self.hasher.submit(self.hash.update, self.view[a:upto]),
+                self.writers.submit(self._out, self.view[a:], upto - a, a),
+            ]
+        )
+        self.sent = upto
+        if len(self.inflight) >= NBUF:  # bound the writes in flight
+            for f in self.inflight.pop(0):
+                f.result()
+
+    def finish(self, size: int) -> None:
+        if self.placed > self.sent:
+            self._send(self.placed)
+        while self.inflight:
+            for f in self.inflight.pop(0):
+                f.result()
+        if os.fstat(self.fd).st_size != size:
+            os.ftruncate(self.fd, size)
+        os.fsync(self.fd)
+
+    def release(self) -> None:
+        for futs in self.inflight:
+            for f in futs:
+                f.exception()
+        self.inflight = []
+        self.writers.shutdown(wait=True)
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.view.release()  # the image itself belongs to the caller

@@ -11,6 +11,7 @@ is the commit (see :func:`storage.staging_dir`).
 from __future__ import annotations
 
 import contextlib
+import mmap
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -18,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgpack
+import numpy as np
 import pyarrow as pa
 import xxhash
 
@@ -31,7 +33,7 @@ from .format import (
     TensorInfo,
     as_array,
 )
-from .sink import ShardSink
+from .sink import BLOCK, ShardSink, address
 from .storage import Location
 
 SCHEMA = pa.schema(
@@ -85,22 +87,26 @@ def write_shard(
     shard: int,
     tensors: Iterable[tuple[TensorInfo, Any]],
     compression: str | None = None,
+    image: ShardImage | None = None,
 ) -> dict[str, Any]:
     """Write ``shard-<shard>.arrow`` into the temporary directory; returns its record for the
     manifest (file, size, checksum, and one entry per tensor for ``params.meta``).
 
     Hashing costs a save almost nothing: each tensor and the file's bytes are hashed on helper
-    threads while Arrow writes them (see :mod:`.sink`).
+    threads while Arrow writes them (see :mod:`.sink`). With ``image`` (the tensors having been
+    placed in it by :meth:`ShardImage.place`), a local file is written from it without copying.
     """
     if compression not in COMPRESSIONS:
         raise CheckpointError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+    if image is not None and compression is not None:
+        raise ValueError("a shard image holds uncompressed tensors only")
     tmp = storage.resolve(tmp)
     loc = tmp.join(f"shard-{shard}.arrow")
     opts = pa.ipc.IpcWriteOptions(compression=compression)
     infos: list[TensorInfo] = []
     hashes: list[Future[str]] = []
     with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool, _writing(loc):
-        sink = ShardSink(loc)
+        sink = ShardSink(loc, None if image is None else image.buf)
         try:
             with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), SCHEMA, options=opts) as w:
                 for info, a in tensors:
@@ -123,6 +129,104 @@ def write_shard(
         "compression": compression,
         "tensors": entries,
     }
+
+
+class _Layout:
+    """A dry run of Arrow's writer: where each tensor's bytes would land in the file (found by
+    the address Arrow hands over), and the file's size. No tensor byte is read."""
+
+    def __init__(self, tensors: list[tuple[TensorInfo, np.ndarray]]) -> None:
+        self.size, self.closed = 0, False
+        self._want = {
+            address(memoryview(a.reshape(-1).view("uint8"))): i
+            for i, (_, a) in enumerate(tensors)
+            if a.size
+        }
+        self.offsets = [-1] * len(tensors)
+        with pa.ipc.new_file(pa.PythonFile(self, mode="w"), SCHEMA) as w:
+            for info, a in tensors:
+                w.write_batch(_record_batch(info, a))
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")
+        if len(mv) and (i := self._want.get(address(mv))) is not None and self.offsets[i] < 0:
+            self.offsets[i] = self.size
+        self.size += len(mv)
+        return len(mv)
+
+    def flush(self) -> None:
+        pass
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class ShardImage:
+    """A shard file laid out in memory: one page-aligned region in which each tensor has its
+    place at its file offset. Copying tensors into their places (:meth:`place`) is the only
+    copy a save then makes; :func:`write_shard` writes the file straight from the region.
+
+    Made once for a set of names, shapes and dtypes and reused (its pages stay mapped, so a
+    copy into it costs no page faults), e.g. by a parameter server checkpointing every N steps.
+    """
+
+    def __init__(self, tensors: list[tuple[TensorInfo, Any]]) -> None:
+        tensors = [(i, as_array(a)) for i, a in tensors]
+        self.layout = self._layout(tensors)
+        size, offsets = self.layout
+        self.nbytes = tuple(a.nbytes for _, a in tensors)
+        if any(o < 0 for o, (_, a) in zip(offsets, tensors, strict=True) if a.size):
+            raise ValueError("Arrow did not write the tensors' bytes from their own memory")
+        self.buf = mmap.mmap(-1, max(BLOCK, -(-size // BLOCK) * BLOCK))
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            with contextlib.suppress(OSError):
+                self.buf.madvise(mmap.MADV_HUGEPAGE)
+        np.frombuffer(self.buf, np.uint8)[::4096] = 0  # fault every page in now, not at a save
+
+    @staticmethod
+    def _layout(tensors: list[tuple[TensorInfo, np.ndarray]]) -> tuple[int, tuple[int, ...]]:
+        lay = _Layout(tensors)
+        return lay.size, tuple(lay.offsets)
+
+    def fits(self, tensors: list[tuple[TensorInfo, Any]]) -> bool:
+        """Whether ``tensors`` (names, shapes, dtypes, order) have this image's layout."""
+        return self._layout([(i, as_array(a)) for i, a in tensors]) == self.layout
+
+    def place(
+        self, tensors: list[tuple[TensorInfo, Any]], pool: Any = None
+    ) -> list[tuple[TensorInfo, np.ndarray]]:
+        """Copy ``tensors`` (which must fit) into their places, in chunks on ``pool`` if given;
+        returns them as views of the image, to hand to :func:`write_shard` with this image."""
+        out, jobs = [], []
+        offsets = self.layout[1]
+        if len(tensors) != len(offsets):
+            raise ValueError(
+                f"the shard image was laid out for {len(offsets)} tensors, not {len(tensors)}"
+            )
+        for (info, a), off, n in zip(tensors, offsets, self.nbytes, strict=True):
+            a = as_array(a)
+            if a.nbytes != n:
+                raise ValueError(
+                    f"tensor {info.name!r} has {a.nbytes} bytes; the shard image was "
+                    f"laid out for {n}"
+                )
+            if not a.size:
+                out.append((info, a))
+                continue
+            dst = np.frombuffer(self.buf, a.dtype, a.size, off).reshape(a.shape)
+            src, flat = a.reshape(-1), dst.reshape(-1)
+            step = max(1, (4 << 20) // a.itemsize)
+            jobs += [(flat[i : i + step], src[i : i + step]) for i in range(0, a.size, step)]
+            out.append((info, dst))
+        if pool is None:
+            for d, s in jobs:
+                np.copyto(d, s)
+        else:
+            list(pool.map(lambda d_s: np.copyto(*d_s), jobs))
+        return out
 
 
 def _checked(info: TensorInfo, arr: Any, shard: int) -> TensorInfo:

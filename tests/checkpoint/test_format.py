@@ -32,6 +32,7 @@ from raysinga.checkpoint import (
     sink,
     steps,
     write_shard,
+    writer,
 )
 from raysinga.checkpoint.format import DTYPES, MANIFEST
 from raysinga.checkpoint.writer import seal
@@ -132,6 +133,54 @@ def test_writes_across_staging_buffer_edges(tmp_path, monkeypatch, direct):
     for name, arr in tensors.items():
         assert_same(ck.array(name), arr)
     assert ck.verify_tensors() == sum(sizes)
+
+
+def _image_tensors(rng, sizes, dtypes):
+    return [
+        (TensorInfo(f"t{i}", "param", (n,), dt, 0, n, 2), rng.standard_normal(n).astype(dt))
+        for i, (n, dt) in enumerate(zip(sizes, dtypes, strict=True))
+    ]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "page_cache"])
+def test_shard_written_from_an_image_is_the_same_file(tmp_path, monkeypatch, direct):
+    """A shard image (tensors copied to their file offsets, the file written straight from it)
+    gives byte for byte the file a plain write gives, also when reused with new values."""
+    monkeypatch.setattr(sink, "DIRECT", direct)
+    stage = sink.STAGE
+    rng = np.random.default_rng(4)
+    sizes = [stage // 4 + 3, 0, 5, 2 * stage // 4 + 1, 1]
+    tensors = _image_tensors(rng, sizes, ["float32", "float32", "float64", "float32", "int8"])
+    image = writer.ShardImage(tensors)
+    for step in (1, 2):
+        plain = write_shard(begin(tmp_path / "plain", step), 0, tensors)
+        placed = image.place(tensors)
+        assert all(a is not b for (_, a), (_, b) in zip(placed, tensors, strict=True) if b.size)
+        via = write_shard(begin(tmp_path / "image", step), 0, placed, image=image)
+        assert via == plain
+        files = [
+            next(Path(tmp_path, d).glob(f"step-{step}.tmp-*/shard-0.arrow"))
+            for d in ("plain", "image")
+        ]
+        assert files[0].read_bytes() == files[1].read_bytes()
+        for _, a in tensors:
+            a += 1  # a new step: the image is refilled
+
+
+def test_shard_image_refuses_other_tensors(tmp_path):
+    rng = np.random.default_rng(5)
+    tensors = _image_tensors(rng, [10, 20], ["float32", "float32"])
+    image = writer.ShardImage(tensors)
+    assert image.fits(_image_tensors(rng, [10, 20], ["float32", "float32"]))
+    other = _image_tensors(rng, [10, 21], ["float32", "float32"])
+    assert not image.fits(other)
+    with pytest.raises(ValueError, match="laid out for 80"):
+        image.place(other)
+    big = _image_tensors(rng, [10, 5000], ["float32", "float32"])
+    with pytest.raises(ValueError, match="too small"):
+        write_shard(begin(tmp_path, 1), 0, big, image=image)
+    with pytest.raises(ValueError, match="uncompressed"):
+        write_shard(begin(tmp_path, 2), 0, tensors, "zstd", image=image)
 
 
 def test_uncompressed_read_is_a_read_only_memory_map(tmp_path):

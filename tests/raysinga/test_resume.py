@@ -102,6 +102,22 @@ def test_resume_is_bit_exact_with_the_same_loss_curve(straight, halfway, tmp_pat
     assert [r["step"] for r in rres.history if r["kind"] == "train"] == list(range(5, 45, 5))
 
 
+def test_compressed_checkpoints_resume_bit_exact(straight, ray_module, tmp_path):
+    """Servers snapshot compressed shards into plain buffers (no shard image): same state."""
+    sd, _ = straight
+    (tmp_path / "half").mkdir()
+    DistributedTrainer(
+        job(tmp_path / "half", "train_steps=20", "checkpoint.compression=zstd"), **QUIET
+    ).fit()
+    ck = Checkpoint.open(tmp_path / "half/checkpoints/step-20")
+    assert {f["compression"] for f in ck.manifest["files"] if f["file"] != "params.meta"} == {
+        "zstd"
+    }
+    (tmp_path / "res").mkdir()
+    rd, _ = resumed_from(tmp_path / "res", tmp_path / "half", "checkpoint.compression=zstd")
+    assert tensors(rd / "checkpoints/step-40") == tensors(sd / "checkpoints/step-40")
+
+
 def test_resume_with_more_workers_and_servers_reshards(ray_module, tmp_path):
     """Batch norm normalises each worker's sub-batch, so a model with it trains differently on
     another number of workers; without it, 3 workers and 2 servers continue the 2-worker,
