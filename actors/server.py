@@ -269,19 +269,30 @@ class ParamServer:
             fut.exception()  # a failure was (or will be) reported through snapshot_result
 
     @reports_role
-    def load(self, source: Any, verify_files: list[str], resume: bool, names: Any = None) -> int:
-        """Overwrite this server's slices from a checkpoint, whatever slicing wrote it.
+    def verify(self, source: Any, files: list[str]) -> str | None:
+        """Hash ``files`` of a checkpoint (this server's share of the check) against its
+        manifest: None when they match, else what is wrong (the driver then falls back)."""
+        from raysinga.checkpoint import CheckpointError  # noqa: PLC0415
+
+        try:
+            source.verify_files(source.open(verify="fast"), files)
+        except CheckpointError as e:
+            return str(e)
+        return None
+
+    @reports_role
+    def load(self, source: Any, resume: bool, names: Any = None) -> int:
+        """Overwrite this server's slices from a checkpoint (already verified), whatever
+        slicing wrote it.
 
         ``resume``: parameters, optimizer slots, update counts, schedule and hyperparameters
         (the checkpoint's are authoritative). Otherwise (``--init-from``) only the parameters in
         ``names`` (model name -> checkpoint name); the rest keep their initial values.
-        ``verify_files``: shard files this server hashes in full (its share of the check).
         Returns the number of elements loaded.
         """
         from raysinga import run_state  # noqa: PLC0415
 
         ck = source.open(verify="fast")
-        source.verify_files(ck, verify_files)
         loaded = 0
         for s in self.slices:
             stored = s.param if resume else (names or {}).get(s.param)

@@ -26,8 +26,7 @@ from .actors.server import ParamServer
 from .actors.slicing import plan_slices
 from .actors.stub import Stub
 from .actors.worker import Worker
-from .checkpoint import CheckpointError, storage, writer
-from .checkpoint.finetune import map_name, match
+from .checkpoint import Checkpoint, CheckpointError, storage, writer
 from .checkpoint.manage import prune
 from .checkpoint.storage import RunLock
 from .config import JobConfig
@@ -94,7 +93,7 @@ class DistributedTrainer:
         self.seed = cfg.seed
         self.saved_steps: set[int] = set()  # steps with a checkpoint (made or resumed from)
         self.init_names: dict[str, str] = {}
-        self.start_manifest: dict[str, Any] = {}
+        self.start_ck: Checkpoint | None = None  # opened with size checks, in the driver
         self.max_chunk = 1 << 30
         self.servers: list[Any] = []
         self.workers: list[list[Any]] = []
@@ -127,6 +126,8 @@ class DistributedTrainer:
             )
             for k in range(topo.n_servers)
         ]
+        if self.source is not None:
+            self._verify_start()
         self.workers = [
             [
                 cluster.spawn(
@@ -215,58 +216,65 @@ class DistributedTrainer:
         try:
             src, ck = run_state.open_run(self.ck_root, cfg, self.resume, self.fresh, self.log)
             if src is not None and ck is not None:
-                info = run_state.run_info(ck)
-                run_state.check_fits(ck, self.shapes)
-                self.steps0, self.batch_offset = run_state.cursor_for(info, self.topo.n_groups)
-                if len(info["steps"]) != self.topo.n_groups:
-                    self.log(
-                        f"raysinga: {len(info['steps'])} group(s) saved, {self.topo.n_groups} "
-                        f"now: all start at step {self.steps0[0]}"
-                    )
-                self.seed = int(info["rng"]["seed"])
-                self.history0 = [r for r in info["history"] if r.get("step", 0) <= max(self.steps0)]
-                self.source, self.start_info, self.start_manifest = src, info, ck.manifest
-                self.saved_steps.add(ck.step)
-                self.log(
-                    f"raysinga: resuming {cfg.name!r} at step {max(self.steps0)} from {src.label}"
-                )
+                self._adopt(src, ck)
             elif self.init_from is not None:
-                self._find_init()
+                src, ck, names = run_state.open_init(self.init_from, self.shapes, self.log)
+                self.source, self.start_ck, self.init_names = src, ck, {n: n for n in names}
         except BaseException:
             self.lock.release()
             self.lock = None
             raise
 
-    def _find_init(self) -> None:
-        src = run_state.init_source(self.init_from)
-        ck = src.open(verify="fast")
-        arrays = {n: ck.array(n) for n in ck.names("param")}
-        _, report = match(arrays, self.shapes)
-        self.init_names = {
-            map_name(n, None, None): n for n in arrays if map_name(n, None, None) in report.matched
-        }
-        self.log(f"raysinga: --init-from {src.label} (step {ck.step}): {report}")
-        if not report.matched:
-            raise CheckpointError(f"--init-from {src.label}: no parameter of it fits this model")
-        self.source, self.start_manifest = src, ck.manifest
+    def _adopt(self, src: run_state.Source, ck: Checkpoint) -> None:
+        """Start from ``ck``, a checkpoint of this run: steps, data cursor, seed, history."""
+        info = run_state.run_info(ck)
+        run_state.check_fits(ck, self.shapes)
+        self.steps0, self.batch_offset = run_state.cursor_for(info, self.topo.n_groups)
+        if len(info["steps"]) != self.topo.n_groups:
+            self.log(
+                f"raysinga: {len(info['steps'])} group(s) saved, {self.topo.n_groups} "
+                f"now: all start at step {self.steps0[0]}"
+            )
+        self.seed = int(info["rng"]["seed"])
+        self.history0 = [r for r in info["history"] if r.get("step", 0) <= max(self.steps0)]
+        self.source, self.start_info, self.start_ck = src, info, ck
+        self.saved_steps = {ck.step}
+        self.log(
+            f"raysinga: resuming {self.cfg.name!r} at step {max(self.steps0)} from {src.label}"
+        )
+
+    def _verify_start(self) -> None:
+        """Hash the start checkpoint's files in full, the servers sharing the work. A resume
+        from a corrupt checkpoint falls back to the next older valid one (before any worker
+        exists: the seed it was saved with is the one workers get)."""
+        assert self.source is not None and self.start_ck is not None
+        if self.start_info is None:  # --init-from: no fallback
+            self._verify_on_servers(self.source, self.start_ck)
+            return
+        src, ck = run_state.verify_start(
+            self.ck_root, self.cfg, self.source, self.start_ck, self._verify_on_servers, self.log
+        )
+        if ck is not self.start_ck:
+            self._adopt(src, ck)
+
+    def _verify_on_servers(self, src: run_state.Source, ck: Checkpoint) -> None:
+        files = [f["file"] for f in ck.manifest["files"]]
+        plan = run_state.plan_verification(files, len(self.servers))
+        errors = self._get(
+            [s.verify.remote(src, plan[k]) for k, s in enumerate(self.servers)], "server"
+        )
+        if any(errors):
+            raise CheckpointError("; ".join(e for e in errors if e))
 
     def _restore(self) -> None:
-        """Load the start checkpoint into the servers (each verifies its share of the files in
-        full) and the workers (state and data cursor)."""
-        assert self.source is not None
-        files = [f["file"] for f in self.start_manifest["files"]]
-        plan = run_state.plan_verification(files, len(self.servers))
+        """Load the start checkpoint (verified) into the servers and the workers (state and
+        data cursor)."""
+        assert self.source is not None and self.start_ck is not None
         resume = self.start_info is not None
         names = None if resume else self.init_names
         t0 = time.perf_counter()
-        self._get(
-            [
-                s.load.remote(self.source, plan[k], resume, names)
-                for k, s in enumerate(self.servers)
-            ],
-            "server",
-        )
-        ck = self.source.open(verify="fast")
+        self._get([s.load.remote(self.source, resume, names) for s in self.servers], "server")
+        ck = self.start_ck
         state_names = list(self.net.state_shapes())
         calls = []
         for g, row in enumerate(self.workers):

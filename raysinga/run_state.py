@@ -319,13 +319,16 @@ __all__ = [
     "best_eval",
     "check_fits",
     "find_resume",
+    "open_init",
     "merge_optimizer",
     "plan_verification",
     "run_info",
     "run_meta",
     "slice_tensors",
     "slot_names",
+    "set_aside",
     "state_tensors",
+    "verify_start",
     "worker_state",
 ]
 
@@ -358,8 +361,7 @@ def open_run(
             )
         return None, None
     src, ck, skipped = find_resume(root, cfg.name, cfg.checkpoint.object_store)
-    for where, why in skipped:
-        log(f"raysinga: skipping {where}: {why}")
+    _set_aside_skipped(root, skipped, log)
     if src is None:
         if resume == "auto":
             log(f"raysinga: no checkpoint of {cfg.name!r} in {root}: starting")
@@ -369,6 +371,11 @@ def open_run(
             + (f" ({len(skipped)} invalid one(s) skipped)" if skipped else "")
             + "; run without --resume to start fresh"
         )
+    _describe(ck, cfg, log)
+    return src, ck
+
+
+def _describe(ck: Checkpoint, cfg: Any, log: Any) -> None:
     info = run_info(ck)
     if info["model"]["digest"] != cfg.model.digest():
         log("raysinga: the model spec changed since the checkpoint (its parameters still fit)")
@@ -377,7 +384,78 @@ def open_run(
             f"raysinga: resuming with the checkpoint's seed {info['rng']['seed']} "
             f"(the job file says {cfg.seed})"
         )
+
+
+def verify_start(
+    root: Location, cfg: Any, src: Source, ck: Checkpoint, verify: Any, log: Any
+) -> tuple[Source, Checkpoint]:
+    """Hash the checkpoint a resume starts from in full (``verify(src, ck)`` raises
+    CheckpointError on a mismatch). One found corrupt is moved aside and the next older valid
+    one is tried, so that a run survives a checkpoint damaged at rest. Object-store copies were
+    checked when they were made and are held in memory: they are taken as they are."""
+    while src.location is not None and src.checkpoint is None:
+        try:
+            verify(src, ck)
+            return src, ck
+        except CheckpointError as e:
+            moved = set_aside(root, ck.location.path.rstrip("/").rsplit("/", 1)[-1])
+            log(f"raysinga: {src.label} failed verification ({e}); moved aside to {moved}")
+            src, ck, skipped = find_resume(root, cfg.name, use_registry=False)
+            _set_aside_skipped(root, skipped, log)
+            if src is None or ck is None:
+                raise CheckpointError(
+                    f"--resume: no checkpoint of run {cfg.name!r} in {root} passed "
+                    "verification (the corrupt ones were moved aside); run without --resume "
+                    "to start fresh"
+                ) from e
+            _describe(ck, cfg, log)
     return src, ck
+
+
+def set_aside(root: Location, name: str) -> str:
+    """Move the committed checkpoint directory ``name`` that failed validation out of the way,
+    to ``<name>.invalid-<id>`` beside it: kept for a look, ignored by readers, and out of the
+    way of the resumed run, which writes that step again (a checkpoint is never overwritten)."""
+    import uuid  # noqa: PLC0415
+
+    src, dst = root.join(name), root.join(f"{name}.invalid-{uuid.uuid4().hex[:8]}")
+    try:
+        src.fs.move(src.path, dst.path)
+    except Exception as e:  # pyarrow raises OSError, or NotImplementedError on some stores
+        raise CheckpointError(
+            f"{src}: failed validation and could not be moved aside ({e}); move or delete it, "
+            "then resume again"
+        ) from e
+    return str(dst)
+
+
+def _set_aside_skipped(root: Location, skipped: list, log: Any) -> None:
+    """Checkpoints newer than the one resumed from that failed validation: set aside."""
+    for where, why in skipped:
+        moved = set_aside(root, where.rstrip("/").rsplit("/", 1)[-1])
+        log(f"raysinga: skipping {where}: {why}; moved aside to {moved}")
+
+
+def open_init(
+    where: Any, shapes: dict[str, tuple[int, ...]], log: Any
+) -> tuple[Source, Checkpoint, list[str]]:
+    """``--init-from``: the checkpoint (size checks only: the caller verifies its files) and the
+    names of its parameters that fit this model by name and shape; an error when none does."""
+    src = init_source(where)
+    ck = src.open(verify="fast")
+    stored = {n: _Shape(ck.info(n).shape) for n in ck.names("param")}
+    _, report = match(stored, shapes)  # type: ignore[arg-type]
+    log(f"raysinga: --init-from {src.label} (step {ck.step}): {report}")
+    if not report.matched:
+        raise CheckpointError(f"--init-from {src.label}: no parameter of it fits this model")
+    return src, ck, list(report.matched)
+
+
+@dataclass
+class _Shape:
+    """What name matching reads of a stored array, without reading the array."""
+
+    shape: tuple[int, ...]
 
 
 def cursor_for(info: dict[str, Any], n_groups: int) -> tuple[list[int], int]:
@@ -451,7 +529,7 @@ class LocalCheckpoints:
         shapes = t.net.param_shapes()
         src, ck = open_run(self.root, cfg, t.resume, t.fresh, t.log)
         if src is not None and ck is not None:
-            ck = src.open(verify="full")
+            src, ck = verify_start(self.root, cfg, src, ck, _verify_all, t.log)
             info = run_info(ck)
             check_fits(ck, shapes)
             self.params = {p: np.array(ck.array(p)) for p in shapes}
@@ -474,15 +552,10 @@ class LocalCheckpoints:
             self.saved_steps.add(ck.step)
             t.log(f"raysinga: resuming {cfg.name!r} at step {self.start} from {src.label}")
         elif t.init_from is not None:
-            src = init_source(t.init_from)
-            ck = src.open(verify="full")
-            arrays = {n: ck.array(n) for n in ck.names("param")}
-            got, report = match(arrays, shapes)
-            t.log(f"raysinga: starting from {src.label} (step {ck.step}): {report}")
-            if not got:
-                raise CheckpointError(f"{src.label}: no parameter of it fits this model")
-            for p, a in got.items():
-                self.params[p] = np.array(a, dtype=t.net.dtype)
+            src, ck, names = open_init(t.init_from, shapes, t.log)
+            _verify_all(src, ck)
+            for p in names:
+                self.params[p] = np.array(ck.array(p), dtype=t.net.dtype)
             self._load_state(ck)
 
     def _load_state(self, ck: Checkpoint) -> None:
@@ -549,6 +622,10 @@ class LocalCheckpoints:
 
     def preempted(self, step: int) -> None:
         raise Preempted(self.stop_signal or signal.SIGTERM, step, self.saved)
+
+
+def _verify_all(src: Source, ck: Checkpoint) -> None:
+    src.verify_files(ck, [f["file"] for f in ck.manifest["files"]])
 
 
 def _in_ray_worker() -> bool:

@@ -193,6 +193,26 @@ def test_every_piece_of_state_is_used(straight, halfway, tmp_path):
     assert any(n.startswith("fc1/") for n in outcome["rng"])  # dropout masks and data order
 
 
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(straight, halfway, tmp_path):
+    """A byte flipped inside step 20's shard (sizes intact: only the servers' full hash sees
+    it): the run moves step 20 aside, resumes from step 10 and still ends bit-identical."""
+    import shutil
+
+    shutil.copytree(halfway / "checkpoints", tmp_path / "checkpoints")
+    f = tmp_path / "checkpoints/step-20/shard-0.arrow"
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2] ^= 0x01
+    f.write_bytes(bytes(b))
+    lines: list[str] = []
+    DistributedTrainer(job(tmp_path), resume=True, log=lines.append).fit()
+    assert any("failed verification" in line and "checksum mismatch" in line for line in lines)
+    assert any("resuming 'resume' at step 10" in line for line in lines), lines
+    assert len(list((tmp_path / "checkpoints").glob("step-20.invalid-*"))) == 1
+    assert 20 in steps(tmp_path / "checkpoints")  # written again
+    want = tensors(straight[0] / "checkpoints/step-40")
+    assert tensors(tmp_path / "checkpoints/step-40") == want
+
+
 # --- bad input ----------------------------------------------------------------------------------
 
 

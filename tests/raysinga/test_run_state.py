@@ -1,0 +1,143 @@
+"""Checkpoints of the single-process trainer (run_state.LocalCheckpoints): exact resume, a
+checkpoint damaged at rest set aside for the next older one, --init-from, bad input."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from raysinga import config
+from raysinga.checkpoint import Checkpoint, CheckpointError, steps
+from raysinga.trainer import Trainer
+
+# Batch norm (state), dropout (the RNG), Adam (slots and counts), a schedule with state.
+JOB = """
+name: local
+seed: 3
+model:
+  input_shape: [64]
+  layers:
+    - {kind: dense, name: fc1, units: 32, activation: relu}
+    - {kind: batchnorm, name: bn1}
+    - {kind: dropout, name: drop, rate: 0.2}
+    - {kind: dense, name: out, units: 10}
+data: {source: {kind: digits}, batch_size: 32}
+updater: {name: adam, lr: {kind: cosine, lr: 0.01, steps: 40, min_lr: 0.0001}}
+train_steps: 30
+disp_freq: 5
+test_freq: 0
+checkpoint_frequency: 10
+"""
+
+
+def job(d: Path, *more: str) -> config.JobConfig:
+    d.mkdir(parents=True, exist_ok=True)
+    f = d / "job.yaml"
+    if not f.exists():
+        f.write_text(JOB)
+    return config.load(f, [f"run_dir={d}", *more])
+
+
+def train(d: Path, *more: str, lines: list[str] | None = None, **kw):
+    log = (lambda line: None) if lines is None else lines.append
+    return Trainer(job(d, *more), log=log, **kw).fit()
+
+
+def tensors(path: Path) -> dict[str, bytes]:
+    ck = Checkpoint.open(path, verify="full")
+    return {n: ck.array(n).tobytes() for k in ("param", "slot", "state") for n in ck.names(k)}
+
+
+def flip_a_byte(ck_dir: Path) -> None:
+    """Damage the parameter shard in the middle of its data: sizes stay right, so only a full
+    hash of the file finds it."""
+    f = ck_dir / "shard-0.arrow"
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2] ^= 0x10
+    f.write_bytes(bytes(b))
+
+
+def truncate(ck_dir: Path) -> None:
+    f = ck_dir / "shard-0.arrow"
+    f.write_bytes(f.read_bytes()[:-100])
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    d = tmp_path_factory.mktemp("straight")
+    return d, train(d)
+
+
+def test_resume_is_bit_exact(straight, tmp_path):
+    sd, sres = straight
+    train(tmp_path, "train_steps=10")
+    res = train(tmp_path, resume=True)
+    assert tensors(tmp_path / "checkpoints/step-30") == tensors(sd / "checkpoints/step-30")
+    for k in sres.params:
+        assert res.params[k].tobytes() == sres.params[k].tobytes(), k
+    want = [(r["step"], r["loss"]) for r in sres.history if r["kind"] == "train"]
+    assert [(r["step"], r["loss"]) for r in res.history if r["kind"] == "train"] == want
+
+
+@pytest.mark.parametrize("damage", [flip_a_byte, truncate], ids=["flipped_byte", "truncated"])
+def test_a_damaged_newest_checkpoint_is_set_aside_for_the_one_before(straight, tmp_path, damage):
+    """Resume finds step 20 damaged (a flipped byte only a full hash sees, or a truncated file
+    that size checks see), moves it aside, resumes from step 10, writes step 20 again, and
+    ends where the uninterrupted run ends."""
+    sd, _ = straight
+    train(tmp_path, "train_steps=20")
+    damage(tmp_path / "checkpoints/step-20")
+    lines: list[str] = []
+    train(tmp_path, resume=True, lines=lines)
+    assert any("moved aside to" in line and "step-20" in line for line in lines), lines
+    assert any("resuming 'local' at step 10" in line for line in lines), lines
+    aside = [p.name for p in (tmp_path / "checkpoints").iterdir() if ".invalid-" in p.name]
+    assert len(aside) == 1 and aside[0].startswith("step-20.invalid-")
+    assert steps(tmp_path / "checkpoints") == [30, 20, 10]
+    assert tensors(tmp_path / "checkpoints/step-30") == tensors(sd / "checkpoints/step-30")
+
+
+def test_every_checkpoint_damaged_is_a_clear_error(tmp_path):
+    train(tmp_path, "train_steps=20")
+    for s in (10, 20):
+        flip_a_byte(tmp_path / "checkpoints" / f"step-{s}")
+    with pytest.raises(
+        CheckpointError, match="no checkpoint of run 'local' .* passed verification"
+    ):
+        train(tmp_path, resume=True)
+    assert steps(tmp_path / "checkpoints") == []  # both moved aside, nothing deleted
+    assert len(list((tmp_path / "checkpoints").glob("step-*.invalid-*"))) == 2
+
+
+def test_init_from_loads_what_matches_and_verifies(straight, tmp_path):
+    sd, _ = straight
+    (tmp_path / "job.yaml").write_text(JOB.replace("name: out", "name: head"))
+    lines: list[str] = []
+    res = train(
+        tmp_path,
+        "train_steps=1",
+        "updater.lr=0.0",
+        lines=lines,
+        init_from=str(sd / "checkpoints/step-30"),
+    )
+    assert any("matched 4, missing 2, unexpected 2" in line for line in lines), lines
+    ck = Checkpoint.open(sd / "checkpoints/step-30")
+    np.testing.assert_array_equal(res.params["fc1/W"], ck.array("fc1/W"))
+    bad = tmp_path / "bad"
+    shutil.copytree(sd / "checkpoints/step-30", bad)
+    flip_a_byte(bad)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        train(tmp_path / "again", init_from=str(bad))
+
+
+def test_resume_without_a_checkpoint_and_a_refused_fresh_start(tmp_path):
+    with pytest.raises(CheckpointError, match="--resume: no valid checkpoint of run 'local'"):
+        train(tmp_path, resume=True)
+    train(tmp_path, "train_steps=10", resume="auto")
+    with pytest.raises(CheckpointError, match="already holds checkpoints"):
+        train(tmp_path, "train_steps=10")
+    train(tmp_path, "train_steps=10", fresh=True)
+    assert steps(tmp_path / "checkpoints") == [10]
