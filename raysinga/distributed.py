@@ -366,11 +366,9 @@ class DistributedTrainer:
             f"{p['blocked'] * 1e3:.0f} ms; written in {seconds:.2f} s)"
         )
         c = self.cfg.checkpoint
-        prune(self.ck_root, c.keep_last, c.keep_every, lock=False, known_valid=p["step"])
+        deleted = prune(self.ck_root, c.keep_last, c.keep_every, lock=False, known_valid=p["step"])
         if c.object_store:
-            from .checkpoint import objstore  # noqa: PLC0415
-
-            objstore.registry().adopt.remote(self.cfg.name, p["step"], str(path))
+            run_state.keep_in_object_store(self.cfg.name, p["step"], str(path), deleted)
 
     @contextlib.contextmanager
     def _stop_signals(self) -> Iterator[None]:

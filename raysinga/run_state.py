@@ -304,6 +304,18 @@ def _registry_entry(run: str) -> dict[str, Any] | None:
     return entry if ready else None
 
 
+def keep_in_object_store(run: str, step: int, uri: str, deleted: list[int]) -> None:
+    """``checkpoint.object_store``: the registry (a detached actor, which then owns the object)
+    puts the checkpoint just committed at ``uri`` into Ray's object store, and drops the steps
+    pruned from the directory, so that the store holds what the directory holds."""
+    from .checkpoint import objstore  # noqa: PLC0415
+
+    reg = objstore.registry()
+    reg.adopt.remote(run, step, uri)
+    for s in deleted:
+        reg.delete.remote(run, s)
+
+
 def plan_verification(files: list[str], readers: int) -> list[list[str]]:
     """Share the full hashing of a checkpoint's files among ``readers``."""
     out: list[list[str]] = [[] for _ in range(max(readers, 1))]
@@ -498,6 +510,10 @@ class LocalCheckpoints:
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> LocalCheckpoints:
+        if self.t.cfg.checkpoint.object_store:  # the registry is a Ray actor
+            from .actors import cluster  # noqa: PLC0415
+
+            cluster.connect()
         self.lock = RunLock(self.root).acquire()
         try:
             self._open()
@@ -612,13 +628,15 @@ class LocalCheckpoints:
         self.saved_steps.add(step)
         self.saved.append({"step": step, "path": str(path), "seconds": time.perf_counter() - t0})
         self.t.log(f"raysinga: checkpoint step {step} -> {path}")
-        prune(
+        deleted = prune(
             self.root,
             cfg.checkpoint.keep_last,
             cfg.checkpoint.keep_every,
             lock=False,
             known_valid=step,
         )
+        if cfg.checkpoint.object_store:
+            keep_in_object_store(cfg.name, step, str(path), deleted)
 
     def preempted(self, step: int) -> None:
         raise Preempted(self.stop_signal or signal.SIGTERM, step, self.saved)

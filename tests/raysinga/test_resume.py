@@ -213,6 +213,34 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(straight, half
     assert tensors(tmp_path / "checkpoints/step-40") == want
 
 
+def test_resume_from_the_object_store_after_the_disk_copy_is_gone(straight, tmp_path):
+    """With ``checkpoint.object_store``, each committed checkpoint is also kept in Ray's object
+    store; a resume whose directory lost its checkpoints takes the registry's copy."""
+    import shutil
+
+    import ray
+
+    from raysinga.checkpoint import objstore
+
+    on = ("name=resume-objstore", "checkpoint.object_store=true")
+    DistributedTrainer(
+        job(tmp_path, "train_steps=20", *on, "checkpoint.keep_last=1"), **QUIET
+    ).fit()
+    reg = objstore.registry()
+    kept = [e["step"] for e in ray.get(reg.list.remote("resume-objstore"))]
+    assert kept == [20]  # pruned with the disk copies: the store does not fill up
+    shutil.rmtree(tmp_path / "checkpoints")
+    (tmp_path / "checkpoints").mkdir()
+    lines: list[str] = []
+    try:
+        DistributedTrainer(job(tmp_path, *on), resume=True, log=lines.append).fit()
+    finally:
+        for e in ray.get(reg.list.remote("resume-objstore")):
+            ray.get(reg.delete.remote("resume-objstore", e["step"]))
+    assert any("from object store, run 'resume-objstore' step 20" in line for line in lines)
+    assert tensors(tmp_path / "checkpoints/step-40") == tensors(straight[0] / "checkpoints/step-40")
+
+
 # --- bad input ----------------------------------------------------------------------------------
 
 
