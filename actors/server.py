@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -61,6 +62,8 @@ class ParamServer:
         self._snap: dict[tuple[str, int], np.ndarray] = {}  # snapshot buffers, reused
         self._image: Any = None  # the shard image snapshots are copied into, reused
         self._preparing: Future[None] | None = None
+        self._copied: threading.Event | None = None  # set once a snapshot's copy is taken
+        self._copy_wait = 0.0  # seconds the update after the last snapshot waited for its copy
         # Servers work while the workers wait for them, so spread updates over the node's cores.
         self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
         self.versions = np.zeros(len(self.slices), np.int64)
@@ -118,6 +121,10 @@ class ParamServer:
         Returns ``(version, snapshot ref or None, seconds spent)``.
         """
         t0 = time.perf_counter()
+        if self._copied is not None:  # a checkpoint's copy of the values must come first
+            self._copied.wait()
+            self._copied = None
+            self._copy_wait = time.perf_counter() - t0
         if isinstance(grads, ShmHandle):
             full = self._attached.views(grads)
             g = {s.name: full[s.param].reshape(-1)[s.start : s.stop] for s in self.slices}
@@ -152,26 +159,22 @@ class ParamServer:
     # ------------------------------------------------------------------ checkpoints
     @reports_role
     def snapshot(self, tmp: Any, shard: int, compression: str | None) -> dict[str, Any]:
-        """Copy this server's slices and their optimizer slots at this step boundary, and write
-        them as shard ``shard`` of the checkpoint being made in ``tmp`` in the background.
+        """Take this server's slices and their optimizer slots at this step boundary and write
+        them as shard ``shard`` of the checkpoint being made in ``tmp``, in the background.
 
-        Returns at once with the optimizer's description (for the manifest) and the seconds the
-        copy took: the time training waits. :meth:`snapshot_result` gives the shard's record.
+        Returns at once with the optimizer's description (for the manifest). The state is
+        copied to memory on a helper thread while the workers compute the next step's
+        gradients; the next update waits for that copy if it is not done yet (:meth:`_update`),
+        then the copy is written while training goes on. :meth:`snapshot_result` gives the
+        shard's record.
         """
-        from raysinga.checkpoint import writer  # noqa: PLC0415
-
         self._join_writer()  # the driver waits for the previous one; never run two at once
         t0 = time.perf_counter()
         st = self.optimizer.state_dict()
         live = self._tensors(st)
-        image = None
-        if compression is None:
-            image = self._image_for(live)
-        if image is not None:
-            tensors = image.place(live, self.pool)
-        else:
-            tensors = self._copies(live)
-        self._writer = self._io.submit(writer.write_shard, tmp, shard, tensors, compression, image)
+        self._copied = copied = threading.Event()
+        self._copy_wait = 0.0
+        self._writer = self._io.submit(self._write_snapshot, live, tmp, shard, compression, copied)
         counts = {s.param: int(st["counts"].get(s.name, 0)) for s in self.slices}
         return {
             "optimizer": {
@@ -182,6 +185,18 @@ class ParamServer:
             },
             "seconds": time.perf_counter() - t0,
         }
+
+    def _write_snapshot(
+        self, live: list, tmp: Any, shard: int, compression: str | None, copied: threading.Event
+    ) -> dict[str, Any]:
+        from raysinga.checkpoint import writer  # noqa: PLC0415
+
+        try:
+            image = self._image_for(live) if compression is None else None
+            tensors = image.place(live, self.pool) if image is not None else self._copies(live)
+        finally:
+            copied.set()  # updates may go on (after a failure too: it is reported at the end)
+        return writer.write_shard(tmp, shard, tensors, compression, image)
 
     def _tensors(self, st: dict[str, Any], slot_names: tuple[str, ...] | None = None) -> list:
         """This server's shard as (info, live array) pairs: slices, then optimizer slots. With
@@ -254,14 +269,15 @@ class ParamServer:
 
     @reports_role
     def snapshot_result(self, wait: bool = True) -> dict[str, Any] | None:
-        """The shard record of the background write; None while it runs (``wait=False``).
-        A failed write raises here, naming the file."""
+        """The shard record of the background write (with ``update_waited``: the seconds an
+        update waited for the copy); None while it runs (``wait=False``). A failed write raises
+        here, naming the file."""
         if self._writer is None:
             raise RuntimeError("no checkpoint write was started")
         if not wait and not self._writer.done():
             return None
         fut, self._writer = self._writer, None
-        return fut.result()
+        return {**fut.result(), "update_waited": self._copy_wait}
 
     def _join_writer(self) -> None:
         if self._writer is not None:

@@ -25,6 +25,8 @@ from .server import node_id
 from .slicing import Slice
 from .worker import GO, SERVER_DONE, WORKER_DONE, server_layouts
 
+ENDED_GRACE_S = 5.0  # how long a doorbell may stay silent after a serve call ended normally
+
 
 class Stub:
     role = "stub"
@@ -75,6 +77,7 @@ class Stub:
             self.server_remote
         )
         self.bells: dict[str, Any] = {}
+        self._ended_since: float | None = None  # when a serve call was first seen ended
         if n_groups == 1 and same_node:
             base = self.avg.path
 
@@ -185,27 +188,43 @@ class Stub:
         ]
         return refs
 
-    def _raise_ended(self, serving: list[Any], timeout: float, servers_only: bool = False) -> None:
-        """Raise the error of a serve call that ended early (an exception or a death).
+    def _raise_ended(self, serving: list[Any], timeout: float, servers_only: bool = False) -> bool:
+        """Raise the error of a serve call that ended with one (an exception or a death),
+        waiting up to ``timeout`` for one to end. Returns whether a call ended normally.
 
         ``servers_only``: while the servers apply a chunk's last step, the workers' calls have
-        ended normally; only a server's call ending then is an error."""
+        ended normally; only the servers' calls are watched."""
         import ray  # noqa: PLC0415
 
         k = len(self.workers)
-        watch = serving[k:] if servers_only else serving
-        ready, _ = ray.wait(watch, num_returns=1, timeout=timeout)
-        if not ready:
-            return
-        i = serving.index(ready[0])
-        if i < k:
-            get_all(ready, "worker", self.group, indices=[i])
-        else:
-            get_all(ready, "server", indices=[i - k])
-        raise RuntimeError("a role stopped serving before its last step")
+        watch = list(serving[k:] if servers_only else serving)
+        deadline = time.monotonic() + timeout
+        normal = False
+        while watch:
+            left = max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(watch, num_returns=1, timeout=left)
+            if not ready:
+                break
+            watch.remove(ready[0])
+            i = serving.index(ready[0])
+            if i < k:
+                get_all(ready, "worker", self.group, indices=[i])
+            else:
+                get_all(ready, "server", indices=[i - k])
+            normal = True
+        return normal
 
     def _check(self, serving: list[Any], servers_only: bool = False) -> None:
-        self._raise_ended(serving, timeout=0, servers_only=servers_only)
+        """Run while a doorbell is silent. A call that ended normally is fine when it rang its
+        last message first (a chunk's last step: a worker done before another is still
+        computing); one that still has not been heard from long after is a lost message."""
+        if not self._raise_ended(serving, timeout=0, servers_only=servers_only):
+            return
+        now = time.monotonic()
+        if self._ended_since is None:
+            self._ended_since = now
+        elif now - self._ended_since > ENDED_GRACE_S:
+            raise RuntimeError("a role stopped serving before its last step")
 
     def _failed(self, serving: list[Any], servers_only: bool = False) -> None:
         """A role rang 'failed': its serve call is ending with the error; raise that error."""
@@ -216,6 +235,7 @@ class Stub:
         for bell in self.bells["go_w"]:
             bell.ring(step)
         k = len(self.workers)
+        self._ended_since = None
         msgs = wait_all(self.bells["done_w"], k, lambda: self._check(serving))
         if any(m[2] for m in msgs):
             self._failed(serving)
@@ -226,6 +246,7 @@ class Stub:
     def _ring_servers(self, step: int, serving: list[Any]) -> list[float]:
         for bell in self.bells["go_s"]:
             bell.ring(step)
+        self._ended_since = None
         msgs = wait_all(self.bells["done_s"], len(self.servers), lambda: self._check(serving, True))
         if any(m[2] for m in msgs):
             self._failed(serving, servers_only=True)

@@ -1,7 +1,6 @@
 """The cost of asynchronous checkpoints to distributed training, in one run.
 
-The same job twice on the embedded local Ray: once with a checkpoint every 10 steps, once with
-none. The model has 256 MiB of float32 parameters (an 8192x8192 layer and a small head) and Adam,
+One job on the embedded local Ray, run with a checkpoint every 10 steps and with none. The model has 256 MiB of float32 parameters (an 8192x8192 layer and a small head) and Adam,
 so each checkpoint writes 768 MiB (parameters and two slots)::
 
     pip install -e '.[bench]'
@@ -9,8 +8,8 @@ so each checkpoint writes 768 MiB (parameters and two slots)::
 
 Runs of the two kinds alternate (none, every 10, every 10, none, ...) so that a drift of the
 machine falls on both. Prints the mean step time of both, their ratio (the goal: at most 1.05),
-and per checkpoint the time the training loop was blocked (the servers' in-memory snapshot) and
-the time until the checkpoint was committed.
+and per checkpoint the time training waited for it (at the step boundary, and in the next update
+for the servers' in-memory copy of their state) and the time until it was committed.
 """
 
 from __future__ import annotations
@@ -104,7 +103,7 @@ def main() -> None:
     )
     for s in saved:
         print(
-            f"  checkpoint step {s['step']}: loop blocked {s['blocked'] * 1e3:6.1f} ms, "
+            f"  checkpoint step {s['step']}: training waited {s['blocked'] * 1e3:6.1f} ms, "
             f"committed after {s['seconds']:.2f} s"
         )
 

@@ -358,12 +358,14 @@ class DistributedTrainer:
                 ) from e
             raise
         seconds = time.perf_counter() - p["t0"]
+        # training waited at the step boundary, then in the next update for the servers' copy
+        blocked = p["blocked"] + max(r.get("update_waited", 0.0) for r in p["records"])
         self.saved.append(
-            {"step": p["step"], "path": str(path), "blocked": p["blocked"], "seconds": seconds}
+            {"step": p["step"], "path": str(path), "blocked": blocked, "seconds": seconds}
         )
         self.log(
             f"raysinga: checkpoint step {p['step']} -> {path} (training waited "
-            f"{p['blocked'] * 1e3:.0f} ms; written in {seconds:.2f} s)"
+            f"{blocked * 1e3:.0f} ms; written in {seconds:.2f} s)"
         )
         c = self.cfg.checkpoint
         deleted = prune(self.ck_root, c.keep_last, c.keep_every, lock=False, known_valid=p["step"])
@@ -477,6 +479,7 @@ class DistributedTrainer:
                         time.perf_counter(),
                     )
                     continue
+                self._finish_checkpoint(wait=False)  # commit while the groups run their chunks
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 g, s, e = pending.pop(ready[0])
                 window += self._get(ready, "stub", g)[0]
@@ -496,7 +499,6 @@ class DistributedTrainer:
                         record(rec)
                         self.log(_format(rec, total))
                     t_window = time.perf_counter()
-                self._finish_checkpoint(wait=False)
                 every = cfg.checkpoint_every_seconds
                 if self.stop_signal is not None or (
                     every and time.perf_counter() - t_ckpt >= every
