@@ -9,6 +9,7 @@ snapshot, taken only when such a reader exists.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
@@ -61,6 +62,17 @@ class Layout:
 def _shm_dir() -> Path:
     d = Path("/dev/shm")
     return d if d.is_dir() and os.access(d, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def remove_files(tag: str) -> int:
+    """Unlink this node's shared-memory files (buffers and doorbells) of the roles spawned
+    with ``tag``: what processes killed outright could not remove themselves. Returns how many."""
+    n = 0
+    for f in _shm_dir().glob(f"raysinga-{tag}-*"):
+        with contextlib.suppress(FileNotFoundError):
+            f.unlink()
+            n += 1
+    return n
 
 
 @dataclass(frozen=True)

@@ -136,3 +136,22 @@ def spawn(cls: type, placement: Placement, bundle: int, res: Resources, *args: A
     if res.memory:
         opts["memory"] = res.memory
     return ray.remote(cls).options(**opts).remote(*args)
+
+
+def remove_shared_files(tag: str) -> None:
+    """After roles were killed outright: unlink their shared-memory files here at once, and on
+    every other live node by a small task (not waited for)."""
+    import ray  # noqa: PLC0415
+    from ray.util.scheduling_strategies import (  # noqa: PLC0415
+        NodeAffinitySchedulingStrategy,
+    )
+
+    from .buffers import remove_files  # noqa: PLC0415
+
+    remove_files(tag)
+    here = ray.get_runtime_context().get_node_id()
+    task = ray.remote(num_cpus=0)(remove_files)
+    for node in ray.nodes():
+        if node.get("Alive") and node["NodeID"] != here:
+            strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+            task.options(scheduling_strategy=strategy).remote(tag)

@@ -62,6 +62,12 @@ TOP_KEYS = {
     "checkpoint_frequency": "checkpoint every N steps from checkpoint_after (0: none)",
     "checkpoint_every_seconds": "also checkpoint when this many seconds have passed (0: never)",
     "checkpoint": "dir (a path or URI), keep_last, keep_every, object_store, compression, final",
+    "fault": "max_failures, window_s: how many lost roles a distributed run recovers from",
+}
+FAULT_KEYS = {
+    "max_failures": "recover from at most N lost roles or nodes, then stop with a summary "
+    "(default 3; 0: the first loss ends the run)",
+    "window_s": "count only the failures of the last this many seconds (default 0: the whole run)",
 }
 CHECKPOINT_KEYS = {
     "dir": "where checkpoints go: a path or a pyarrow URI (default: <run_dir>/checkpoints)",
@@ -95,6 +101,12 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class FaultConfig:
+    max_failures: int = 3
+    window_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class JobConfig:
     model: ModelSpec
     data: DataConfig
@@ -112,6 +124,7 @@ class JobConfig:
     checkpoint_frequency: int = 0
     checkpoint_every_seconds: float = 0.0
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -200,6 +213,19 @@ def _checkpoint(d: Any) -> CheckpointConfig:
     )
 
 
+def _fault(d: Any) -> FaultConfig:
+    d = _mapping("fault", d or {})
+    unknown = set(d) - set(FAULT_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"fault: unknown key(s) {sorted(unknown)}; allowed: {', '.join(FAULT_KEYS)}"
+        )
+    return FaultConfig(
+        max_failures=_int("fault.max_failures", d.get("max_failures", 3), 0),
+        window_s=_seconds("fault.window_s", d.get("window_s", 0)),
+    )
+
+
 def _seconds(path: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
         raise ConfigError(f"{path}: expected a number of seconds >= 0, got {v!r}")
@@ -269,6 +295,7 @@ def from_dict(d: Any) -> JobConfig:
             "checkpoint_every_seconds", d.get("checkpoint_every_seconds", 0)
         ),
         checkpoint=_checkpoint(d.get("checkpoint")),
+        fault=_fault(d.get("fault")),
         raw=copy.deepcopy(d),
     )
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import run_state
 from .actors import cluster
-from .actors.errors import get_all
+from .actors.errors import ActorLost, get_all
 from .actors.server import ParamServer
 from .actors.slicing import plan_slices
 from .actors.stub import Stub
@@ -36,6 +36,24 @@ from .optim import make_optimizer
 from .trainer import MetricsLog, TrainResult, _check_fits, _format
 
 ROLE_CLASSES = {"server": ParamServer, "worker": Worker, "stub": Stub}
+
+
+class FailuresExceeded(RuntimeError):
+    """More roles were lost than ``fault.max_failures`` allows: every failure, and where the
+    run can be resumed from."""
+
+    def __init__(self, failures: list[dict[str, Any]], fault: Any, root: Any) -> None:
+        window = f" within {fault.window_s:g} s" if fault.window_s else ""
+        lines = [
+            f"{len(failures)} failure(s){window}, more than fault.max_failures "
+            f"({fault.max_failures}); the run stops:"
+        ]
+        for f in failures:
+            when = time.strftime("%H:%M:%S", time.localtime(f["time"]))
+            lines.append(f"  {when} at step {f['step']}: {f['error']}")
+        lines.append(f"continue from the newest valid checkpoint in {root} with --resume")
+        super().__init__("\n".join(lines))
+        self.failures = failures
 
 
 class DistributedTrainer:
@@ -94,6 +112,9 @@ class DistributedTrainer:
         self.saved_steps: set[int] = set()  # steps with a checkpoint (made or resumed from)
         self.init_names: dict[str, str] = {}
         self.start_ck: Checkpoint | None = None  # opened with size checks, in the driver
+        self.tag = ""  # names the shared-memory files of the roles spawned last
+        self.progress = 0  # the most steps a group has done (as far as the driver knows)
+        self.failures: list[dict[str, Any]] = []  # lost roles recovered from, with their cost
         self.max_chunk = 1 << 30
         self.servers: list[Any] = []
         self.workers: list[list[Any]] = []
@@ -102,12 +123,16 @@ class DistributedTrainer:
 
     # ------------------------------------------------------------------ start and stop
     def start(self) -> None:
-        cfg, topo = self.cfg, self.topo
         cluster.connect(self.address)
         self._open_checkpoints()
+        self._launch()
+
+    def _launch(self) -> None:
+        """Place and spawn every role, load the start checkpoint (if any) and wire the groups."""
+        cfg, topo = self.cfg, self.topo
         cluster.check_fits(topo)
         self.placement = p = cluster.place(topo)
-        tag = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
+        self.tag = tag = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
         model, dtype = cfg.model.to_dict(), cfg.dtype
         updater = self.updater
         self.servers = [
@@ -190,17 +215,21 @@ class DistributedTrainer:
         ]
         self._get([s.describe.remote() for s in self.stubs], "stub")
 
-    def shutdown(self) -> None:
-        """Stop every actor (each unlinks its shared memory if it still can) and free the
-        placement group; safe to call twice and after failures."""
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop every actor and free the placement group; safe to call twice and after
+        failures. ``graceful``: each actor first unlinks its shared memory itself (up to 5 s);
+        otherwise (after a lost role, when the others may hang on it) they are killed at once
+        and their shared-memory files removed by tag."""
         import ray  # noqa: PLC0415
         from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
 
         actors = [*self.stubs, *(w for row in self.workers for w in row), *self.servers]
-        if actors:
+        if actors and graceful:
             ray.wait([a.shutdown.remote() for a in actors], num_returns=len(actors), timeout=5)
         for a in actors:
             ray.kill(a)
+        if actors and not graceful:
+            cluster.remove_shared_files(self.tag)
         if self.placement is not None:
             remove_placement_group(self.placement.pg)
         self.servers, self.workers, self.stubs, self.placement = [], [], [], None
@@ -401,22 +430,92 @@ class DistributedTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainResult:
+        from ray.exceptions import ObjectLostError  # noqa: PLC0415
+
         try:
             self.start()
             with self._stop_signals():
-                return self._loop()
+                while True:
+                    try:
+                        return self._loop()
+                    except (ActorLost, ObjectLostError) as e:
+                        self._recover(e)
         finally:
             try:
-                if self.pending is not None:  # a failure elsewhere: never commit half of it
-                    p, self.pending = self.pending, None
-                    with contextlib.suppress(Exception):
-                        self._get([s.snapshot_result.remote(True) for s in self.servers], "server")
-                    storage.remove_dir(p["tmp"])
-            finally:
                 self.shutdown()
+                self._abandon_pending()  # a failure elsewhere: never commit half of it
+            finally:
                 if self.lock is not None:
                     self.lock.release()
                     self.lock = None
+
+    # ------------------------------------------------------------------ failures
+    def _recover(self, e: BaseException) -> None:
+        """A role or its node was lost: stop everything, restart every role from the newest
+        checkpoint (the object store's copy when it is at least as new as the newest on
+        disk), and let the loop go on; more failures than ``fault.max_failures`` (within
+        ``fault.window_s``) stop the run with a summary of all of them."""
+        t0, detected = time.perf_counter(), time.time()
+        lost_at = self.progress
+        what = {
+            "role": getattr(e, "role", "object"),
+            "index": getattr(e, "index", None),
+            "group": getattr(e, "group", None),
+            "error": str(e).splitlines()[0] if str(e) else type(e).__name__,
+        }
+        fc = self.cfg.fault
+        recent = [
+            f for f in self.failures if not fc.window_s or detected - f["time"] <= fc.window_s
+        ]
+        if len(recent) + 1 > fc.max_failures:
+            raise FailuresExceeded(
+                self.failures + [{"step": lost_at, "time": detected, **what}], fc, self.ck_root
+            ) from e
+        self.log(
+            f"raysinga: {what['error']} at step {lost_at}; recovering "
+            f"(failure {len(recent) + 1} of at most {fc.max_failures})"
+        )
+        self.shutdown(graceful=False)
+        self._abandon_pending()
+        src, ck, _ = run_state.find_resume(
+            self.ck_root, self.cfg.name, self.cfg.checkpoint.object_store
+        )
+        if src is not None and ck is not None:
+            self._adopt(src, ck)
+        else:  # nothing committed yet: from the start (or the --init-from checkpoint) again
+            self._start_over()
+        restored = max(self.steps0)
+        self._launch()
+        rec = {
+            "kind": "failure",
+            "step": lost_at,
+            **what,
+            "time": detected,
+            "restored_from": restored,
+            "steps_redone": max(0, lost_at - restored),
+            "restore_s": time.perf_counter() - t0,
+        }
+        self.failures.append(rec)
+        seen = {f["time"] for f in self.history0 if f.get("kind") == "failure"}
+        self.history0 += [f for f in self.failures if f["time"] not in seen]
+        self.log(
+            f"raysinga: recovered in {rec['restore_s']:.2f} s from step {restored} "
+            f"({rec['steps_redone']} step(s) to redo)"
+        )
+
+    def _abandon_pending(self) -> None:
+        """A checkpoint being written when the run failed is never committed: its directory
+        goes once the servers are stopped (a write in flight ends with its server; a stray
+        one is removed by the next prune)."""
+        if self.pending is not None:
+            p, self.pending = self.pending, None
+            storage.remove_dir(p["tmp"])
+
+    def _start_over(self) -> None:
+        self.steps0, self.batch_offset = [0] * self.topo.n_groups, 0
+        self.history0, self.saved_steps = [], set()
+        if self.start_info is not None:  # resumed, but its checkpoint is gone: cannot be
+            raise CheckpointError(f"{self.ck_root}: the checkpoint this run resumed from is gone")
 
     def _chunk_end(self, s: int) -> int:
         cfg = self.cfg
@@ -484,6 +583,7 @@ class DistributedTrainer:
                 g, s, e = pending.pop(ready[0])
                 window += self._get(ready, "stub", g)[0]
                 done[g] = e
+                self.progress = max(done)
                 self._tune_chunks(window)
                 if g == 0 and (e % cfg.disp_freq == 0 or e == total):
                     rec = self._train_record(e, window, time.perf_counter() - t_window)

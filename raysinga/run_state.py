@@ -277,12 +277,17 @@ def find_resume(
     found = latest(root, verify="fast")
     disk = found.checkpoint
     if use_registry:
-        entry = _registry_entry(run)
-        if entry is not None and (disk is None or entry["step"] >= disk.step):
-            src = Source(
-                refs=entry["refs"], label=f"object store, run {run!r} step {entry['step']}"
-            )
-            return src, src.open(verify="fast"), found.skipped
+        from ray.exceptions import RayError  # noqa: PLC0415
+
+        try:
+            entry = _registry_entry(run)
+            if entry is not None and (disk is None or entry["step"] >= disk.step):
+                src = Source(
+                    refs=entry["refs"], label=f"object store, run {run!r} step {entry['step']}"
+                )
+                return src, src.open(verify="fast"), found.skipped
+        except RayError:  # the registry or the object was on a lost node: the disk's copy
+            pass
     if disk is None:
         return None, None, found.skipped
     return Source(location=disk.location, label=str(disk.location)), disk, found.skipped

@@ -1,0 +1,125 @@
+"""Lost roles: a worker, a server or a stub SIGKILLed mid-run; the run restarts every role from
+the newest checkpoint, redoes the steps since, and ends bit-identical to an uninterrupted run.
+More failures than ``fault.max_failures`` stop it with a summary, leaving a checkpoint to resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import start_ray
+
+from raysinga import config
+from raysinga.checkpoint import Checkpoint, steps
+from raysinga.distributed import DistributedTrainer, FailuresExceeded
+
+JOB = """
+name: faults
+seed: 11
+model:
+  input_shape: [64]
+  layers:
+    - {kind: dense, name: fc1, units: 32, activation: relu}
+    - {kind: dropout, name: drop, rate: 0.1}
+    - {kind: dense, name: out, units: 10}
+data: {source: {kind: digits}, batch_size: 32}
+updater: {name: adam, lr: 0.01}
+train_steps: 40
+disp_freq: 5
+checkpoint_frequency: 10
+topology: {preset: sandblaster, n_servers: 1, workers_per_group: 2}
+"""
+
+
+def job(d: Path, *more: str) -> config.JobConfig:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "job.yaml").write_text(JOB)
+    return config.load(d / "job.yaml", [f"run_dir={d}", *more])
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    start_ray()
+    d = tmp_path_factory.mktemp("straight")
+    return DistributedTrainer(job(d), log=lambda line: None).fit()
+
+
+def kill_at(trainer: DistributedTrainer, role: str, at_step: int, lines: list[str]):
+    """A log callback that, once step ``at_step`` is reported, SIGKILLs the role's process from
+    another thread a moment later (while the next steps run)."""
+    import ray
+
+    fired = []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if fired or f"step {at_step}/" not in line:
+            return
+        actor = {
+            "worker": lambda: trainer.workers[0][1],
+            "server": lambda: trainer.servers[0],
+            "stub": lambda: trainer.stubs[0],
+        }[role]()
+        pid = ray.get(actor.pid.remote())
+        fired.append(pid)
+
+        def kill() -> None:
+            time.sleep(0.005)
+            os.kill(pid, signal.SIGKILL)
+
+        threading.Thread(target=kill, daemon=True).start()
+
+    return log, fired
+
+
+def events(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "failure"]
+
+
+@pytest.mark.parametrize("role", ["worker", "server", "stub"])
+def test_a_killed_role_is_recovered_from_the_last_checkpoint_bit_exact(straight, tmp_path, role):
+    lines: list[str] = []
+    t = DistributedTrainer(job(tmp_path), log=print)
+    t.log, fired = kill_at(t, role, 15, lines)
+    res = t.fit()
+    assert fired, "the kill never fired"
+    for k, a in straight.params.items():
+        assert res.params[k].tobytes() == a.tobytes(), k
+    (ev,) = events(tmp_path)
+    assert ev["role"] == role and ev["step"] >= 15
+    assert ev["restored_from"] in (0, 10) and ev["restored_from"] <= ev["step"]
+    assert ev["steps_redone"] == ev["step"] - ev["restored_from"]
+    assert ev["restore_s"] > 0
+    assert any("recovering (failure 1 of at most 3)" in line for line in lines), lines
+    # the recovered run's own history keeps the event, and its checkpoints the whole history
+    ck = Checkpoint.open(tmp_path / "checkpoints" / f"step-{steps(tmp_path / 'checkpoints')[0]}")
+    assert [r for r in ck.meta["run"]["history"] if r["kind"] == "failure"] == [ev]
+    # a role killed outright leaves no shared-memory file behind
+    assert not list(Path("/dev/shm").glob(f"raysinga-{t.tag}-*"))
+
+
+def test_more_failures_than_allowed_stop_the_run_with_a_summary(ray_session, tmp_path):
+    lines: list[str] = []
+    t = DistributedTrainer(job(tmp_path, "fault.max_failures=0"), log=print)
+    t.log, fired = kill_at(t, "worker", 15, lines)
+    with pytest.raises(FailuresExceeded) as e:
+        t.fit()
+    msg = str(e.value)
+    assert "1 failure(s), more than fault.max_failures (0)" in msg
+    assert "worker 1 of group 0 was lost" in msg and "with --resume" in msg
+    assert steps(tmp_path / "checkpoints")[0] >= 10  # left for --resume
+    res = DistributedTrainer(job(tmp_path), resume=True, log=lambda line: None).fit()
+    assert res.history[-1]["step"] == 40
+
+
+def test_fault_settings_are_checked(tmp_path):
+    with pytest.raises(config.ConfigError, match="fault.max_failures"):
+        job(tmp_path, "fault.max_failures=-1")
+    with pytest.raises(config.ConfigError, match="fault: unknown key"):
+        job(tmp_path, "fault.retries=2")
