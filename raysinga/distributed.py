@@ -376,6 +376,11 @@ class DistributedTrainer:
             )
             path = writer.commit(p["tmp"], p["step"], [*p["records"], state], p["meta"])
         except BaseException as e:
+            from ray.exceptions import ObjectLostError  # noqa: PLC0415
+
+            if isinstance(e, (ActorLost, ObjectLostError)):
+                self.pending = p  # its directory goes once every role is stopped (recovery)
+                raise
             self.pending = None
             for k in todo:  # let the other servers' writes end before the directory goes
                 with contextlib.suppress(Exception):

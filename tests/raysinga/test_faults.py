@@ -123,3 +123,46 @@ def test_fault_settings_are_checked(tmp_path):
         job(tmp_path, "fault.max_failures=-1")
     with pytest.raises(config.ConfigError, match="fault: unknown key"):
         job(tmp_path, "fault.retries=2")
+
+
+@pytest.fixture
+def spare_node_cluster():
+    """A head with no CPUs and two 2-CPU nodes: a run fits on one, the other is the spare."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(2):
+        cluster.add_node(num_cpus=2)
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.mark.cluster
+def test_a_lost_node_with_the_workers_and_the_server_is_recovered(spare_node_cluster, tmp_path):
+    import ray
+
+    cluster = spare_node_cluster
+    want = DistributedTrainer(job(tmp_path / "straight"), log=lambda line: None).fit().params
+    t = DistributedTrainer(job(tmp_path / "lost"), log=lambda line: None)
+    removed = []
+
+    def log(line: str) -> None:
+        if removed or "step 15/" not in line:
+            return
+        node_id = ray.get(t.servers[0].describe.remote())["node"]
+        (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
+        cluster.remove_node(node)  # its raylet and every process on it
+        removed.append(node_id)
+
+    t.log = log
+    res = t.fit()
+    assert removed
+    for k, a in want.items():
+        assert res.params[k].tobytes() == a.tobytes(), k
+    (ev,) = events(tmp_path / "lost")
+    assert ev["steps_redone"] == ev["step"] - ev["restored_from"]
