@@ -1,6 +1,7 @@
 """The cost of asynchronous checkpoints to distributed training, in one run.
 
-One job on the embedded local Ray, run with a checkpoint every 10 steps and with none. The model has 256 MiB of float32 parameters (an 8192x8192 layer and a small head) and Adam,
+One job on the embedded local Ray, run with a checkpoint every 10 steps and with none. The
+model has 256 MiB of float32 parameters (an 8192x8192 layer and a small head) and Adam,
 so each checkpoint writes 768 MiB (parameters and two slots)::
 
     pip install -e '.[bench]'

@@ -404,7 +404,8 @@ class DistributedTrainer:
         c = self.cfg.checkpoint
         deleted = prune(self.ck_root, c.keep_last, c.keep_every, lock=False, known_valid=p["step"])
         if c.object_store:
-            run_state.keep_in_object_store(self.cfg.name, p["step"], str(path), deleted)
+            key = run_state.registry_key(self.cfg.name, self.ck_root)
+            run_state.keep_in_object_store(key, p["step"], str(path), deleted)
 
     @contextlib.contextmanager
     def _stop_signals(self) -> Iterator[None]:

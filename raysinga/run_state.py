@@ -280,7 +280,7 @@ def find_resume(
         from ray.exceptions import RayError  # noqa: PLC0415
 
         try:
-            entry = _registry_entry(run)
+            entry = _registry_entry(registry_key(run, root))
             if entry is not None and (disk is None or entry["step"] >= disk.step):
                 src = Source(
                     refs=entry["refs"], label=f"object store, run {run!r} step {entry['step']}"
@@ -293,32 +293,50 @@ def find_resume(
     return Source(location=disk.location, label=str(disk.location)), disk, found.skipped
 
 
-def _registry_entry(run: str) -> dict[str, Any] | None:
-    import ray  # noqa: PLC0415
+def registry_key(run: str, root: str | Location) -> str:
+    """How the object-store registry names a training run's checkpoints: by run name and
+    checkpoint directory (two runs of one name in two directories are two runs)."""
+    return f"{run}@{storage.resolve(root)}"
 
+
+def _registry(create: bool = False) -> Any:
     from .checkpoint import objstore  # noqa: PLC0415
 
     try:
-        reg = objstore.registry(create=False)
-    except ValueError:
+        return objstore.registry(create=create)
+    except ValueError:  # no registry yet
         return None
-    entry = ray.get(reg.lookup.remote(run))
+
+
+def _registry_entry(key: str) -> dict[str, Any] | None:
+    import ray  # noqa: PLC0415
+
+    reg = _registry()
+    entry = None if reg is None else ray.get(reg.lookup.remote(key))
     if entry is None:
         return None
     ready, _ = ray.wait(entry["refs"], timeout=0, fetch_local=False)
     return entry if ready else None
 
 
-def keep_in_object_store(run: str, step: int, uri: str, deleted: list[int]) -> None:
-    """``checkpoint.object_store``: the registry (a detached actor, which then owns the object)
-    puts the checkpoint just committed at ``uri`` into Ray's object store, and drops the steps
-    pruned from the directory, so that the store holds what the directory holds."""
-    from .checkpoint import objstore  # noqa: PLC0415
+def _forget_registry(key: str) -> None:
+    """Drop the registry's object-store copies of a run (it starts over)."""
+    import ray  # noqa: PLC0415
 
-    reg = objstore.registry()
-    reg.adopt.remote(run, step, uri)
+    reg = _registry()
+    for e in [] if reg is None else ray.get(reg.list.remote(key)):
+        ray.get(reg.delete.remote(key, e["step"]))
+
+
+def keep_in_object_store(key: str, step: int, uri: str, deleted: list[int]) -> None:
+    """``checkpoint.object_store``: the registry (a detached actor, which then owns the object)
+    puts the checkpoint just committed at ``uri`` into Ray's object store under ``key``
+    (:func:`registry_key`), and drops the steps pruned from the directory, so that the store
+    holds what the directory holds."""
+    reg = _registry(create=True)
+    reg.adopt.remote(key, step, uri)
     for s in deleted:
-        reg.delete.remote(run, s)
+        reg.delete.remote(key, s)
 
 
 def plan_verification(files: list[str], readers: int) -> list[list[str]]:
@@ -376,6 +394,8 @@ def open_run(
                 f"{have[0]}); pass --resume to continue it, --fresh to delete them and start "
                 "over, or give the run another name or checkpoint.dir"
             )
+        if cfg.checkpoint.object_store:  # copies of an earlier run here are not this run's
+            _forget_registry(registry_key(cfg.name, root))
         return None, None
     src, ck, skipped = find_resume(root, cfg.name, cfg.checkpoint.object_store)
     _set_aside_skipped(root, skipped, log)
@@ -641,7 +661,7 @@ class LocalCheckpoints:
             known_valid=step,
         )
         if cfg.checkpoint.object_store:
-            keep_in_object_store(cfg.name, step, str(path), deleted)
+            keep_in_object_store(registry_key(cfg.name, self.root), step, str(path), deleted)
 
     def preempted(self, step: int) -> None:
         raise Preempted(self.stop_signal or signal.SIGTERM, step, self.saved)

@@ -66,7 +66,7 @@ def kill_at(trainer: DistributedTrainer, role: str, at_step: int, lines: list[st
             "stub": lambda: trainer.stubs[0],
         }[role]()
         pid = ray.get(actor.pid.remote())
-        fired.append(pid)
+        fired.append(trainer.tag)  # the shared-memory files of the roles about to be lost
 
         def kill() -> None:
             time.sleep(0.005)
@@ -100,8 +100,9 @@ def test_a_killed_role_is_recovered_from_the_last_checkpoint_bit_exact(straight,
     # the recovered run's own history keeps the event, and its checkpoints the whole history
     ck = Checkpoint.open(tmp_path / "checkpoints" / f"step-{steps(tmp_path / 'checkpoints')[0]}")
     assert [r for r in ck.meta["run"]["history"] if r["kind"] == "failure"] == [ev]
-    # a role killed outright leaves no shared-memory file behind
-    assert not list(Path("/dev/shm").glob(f"raysinga-{t.tag}-*"))
+    # roles killed outright leave no shared-memory file behind, nor do those of the last start
+    for tag in (fired[0], t.tag):
+        assert not list(Path("/dev/shm").glob(f"raysinga-{tag}-*")), tag
 
 
 def test_more_failures_than_allowed_stop_the_run_with_a_summary(ray_session, tmp_path):

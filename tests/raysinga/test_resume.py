@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import start_ray
 
-from raysinga import config
+from raysinga import config, run_state
 from raysinga.checkpoint import Checkpoint, CheckpointError, save, steps
 from raysinga.distributed import DistributedTrainer
 
@@ -227,7 +227,8 @@ def test_resume_from_the_object_store_after_the_disk_copy_is_gone(straight, tmp_
         job(tmp_path, "train_steps=20", *on, "checkpoint.keep_last=1"), **QUIET
     ).fit()
     reg = objstore.registry()
-    kept = [e["step"] for e in ray.get(reg.list.remote("resume-objstore"))]
+    key = run_state.registry_key("resume-objstore", tmp_path / "checkpoints")
+    kept = [e["step"] for e in ray.get(reg.list.remote(key))]
     assert kept == [20]  # pruned with the disk copies: the store does not fill up
     shutil.rmtree(tmp_path / "checkpoints")
     (tmp_path / "checkpoints").mkdir()
@@ -235,8 +236,8 @@ def test_resume_from_the_object_store_after_the_disk_copy_is_gone(straight, tmp_
     try:
         DistributedTrainer(job(tmp_path, *on), resume=True, log=lines.append).fit()
     finally:
-        for e in ray.get(reg.list.remote("resume-objstore")):
-            ray.get(reg.delete.remote("resume-objstore", e["step"]))
+        for e in ray.get(reg.list.remote(key)):
+            ray.get(reg.delete.remote(key, e["step"]))
     assert any("from object store, run 'resume-objstore' step 20" in line for line in lines)
     assert tensors(tmp_path / "checkpoints/step-40") == tensors(straight[0] / "checkpoints/step-40")
 

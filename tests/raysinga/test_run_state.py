@@ -141,3 +141,34 @@ def test_resume_without_a_checkpoint_and_a_refused_fresh_start(tmp_path):
         train(tmp_path, "train_steps=10")
     train(tmp_path, "train_steps=10", fresh=True)
     assert steps(tmp_path / "checkpoints") == [10]
+
+
+def test_object_store_copies_belong_to_their_run_directory(ray_session, tmp_path):
+    """A run's object-store copies are keyed by name and checkpoint directory: a run of the
+    same name elsewhere, or an earlier run of this directory started over, is not resumed."""
+    import ray
+
+    from raysinga.checkpoint import objstore
+    from raysinga.run_state import registry_key
+
+    on = ("checkpoint.object_store=true", "name=objstore-local")
+    reg = objstore.registry()
+    keys = [registry_key("objstore-local", tmp_path / d / "checkpoints") for d in ("a", "b")]
+
+    def kept() -> list[list[int]]:
+        return [sorted(e["step"] for e in ray.get(reg.list.remote(k))) for k in keys]
+
+    try:
+        train(tmp_path / "a", "train_steps=20", *on)  # a/: steps 10 and 20 in the object store
+        train(tmp_path / "b", "train_steps=10", *on)
+        lines: list[str] = []
+        train(tmp_path / "b", "train_steps=20", *on, resume=True, lines=lines)
+        assert any("resuming 'objstore-local' at step 10 from" in line for line in lines), lines
+        assert kept() == [[10, 20], [10, 20]]
+        shutil.rmtree(tmp_path / "a" / "checkpoints")
+        train(tmp_path / "a", "train_steps=10", *on)  # started over: a/'s old copies go
+        assert kept() == [[10], [10, 20]]
+    finally:
+        for k in keys:
+            for e in ray.get(reg.list.remote(k)):
+                ray.get(reg.delete.remote(k, e["step"]))
