@@ -88,6 +88,7 @@ def one_run(cluster, kind: str, run_dir: Path) -> dict[str, float]:
         "detection": ev["time"] - marks["kill"],
         "restart": ev["restore_s"],
         "steps redone": ev["steps_redone"],
+        "from object store": float(ev["source"].startswith("object store")),
     }
 
 
@@ -121,7 +122,8 @@ def main() -> None:
         print(
             f"  {kind:6} lost: kill to next step {med['to next step']:6.2f} s  (detection "
             f"{med['detection']:5.2f} s, restart {med['restart']:5.2f} s, "
-            f"{med['steps redone']:.0f} steps redone)"
+            f"{med['steps redone']:.0f} steps redone; restored from the object store in "
+            f"{sum(r['from object store'] for r in runs):.0f} of {len(runs)})"
         )
     worker = statistics.median(r["to next step"] for r in out["worker"])
     print(f"goal: worker loss under 5 s -> {'met' if worker < 5 else 'NOT met'} ({worker:.2f} s)")

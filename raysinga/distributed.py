@@ -498,6 +498,7 @@ class DistributedTrainer:
             **what,
             "time": detected,
             "restored_from": restored,
+            "source": self.source.label if self.source is not None else "the start",
             "steps_redone": max(0, lost_at - restored),
             "restore_s": time.perf_counter() - t0,
         }

@@ -95,7 +95,7 @@ def test_a_killed_role_is_recovered_from_the_last_checkpoint_bit_exact(straight,
     assert ev["role"] == role and ev["step"] >= 15
     assert ev["restored_from"] in (0, 10) and ev["restored_from"] <= ev["step"]
     assert ev["steps_redone"] == ev["step"] - ev["restored_from"]
-    assert ev["restore_s"] > 0
+    assert ev["restore_s"] > 0 and ev["source"]
     assert any("recovering (failure 1 of at most 3)" in line for line in lines), lines
     # the recovered run's own history keeps the event, and its checkpoints the whole history
     ck = Checkpoint.open(tmp_path / "checkpoints" / f"step-{steps(tmp_path / 'checkpoints')[0]}")
