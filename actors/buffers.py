@@ -10,6 +10,7 @@ snapshot, taken only when such a reader exists.
 from __future__ import annotations
 
 import contextlib
+import glob
 import math
 import mmap
 import os
@@ -68,7 +69,7 @@ def remove_files(tag: str) -> int:
     """Unlink this node's shared-memory files (buffers and doorbells) of the roles spawned
     with ``tag``: what processes killed outright could not remove themselves. Returns how many."""
     n = 0
-    for f in _shm_dir().glob(f"raysinga-{tag}-*"):
+    for f in _shm_dir().glob(glob.escape(f"raysinga-{tag}-") + "*"):
         with contextlib.suppress(FileNotFoundError):
             f.unlink()
             n += 1

@@ -490,7 +490,7 @@ class DistributedTrainer:
             self._adopt(src, ck)
         else:  # nothing committed yet: from the start (or the --init-from checkpoint) again
             self._start_over()
-        restored = max(self.steps0)
+        restored = self.progress = max(self.steps0)
         self._launch()
         rec = {
             "kind": "failure",
@@ -519,10 +519,10 @@ class DistributedTrainer:
             storage.remove_dir(p["tmp"])
 
     def _start_over(self) -> None:
+        if self.start_info is not None:  # resumed, but its checkpoint is gone since
+            raise CheckpointError(f"{self.ck_root}: the checkpoint this run resumed from is gone")
         self.steps0, self.batch_offset = [0] * self.topo.n_groups, 0
         self.history0, self.saved_steps = [], set()
-        if self.start_info is not None:  # resumed, but its checkpoint is gone: cannot be
-            raise CheckpointError(f"{self.ck_root}: the checkpoint this run resumed from is gone")
 
     def _chunk_end(self, s: int) -> int:
         cfg = self.cfg
@@ -542,6 +542,7 @@ class DistributedTrainer:
         cfg, topo = self.cfg, self.topo
         G, total = topo.n_groups, cfg.train_steps
         done = list(self.steps0)
+        self.progress = max(done)
         pending: dict[Any, tuple[int, int, int]] = {}
         result = TrainResult({}, {}, list(self.history0))
         window: list[dict[str, float]] = []
