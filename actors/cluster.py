@@ -135,14 +135,7 @@ def spawn(cls: type, placement: Placement, bundle: int, res: Resources, *args: A
         opts["num_gpus"] = res.gpus
     if res.memory:
         opts["memory"] = res.memory
-    groups = getattr(cls, "CONCURRENCY", {})  # {group: (threads, method names)}
-    if not groups:
-        return ray.remote(cls).options(**opts).remote(*args)
-    for g, (_, names) in groups.items():
-        for name in names:
-            ray.method(concurrency_group=g)(getattr(cls, name))
-    remote = ray.remote(concurrency_groups={g: n for g, (n, _) in groups.items()})(cls)
-    return remote.options(**opts).remote(*args)
+    return ray.remote(cls).options(**opts).remote(*args)
 
 
 def remove_shared_files(tag: str) -> None:

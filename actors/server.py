@@ -34,9 +34,6 @@ def node_id() -> str:
 
 class ParamServer:
     role = "server"
-    # Ray concurrency groups (cluster.spawn): the driver asks after a checkpoint's write while
-    # this server is serving a chunk of steps, which takes the default group's one thread.
-    CONCURRENCY = {"checkpoint": (1, ("snapshot_result",))}
 
     def __init__(
         self,

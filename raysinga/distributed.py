@@ -586,7 +586,6 @@ class DistributedTrainer:
                         time.perf_counter(),
                     )
                     continue
-                self._finish_checkpoint(wait=False)  # commit while the groups run their chunks
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 g, s, e = pending.pop(ready[0])
                 window += self._get(ready, "stub", g)[0]
@@ -607,6 +606,8 @@ class DistributedTrainer:
                         record(rec)
                         self.log(_format(rec, total))
                     t_window = time.perf_counter()
+                # between chunks (a synchronous group's servers are busy serving during one)
+                self._finish_checkpoint(wait=False)
                 every = cfg.checkpoint_every_seconds
                 if self.stop_signal is not None or (
                     every and time.perf_counter() - t_ckpt >= every
