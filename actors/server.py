@@ -257,14 +257,11 @@ class ParamServer:
             for k, (_, a) in zip(keys, live, strict=True)
         ):
             self._snap = {k: np.empty_like(a) for k, (_, a) in zip(keys, live, strict=True)}
-        jobs = []
-        for k, (_, a) in zip(keys, live, strict=True):
-            src, dst = a.reshape(-1), self._snap[k].reshape(-1)
-            step = 1 << 22
-            jobs += [
-                (dst[i : i + step], src[i : i + step]) for i in range(0, max(src.size, 1), step)
-            ]
-        list(self.pool.map(lambda d_s: np.copyto(*d_s), jobs))
+        from raysinga.checkpoint import writer  # noqa: PLC0415
+
+        writer.copy_in_chunks(
+            [(self._snap[k], a) for k, (_, a) in zip(keys, live, strict=True)], self.pool
+        )
         return [(i, self._snap[k]) for k, (i, _) in zip(keys, live, strict=True)]
 
     @reports_role

@@ -20,17 +20,10 @@ import statistics
 import time
 
 import numpy as np
+from bench_distributed import BATCH, CLASSES, DIM, HIDDEN  # the same MLP, batch and shapes
+from bench_distributed import MODEL as SPEC
 
-BATCH, DIM, HIDDEN, CLASSES = 256, 784, 1024, 10
 LR, MOMENTUM = 0.01, 0.9
-SPEC = {
-    "input_shape": [DIM],
-    "layers": [
-        {"kind": "dense", "name": "fc1", "units": HIDDEN, "activation": "relu"},
-        {"kind": "dense", "name": "fc2", "units": HIDDEN, "activation": "relu"},
-        {"kind": "dense", "name": "out", "units": CLASSES},
-    ],
-}
 
 
 def batches(n: int) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -189,13 +189,17 @@ def _data(d: Any) -> DataConfig:
     )
 
 
-def _checkpoint(d: Any) -> CheckpointConfig:
-    d = _mapping("checkpoint", d or {})
-    unknown = set(d) - set(CHECKPOINT_KEYS)
+def _section(name: str, d: Any, keys: dict[str, str]) -> dict[str, Any]:
+    """An optional section of the job (absent: empty), refusing keys it does not know."""
+    d = _mapping(name, d or {})
+    unknown = set(d) - set(keys)
     if unknown:
-        raise ConfigError(
-            f"checkpoint: unknown key(s) {sorted(unknown)}; allowed: {', '.join(CHECKPOINT_KEYS)}"
-        )
+        raise ConfigError(f"{name}: unknown key(s) {sorted(unknown)}; allowed: {', '.join(keys)}")
+    return d
+
+
+def _checkpoint(d: Any) -> CheckpointConfig:
+    d = _section("checkpoint", d, CHECKPOINT_KEYS)
     where = d.get("dir")
     if where is not None and (not isinstance(where, str) or not where):
         raise ConfigError(f"checkpoint.dir: expected a path or URI, got {where!r}")
@@ -214,12 +218,7 @@ def _checkpoint(d: Any) -> CheckpointConfig:
 
 
 def _fault(d: Any) -> FaultConfig:
-    d = _mapping("fault", d or {})
-    unknown = set(d) - set(FAULT_KEYS)
-    if unknown:
-        raise ConfigError(
-            f"fault: unknown key(s) {sorted(unknown)}; allowed: {', '.join(FAULT_KEYS)}"
-        )
+    d = _section("fault", d, FAULT_KEYS)
     return FaultConfig(
         max_failures=_int("fault.max_failures", d.get("max_failures", 3), 0),
         window_s=_seconds("fault.window_s", d.get("window_s", 0)),

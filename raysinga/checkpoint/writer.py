@@ -200,7 +200,7 @@ class ShardImage:
     ) -> list[tuple[TensorInfo, np.ndarray]]:
         """Copy ``tensors`` (which must fit) into their places, in chunks on ``pool`` if given;
         returns them as views of the image, to hand to :func:`write_shard` with this image."""
-        out, jobs = [], []
+        out, pairs = [], []
         offsets = self.layout[1]
         if len(tensors) != len(offsets):
             raise ValueError(
@@ -217,16 +217,29 @@ class ShardImage:
                 out.append((info, a))
                 continue
             dst = np.frombuffer(self.buf, a.dtype, a.size, off).reshape(a.shape)
-            src, flat = a.reshape(-1), dst.reshape(-1)
-            step = max(1, (4 << 20) // a.itemsize)
-            jobs += [(flat[i : i + step], src[i : i + step]) for i in range(0, a.size, step)]
+            pairs.append((dst, a))
             out.append((info, dst))
-        if pool is None:
-            for d, s in jobs:
-                np.copyto(d, s)
-        else:
-            list(pool.map(lambda d_s: np.copyto(*d_s), jobs))
+        copy_in_chunks(pairs, pool)
         return out
+
+
+COPY_CHUNK = 4 << 20  # bytes per piece of a large copy
+
+
+def copy_in_chunks(pairs: list[tuple[np.ndarray, np.ndarray]], pool: Any = None) -> None:
+    """``dst[...] = src`` for each pair of same-sized arrays, cut into ``COPY_CHUNK`` pieces run
+    on ``pool``'s threads (in this thread without one): a large copy is faster on several
+    cores."""
+    jobs = []
+    for dst, src in pairs:
+        d, s = dst.reshape(-1), src.reshape(-1)
+        step = max(1, COPY_CHUNK // max(1, s.itemsize))
+        jobs += [(d[i : i + step], s[i : i + step]) for i in range(0, s.size, step)]
+    if pool is None:
+        for d, s in jobs:
+            np.copyto(d, s)
+    else:
+        list(pool.map(lambda d_s: np.copyto(*d_s), jobs))
 
 
 def _checked(info: TensorInfo, arr: Any, shard: int) -> TensorInfo:
