@@ -8,6 +8,7 @@ batches against the manifest. Any failure is a :class:`CheckpointError` naming t
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from itertools import repeat
 from typing import Any
 
 import msgpack
@@ -111,9 +112,9 @@ def to_info(t: dict[str, Any]) -> TensorInfo:
     )
 
 
-def _hash_file(loc: Location) -> str:
+def _hash_file(loc: Location, readers: int = 4) -> str:
     if loc.local:
-        return storage.hash_local_file(loc.path)[1]
+        return storage.hash_local_file(loc.path, readers)[1]
     h = xxhash.xxh3_64()
     with loc.fs.open_input_stream(loc.path) as f:
         while chunk := f.read(_HASH_CHUNK):
@@ -163,8 +164,13 @@ class Checkpoint:
                     floc, f"size {got} bytes, manifest says {f['size']} (truncated or overwritten)"
                 )
         if verify == "full":  # shards hashed side by side: xxhash lets go of the GIL
-            with ThreadPoolExecutor(min(4, len(m["files"]) or 1)) as pool:
-                digests = pool.map(_hash_file, [loc.join(f["file"]) for f in m["files"]])
+            side = min(4, len(m["files"]) or 1)
+            big = sum(f["size"] >= storage.READ_AHEAD_MIN for f in m["files"])
+            readers = max(1, 4 // min(side, max(1, big)))  # about 4 reads in flight in all
+            with ThreadPoolExecutor(side) as pool:
+                digests = pool.map(
+                    _hash_file, [loc.join(f["file"]) for f in m["files"]], repeat(readers)
+                )
                 for f, digest in zip(m["files"], digests, strict=True):
                     if digest != f["xxh3"]:
                         raise _fail(loc.join(f["file"]), "checksum mismatch: the file is corrupt")

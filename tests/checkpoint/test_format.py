@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import socket
@@ -14,6 +15,7 @@ import msgpack
 import numpy as np
 import pyarrow as pa
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -31,6 +33,7 @@ from raysinga.checkpoint import (
     save,
     sink,
     steps,
+    storage,
     write_shard,
     writer,
 )
@@ -214,6 +217,52 @@ def test_compressed_read_is_not_mapped_but_equal(tmp_path):
     w = np.arange(4096, dtype=np.int64)
     loc = save(tmp_path, 1, {"w": w}, compression="zstd")
     assert_same(Checkpoint.open(loc).array("w"), w)
+
+
+def _evict(path: Path) -> bool:
+    """Drop a file from the page cache; False where the file system keeps it (tmpfs)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        return bool(storage._absent_pieces(m, path.stat().st_size))
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Read-ahead in 64 KiB pieces from 128 KiB on, so that small files exercise it."""
+    monkeypatch.setattr(storage, "READ_PIECE", 64 << 10)
+    monkeypatch.setattr(storage, "READ_AHEAD_MIN", 128 << 10)
+
+
+@pytest.mark.parametrize("readers", [0, 1, 4])
+def test_read_ahead_hash_equals_the_plain_hash(tmp_path, small_pieces, readers):
+    data = np.random.default_rng(6).integers(0, 256, (1 << 20) + 4097, np.uint8).tobytes()
+    f = tmp_path / "blob"
+    f.write_bytes(data)
+    with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as m:
+        assert storage._absent_pieces(m, len(data)) == []  # just written: all cached
+    cold = _evict(f)
+    assert storage.hash_local_file(str(f), readers) == (len(data), xxhash.xxh3_64_hexdigest(data))
+    if cold:
+        with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as m:
+            assert storage._absent_pieces(m, len(data)) == []  # read back in whole
+
+
+@pytest.mark.parametrize("where", [0, 0.37, 0.999])
+def test_cold_full_verify_with_read_ahead_finds_a_flipped_byte(tmp_path, small_pieces, where):
+    w = np.random.default_rng(7).standard_normal(1 << 18).astype(np.float32)
+    loc = save(tmp_path, 1, {"w": w})
+    shard = Path(loc.path) / "shard-0.arrow"
+    raw = bytearray(shard.read_bytes())
+    raw[int(where * (len(raw) - 1))] ^= 0x10
+    shard.write_bytes(raw)
+    _evict(shard)
+    with pytest.raises(CheckpointError, match="shard-0.arrow.*checksum mismatch"):
+        Checkpoint.open(loc, verify="full")
 
 
 # --- errors -------------------------------------------------------------------------------------
