@@ -7,8 +7,9 @@ pass in failing or slow variants.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .topology import Resources, Topology
@@ -77,11 +78,8 @@ def _merge(*rs: Resources) -> dict[str, float]:
     return out
 
 
-def place(topo: Topology, timeout_s: float = 30.0) -> Placement:
-    """Reserve the topology's resources; ``allreduce`` puts server ``i`` with worker ``i``."""
-    import ray  # noqa: PLC0415
-    from ray.util.placement_group import placement_group, remove_placement_group  # noqa: PLC0415
-
+def _layout(topo: Topology) -> tuple[list[dict[str, float]], Placement]:
+    """The bundles the topology asks for, and which role goes in which."""
     bundles: list[dict[str, float]] = []
     p = Placement(pg=None)
     colocate = topo.preset == "allreduce"
@@ -104,6 +102,15 @@ def place(topo: Topology, timeout_s: float = 30.0) -> Placement:
         else:
             p.stubs.append(len(bundles))
             bundles.append(_merge(topo.stub))
+    return bundles, p
+
+
+def place(topo: Topology, timeout_s: float = 30.0) -> Placement:
+    """Reserve the topology's resources; ``allreduce`` puts server ``i`` with worker ``i``."""
+    import ray  # noqa: PLC0415
+    from ray.util.placement_group import placement_group, remove_placement_group  # noqa: PLC0415
+
+    bundles, p = _layout(topo)
     p.pg = placement_group(bundles, strategy="PACK")
     ready, _ = ray.wait([p.pg.ready()], timeout=timeout_s)
     if not ready:
@@ -113,6 +120,39 @@ def place(topo: Topology, timeout_s: float = 30.0) -> Placement:
             f"{timeout_s:g} s: other jobs may hold them (ray status shows what is in use)"
         )
     return p
+
+
+def live_nodes() -> list[dict[str, float]]:
+    """The resources of every node Ray counts as alive."""
+    import ray  # noqa: PLC0415
+
+    return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+
+
+def packs(topo: Topology, nodes: list[dict[str, float]]) -> bool:
+    """Whether the topology's bundles fit the nodes' resources (first fit, largest first: a
+    quick check before asking Ray, which has the last word)."""
+    bundles, _ = _layout(topo)
+    free = [dict(n) for n in nodes]
+    for b in sorted(bundles, key=lambda b: -sum(b.values())):
+        for n in free:
+            if all(n.get(k, 0.0) + 1e-9 >= v for k, v in b.items()):
+                for k, v in b.items():
+                    n[k] = n.get(k, 0.0) - v
+                break
+        else:
+            return False
+    return True
+
+
+def shrunk(topo: Topology, min_groups: int, min_workers: int) -> list[Topology]:
+    """The topology and its smaller forms down to the given bounds, largest first: fewer
+    workers per group before fewer groups."""
+    return [
+        replace(topo, n_groups=g, workers_per_group=w)
+        for g in range(topo.n_groups, min_groups - 1, -1)
+        for w in range(topo.workers_per_group, min_workers - 1, -1)
+    ]
 
 
 def spawn(cls: type, placement: Placement, bundle: int, res: Resources, *args: Any) -> Any:
@@ -155,3 +195,25 @@ def remove_shared_files(tag: str) -> None:
         if node.get("Alive") and node["NodeID"] != here:
             strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
             task.options(scheduling_strategy=strategy).remote(tag)
+
+
+def first_death(actors: list[Any]) -> float | None:
+    """When the first of ``actors`` to die (not by ``ray.kill``) died, as Ray's control store
+    recorded it (seconds since the epoch); None if none has or Ray does not say."""
+    from ray._private import state  # noqa: PLC0415 - the actor table; no public getter
+
+    ends = []
+    for a in actors:
+        try:
+            info = state.actors(actor_id=a._actor_id.hex())
+        except Exception:  # noqa: BLE001 - a diagnostic only
+            continue
+        if not isinstance(info, dict) or info.get("State") != "DEAD" or not info.get("EndTime"):
+            continue
+        with contextlib.suppress(Exception):  # ray.kill is ours, not the failure
+            ctx = info["DeathCause"].actor_died_error_context
+            kinds = type(ctx).DESCRIPTOR.fields_by_name["reason"].enum_type.values_by_number
+            if kinds[ctx.reason].name == "RAY_KILL":
+                continue
+        ends.append(info["EndTime"] / 1000.0)
+    return min(ends) if ends else None

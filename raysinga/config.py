@@ -62,12 +62,19 @@ TOP_KEYS = {
     "checkpoint_frequency": "checkpoint every N steps from checkpoint_after (0: none)",
     "checkpoint_every_seconds": "also checkpoint when this many seconds have passed (0: never)",
     "checkpoint": "dir (a path or URI), keep_last, keep_every, object_store, compression, final",
-    "fault": "max_failures, window_s: how many lost roles a distributed run recovers from",
+    "fault": "max_failures, window_s, min_workers, min_groups, grow_check_s: how a "
+    "distributed run recovers from lost roles and nodes",
 }
 FAULT_KEYS = {
     "max_failures": "recover from at most N lost roles or nodes, then stop with a summary "
     "(default 3; 0: the first loss ends the run)",
     "window_s": "count only the failures of the last this many seconds (default 0: the whole run)",
+    "min_workers": "after a loss, go on with as few as this many workers per group where no more "
+    "fit (default: topology.workers_per_group, i.e. never fewer)",
+    "min_groups": "after a loss, go on with as few as this many groups where no more fit "
+    "(default: topology.n_groups)",
+    "grow_check_s": "while running smaller than configured, look this often for room to grow "
+    "back (default 30)",
 }
 CHECKPOINT_KEYS = {
     "dir": "where checkpoints go: a path or a pyarrow URI (default: <run_dir>/checkpoints)",
@@ -104,6 +111,9 @@ class CheckpointConfig:
 class FaultConfig:
     max_failures: int = 3
     window_s: float = 0.0
+    min_workers: int | None = None  # None: topology.workers_per_group
+    min_groups: int | None = None  # None: topology.n_groups
+    grow_check_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -222,7 +232,37 @@ def _fault(d: Any) -> FaultConfig:
     return FaultConfig(
         max_failures=_int("fault.max_failures", d.get("max_failures", 3), 0),
         window_s=_seconds("fault.window_s", d.get("window_s", 0)),
+        min_workers=None
+        if d.get("min_workers") is None
+        else _int("fault.min_workers", d["min_workers"], 1),
+        min_groups=None
+        if d.get("min_groups") is None
+        else _int("fault.min_groups", d["min_groups"], 1),
+        grow_check_s=_seconds("fault.grow_check_s", d.get("grow_check_s", 30)),
     )
+
+
+def _check_elastic(fault: FaultConfig, topology: Topology | None) -> None:
+    for key, most, what in (
+        ("min_workers", topology.workers_per_group if topology else None, "workers_per_group"),
+        ("min_groups", topology.n_groups if topology else None, "n_groups"),
+    ):
+        v = getattr(fault, key)
+        if v is None:
+            continue
+        if most is None:
+            raise ConfigError(f"fault.{key}: only a distributed run (with a topology) is elastic")
+        if v > most:
+            raise ConfigError(f"fault.{key}: {v} is more than topology.{what} ({most})")
+    if (
+        topology is not None
+        and topology.preset == "allreduce"
+        and (fault.min_workers or topology.workers_per_group) < topology.workers_per_group
+    ):
+        raise ConfigError(
+            "fault.min_workers: the allreduce preset keeps one server with each worker, so its "
+            "workers cannot shrink"
+        )
 
 
 def _seconds(path: str, v: Any) -> float:
@@ -275,6 +315,8 @@ def from_dict(d: Any) -> JobConfig:
             f"topology.workers_per_group ({topology.workers_per_group}): every "
             "worker needs at least one sample"
         )
+    fault = _fault(d.get("fault"))
+    _check_elastic(fault, topology)
     return JobConfig(
         model=model,
         data=data,
@@ -294,7 +336,7 @@ def from_dict(d: Any) -> JobConfig:
             "checkpoint_every_seconds", d.get("checkpoint_every_seconds", 0)
         ),
         checkpoint=_checkpoint(d.get("checkpoint")),
-        fault=_fault(d.get("fault")),
+        fault=fault,
         raw=copy.deepcopy(d),
     )
 

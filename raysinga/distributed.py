@@ -56,6 +56,14 @@ class FailuresExceeded(RuntimeError):
         self.failures = failures
 
 
+class _Grow(Exception):  # noqa: N818 - a signal within the driver, not an error
+    """The loop stopped at a step boundary, checkpoint committed, to grow the topology."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self.step = step
+
+
 class DistributedTrainer:
     """Runs a :class:`JobConfig` on a Ray cluster with the config's topology."""
 
@@ -80,7 +88,7 @@ class DistributedTrainer:
             raise ValueError("resume, init_from and fresh exclude one another")
         self.cfg, self.log, self.address = cfg, log, address
         self.resume, self.init_from, self.fresh, self.gather = resume, init_from, fresh, gather
-        self.topo = cfg.topology
+        self.full_topo = self.topo = cfg.topology  # as configured; as running (elastic)
         self.classes = {**ROLE_CLASSES, **(classes or {})}
         self.net = Net(cfg.model, dtype=cfg.dtype)
         train = load_dataset(cfg.data.source, split="train")
@@ -115,6 +123,8 @@ class DistributedTrainer:
         self.tag = ""  # names the shared-memory files of the roles spawned last
         self.progress = 0  # the most steps a group has done (as far as the driver knows)
         self.failures: list[dict[str, Any]] = []  # lost roles recovered from, with their cost
+        self.events: list[dict[str, Any]] = []  # those failures, and resizes
+        self.t_grow = 0.0  # when room to grow back was last looked for
         self.max_chunk = 1 << 30
         self.servers: list[Any] = []
         self.workers: list[list[Any]] = []
@@ -124,14 +134,61 @@ class DistributedTrainer:
     # ------------------------------------------------------------------ start and stop
     def start(self) -> None:
         cluster.connect(self.address)
+        self._place()  # first: the number of groups that fit decides the data cursor
         self._open_checkpoints()
         self._launch()
 
+    def _sizes(self) -> list[Any]:
+        full, fc = self.full_topo, self.cfg.fault
+        return cluster.shrunk(
+            full, fc.min_groups or full.n_groups, fc.min_workers or full.workers_per_group
+        )
+
+    def _place(self) -> None:
+        """Reserve the configured topology, or where it does not fit (an elastic run, after a
+        loss) the largest smaller form within ``fault.min_groups`` / ``fault.min_workers``."""
+        sizes = self._sizes()
+        if len(sizes) == 1:
+            cluster.check_fits(self.full_topo)
+            self.topo, self.placement = self.full_topo, cluster.place(self.full_topo)
+            return
+        nodes = cluster.live_nodes()
+        fitting = [t for t in sizes if cluster.packs(t, nodes)]
+        if not fitting:
+            cluster.check_fits(sizes[-1])  # names what is missing
+            fitting = sizes[-1:]  # the total fits, the nodes may not: let Ray say
+        for i, t in enumerate(fitting):
+            last = i + 1 == len(fitting)
+            try:  # Ray has the last word: a node just lost may still be listed for a moment
+                self.placement = cluster.place(t, timeout_s=30.0 if last else 10.0)
+            except cluster.ResourceError:
+                if last:
+                    raise
+                continue
+            self.topo = t
+            if t != self.full_topo:
+                f = self.full_topo
+                self.log(
+                    f"raysinga: room for {t.n_groups} group(s) x {t.workers_per_group} "
+                    f"worker(s) of the configured {f.n_groups} x {f.workers_per_group}; "
+                    "the batch is split over the workers there are"
+                )
+            return
+
+    def _room_to_grow(self) -> bool:
+        """Whether the live nodes hold a larger topology than the one running."""
+        nodes = cluster.live_nodes()
+        best = next((t for t in self._sizes() if cluster.packs(t, nodes)), None)
+        return best is not None and best.n_workers > self.topo.n_workers
+
     def _launch(self) -> None:
-        """Place and spawn every role, load the start checkpoint (if any) and wire the groups."""
+        """Spawn every role in the reserved placement, load the start checkpoint (if any) and
+        wire the groups."""
+        if self.placement is None:
+            self._place()
         cfg, topo = self.cfg, self.topo
-        cluster.check_fits(topo)
-        self.placement = p = cluster.place(topo)
+        p = self.placement
+        assert p is not None
         self.tag = tag = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
         model, dtype = cfg.model.to_dict(), cfg.dtype
         updater = self.updater
@@ -446,6 +503,8 @@ class DistributedTrainer:
                         return self._loop()
                     except (ActorLost, ObjectLostError) as e:
                         self._recover(e)
+                    except _Grow as g:
+                        self._grow(g.step)
         finally:
             try:
                 self.shutdown()
@@ -463,6 +522,7 @@ class DistributedTrainer:
         ``fault.window_s``) stop the run with a summary of all of them."""
         t0, detected = time.perf_counter(), time.time()
         lost_at = self.progress
+        was = self.topo
         what = {
             "role": getattr(e, "role", "object"),
             "index": getattr(e, "index", None),
@@ -481,8 +541,36 @@ class DistributedTrainer:
             f"raysinga: {what['error']} at step {lost_at}; recovering "
             f"(failure {len(recent) + 1} of at most {fc.max_failures})"
         )
+        lost = [*self.stubs, *(w for row in self.workers for w in row), *self.servers]
         self.shutdown(graceful=False)
         self._abandon_pending()
+        self._place()
+        self._restart_from_newest()
+        died = cluster.first_death(lost)  # by now Ray has recorded the death
+        restored = self.progress
+        rec = {
+            "kind": "failure",
+            "step": lost_at,
+            **what,
+            "time": detected,
+            "died": died,  # as Ray recorded it (None: not known)
+            "detection_s": None if died is None else max(0.0, detected - died),
+            "restored_from": restored,
+            "source": self.source.label if self.source is not None else "the start",
+            "steps_redone": max(0, lost_at - restored),
+            "restore_s": time.perf_counter() - t0,
+            **self._sizes_record(was),
+        }
+        self.failures.append(rec)
+        self._note(rec)
+        self.log(
+            f"raysinga: recovered in {rec['restore_s']:.2f} s from step {restored} "
+            f"({rec['steps_redone']} step(s) to redo)"
+        )
+
+    def _restart_from_newest(self) -> None:
+        """Spawn every role (placed already) from the newest checkpoint: the object store's copy
+        when it is at least as new as the newest on disk."""
         src, ck, _ = run_state.find_resume(
             self.ck_root, self.cfg.name, self.cfg.checkpoint.object_store
         )
@@ -490,24 +578,42 @@ class DistributedTrainer:
             self._adopt(src, ck)
         else:  # nothing committed yet: from the start (or the --init-from checkpoint) again
             self._start_over()
-        restored = self.progress = max(self.steps0)
+        self.progress = max(self.steps0)
         self._launch()
+
+    def _sizes_record(self, was: Any) -> dict[str, Any]:
+        now = self.topo
+        out = {"groups": now.n_groups, "workers": now.workers_per_group}
+        if (was.n_groups, was.workers_per_group) != (now.n_groups, now.workers_per_group):
+            out["resized_from"] = {"groups": was.n_groups, "workers": was.workers_per_group}
+        return out
+
+    def _note(self, rec: dict[str, Any]) -> None:
+        """Keep an event (a failure, a resize) in the run's history; a restart from an older
+        checkpoint must not forget it."""
+        self.events.append(rec)
+        seen = {(f["kind"], f["time"]) for f in self.history0 if "time" in f}
+        self.history0 += [f for f in self.events if (f["kind"], f["time"]) not in seen]
+
+    def _grow(self, step: int) -> None:
+        """At a step boundary with a committed checkpoint of it: restart every role in the
+        largest topology the cluster now holds."""
+        t0, was = time.perf_counter(), self.topo
+        self.shutdown()
+        self._place()
+        self._restart_from_newest()
         rec = {
-            "kind": "failure",
-            "step": lost_at,
-            **what,
-            "time": detected,
-            "restored_from": restored,
-            "source": self.source.label if self.source is not None else "the start",
-            "steps_redone": max(0, lost_at - restored),
-            "restore_s": time.perf_counter() - t0,
+            "kind": "resize",
+            "step": step,
+            "time": time.time(),
+            "restored_from": self.progress,
+            "resize_s": time.perf_counter() - t0,
+            **self._sizes_record(was),
         }
-        self.failures.append(rec)
-        seen = {f["time"] for f in self.history0 if f.get("kind") == "failure"}
-        self.history0 += [f for f in self.failures if f["time"] not in seen]
+        self._note(rec)
         self.log(
-            f"raysinga: recovered in {rec['restore_s']:.2f} s from step {restored} "
-            f"({rec['steps_redone']} step(s) to redo)"
+            f"raysinga: grew to {self.topo.n_groups} group(s) x {self.topo.workers_per_group} "
+            f"worker(s) at step {step} in {rec['resize_s']:.2f} s"
         )
 
     def _abandon_pending(self) -> None:
@@ -553,7 +659,9 @@ class DistributedTrainer:
             f"{len(self.slices)} slices, {total} steps per group, batch {cfg.data.batch_size}"
         )
         barrier = cfg.next_checkpoint(max(done))
-        hold = False  # a checkpoint (by time) or a stop is due: let running chunks end
+        hold = False  # a checkpoint (by time), a stop or a resize is due: let chunks end
+        grow = False  # the cluster has room for more workers or groups than are running
+        self.t_grow = time.perf_counter()
 
         def launch(g: int) -> None:
             s = done[g]
@@ -580,6 +688,9 @@ class DistributedTrainer:
                             break
                         raise run_state.Preempted(self.stop_signal, max(done), self.saved)
                     self._checkpoint(done, result.history)
+                    if grow:
+                        self._finish_checkpoint(wait=True)
+                        raise _Grow(max(done))
                     barrier, hold, t_ckpt = (
                         cfg.next_checkpoint(max(done)),
                         False,
@@ -613,6 +724,12 @@ class DistributedTrainer:
                     every and time.perf_counter() - t_ckpt >= every
                 ):
                     hold = True
+                if self.topo != self.full_topo and (
+                    time.perf_counter() - self.t_grow >= cfg.fault.grow_check_s
+                ):
+                    self.t_grow = time.perf_counter()
+                    grow = self._room_to_grow()
+                    hold = hold or grow
         if self.gather:
             result.params = self.gather_params()
         return result

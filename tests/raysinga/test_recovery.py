@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import start_ray
 
@@ -123,6 +124,19 @@ def test_more_failures_than_allowed_stop_the_run_with_a_summary(ray_session, tmp
 def test_fault_settings_are_checked(tmp_path):
     with pytest.raises(config.ConfigError, match="fault.max_failures"):
         job(tmp_path, "fault.max_failures=-1")
+    with pytest.raises(config.ConfigError, match=r"fault.min_workers: 3 is more than topology"):
+        job(tmp_path, "fault.min_workers=3")
+    with pytest.raises(config.ConfigError, match=r"fault.min_groups: 2 is more than topology"):
+        job(tmp_path, "fault.min_groups=2")
+    with pytest.raises(config.ConfigError, match="fault.min_workers: expected an integer >= 1"):
+        job(tmp_path, "fault.min_workers=0")
+    with pytest.raises(config.ConfigError, match="fault.grow_check_s"):
+        job(tmp_path, "fault.grow_check_s=-1")
+    with pytest.raises(config.ConfigError, match="allreduce preset .* cannot shrink"):
+        job(tmp_path, "topology.preset=allreduce", "topology.n_servers=2", "fault.min_workers=1")
+    with pytest.raises(config.ConfigError, match="only a distributed run"):
+        job(tmp_path, "topology=null", "fault.min_workers=1")
+    assert job(tmp_path, "fault.min_workers=1").fault.min_workers == 1
     with pytest.raises(config.ConfigError, match="fault: unknown key"):
         job(tmp_path, "fault.retries=2")
 
@@ -168,3 +182,67 @@ def test_a_lost_node_with_the_workers_and_the_server_is_recovered(spare_node_clu
         assert res.params[k].tobytes() == a.tobytes(), k
     (ev,) = events(tmp_path / "lost")
     assert ev["steps_redone"] == ev["step"] - ev["restored_from"]
+
+
+@pytest.fixture
+def tight_cluster():
+    """A head with no CPUs and two 1-CPU nodes: the two workers of a group need both."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def assert_close(got: dict, want: dict, rel: float) -> None:
+    for k, a in want.items():
+        err = float(np.linalg.norm(got[k].astype(np.float64) - a) / max(np.linalg.norm(a), 1e-30))
+        assert err <= rel, (k, err)
+
+
+@pytest.mark.cluster
+def test_a_lost_node_without_spare_room_shrinks_the_group_then_grows_back(tight_cluster, tmp_path):
+    import ray
+
+    cluster = tight_cluster
+    want = DistributedTrainer(job(tmp_path / "straight"), log=lambda line: None).fit().params
+    more = ("fault.min_workers=1", "fault.grow_check_s=0")
+    t = DistributedTrainer(job(tmp_path / "elastic", *more), log=lambda line: None)
+    lines: list[str] = []
+    removed, added = [], []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if not removed and "step 15/" in line:
+            node_id = ray.get(t.workers[0][1].describe.remote())["node"]
+            (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
+            cluster.remove_node(node)  # worker 1's node; no other node has a CPU free
+            removed.append(node_id)
+        elif removed and not added and "step 25/" in line:  # ten steps on one worker
+            added.append(cluster.add_node(num_cpus=1))  # the room comes back
+
+    t.log = log
+    res = t.fit()
+    assert removed and added, lines
+    assert_close(res.params, want, 1e-5)
+    recs = [
+        r
+        for r in map(json.loads, (tmp_path / "elastic" / "metrics.jsonl").read_text().splitlines())
+        if r["kind"] in ("failure", "resize")
+    ]
+    assert [r["kind"] for r in recs] == ["failure", "resize"], recs
+    lost, grown = recs
+    assert lost["role"] == "worker" and lost["workers"] == 1
+    assert lost["resized_from"] == {"groups": 1, "workers": 2}
+    assert lost["steps_redone"] == lost["step"] - lost["restored_from"]
+    assert grown["workers"] == 2 and grown["resized_from"] == {"groups": 1, "workers": 1}
+    assert grown["restored_from"] == grown["step"] >= 25  # nothing redone
+    assert any("room for 1 group(s) x 1 worker(s) of the configured 1 x 2" in x for x in lines)
+    assert lost["detection_s"] is not None and lost["detection_s"] >= 0
