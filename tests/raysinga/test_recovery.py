@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -14,8 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import start_ray
+from ray import cloudpickle
 
 from raysinga import config
+from raysinga.actors.server import ParamServer
 from raysinga.checkpoint import Checkpoint, steps
 from raysinga.distributed import DistributedTrainer, FailuresExceeded
 
@@ -104,6 +107,51 @@ def test_a_killed_role_is_recovered_from_the_last_checkpoint_bit_exact(straight,
     # roles killed outright leave no shared-memory file behind, nor do those of the last start
     for tag in (fired[0], t.tag):
         assert not list(Path("/dev/shm").glob(f"raysinga-{tag}-*")), tag
+
+
+# The actors' processes cannot import this test module: ship its classes by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class SlowCommitServer(ParamServer):
+    """Writes its shard of step 20, then holds the checkpoint uncommitted for a while."""
+
+    def _write_snapshot(self, live, tmp, shard, compression, copied):
+        out = super()._write_snapshot(live, tmp, shard, compression, copied)
+        if "step-20." in str(tmp):
+            time.sleep(3)
+        return out
+
+
+def test_a_server_lost_while_writing_a_checkpoint_leaves_nothing_used(straight, tmp_path):
+    """SIGKILL of the server between writing its shard and the commit: recovery goes back to
+    the checkpoint before, the half-written directory is removed, the run ends bit-exact."""
+    import ray
+
+    root = tmp_path / "checkpoints"
+    t = DistributedTrainer(job(tmp_path), classes={"server": SlowCommitServer}, log=print)
+    killed: list[str] = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            half = list(root.glob("step-20.tmp-*/shard-0.arrow"))
+            if half:
+                pid = ray.get(t.servers[0].pid.remote())
+                os.kill(pid, signal.SIGKILL)
+                killed.append(str(half[0].parent))
+                return
+            time.sleep(0.005)
+
+    threading.Thread(target=watch, daemon=True).start()
+    res = t.fit()
+    assert killed, "the write was never caught in flight"
+    assert not Path(killed[0]).exists()
+    (ev,) = events(tmp_path)
+    assert ev["role"] == "server" and ev["restored_from"] == 10 and ev["step"] >= 20
+    for k, a in straight.params.items():
+        assert res.params[k].tobytes() == a.tobytes(), k
+    assert steps(root)[0] == 40 and not list(root.glob("*.tmp-*"))
 
 
 def test_more_failures_than_allowed_stop_the_run_with_a_summary(ray_session, tmp_path):
@@ -246,3 +294,40 @@ def test_a_lost_node_without_spare_room_shrinks_the_group_then_grows_back(tight_
     assert grown["restored_from"] == grown["step"] >= 25  # nothing redone
     assert any("room for 1 group(s) x 1 worker(s) of the configured 1 x 2" in x for x in lines)
     assert lost["detection_s"] is not None and lost["detection_s"] >= 0
+
+
+@pytest.mark.cluster
+def test_a_lost_node_drops_a_downpour_group_then_it_comes_back(tight_cluster, tmp_path):
+    import ray
+
+    cluster = tight_cluster
+    more = (
+        "topology.preset=downpour",
+        "topology.n_groups=2",
+        "topology.workers_per_group=1",
+        "fault.min_groups=1",
+        "fault.grow_check_s=0",
+    )
+    t = DistributedTrainer(job(tmp_path, *more), log=lambda line: None)
+    lines: list[str] = []
+    removed, added = [], []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if not removed and "step 15/" in line:
+            node_id = ray.get(t.workers[1][0].describe.remote())["node"]
+            (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
+            cluster.remove_node(node)
+            removed.append(node_id)
+        elif removed and not added and "step 25/" in line:
+            added.append(cluster.add_node(num_cpus=1))
+
+    t.log = log
+    res = t.fit()
+    assert removed and added, lines
+    assert res.history[-1]["step"] == 40
+    assert all(np.isfinite(a).all() for a in res.params.values())
+    recs = [r for r in res.history if r["kind"] in ("failure", "resize")]
+    assert [(r["kind"], r["groups"]) for r in recs] == [("failure", 1), ("resize", 2)], recs
+    assert recs[0]["resized_from"] == {"groups": 2, "workers": 1}
+    assert any("1 group(s) x 1 worker(s) of the configured 2 x 1" in x for x in lines)
