@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,59 @@ def test_ray_job_submit_of_the_example_succeeds_and_logs_the_accuracy():
     finally:
         stop = ray_cli("stop", env=env, timeout=120)
     assert stop.returncode == 0, stop.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_a_submitted_job_survives_the_loss_of_a_node(tmp_path):
+    """A head without CPUs and two 2-CPU nodes; the job's roles fit on one. Once training is
+    under way, the node with the workers is removed: the job restarts them on the other node
+    from its last checkpoint and succeeds."""
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.job_submission import JobSubmissionClient
+    from ray.util.state import list_actors
+
+    ray.shutdown()
+    dash = free_port()
+    head = {"num_cpus": 0, "include_dashboard": True, "dashboard_port": dash}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    for _ in range(2):
+        cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        client = JobSubmissionClient(f"http://127.0.0.1:{dash}")
+        sets = (
+            "train_steps=600",
+            "disp_freq=50",
+            "checkpoint_frequency=100",
+            f"run_dir={tmp_path}",
+        )
+        job = client.submit_job(
+            entrypoint=" ".join(
+                [sys.executable, "examples/cluster_digits.py", *(f"--set {s}" for s in sets)]
+            ),
+            runtime_env={"working_dir": str(ROOT)},
+        )
+        deadline = time.monotonic() + 300
+        while "step 150/" not in client.get_job_logs(job):
+            assert time.monotonic() < deadline, client.get_job_logs(job)
+            assert client.get_job_status(job) in ("PENDING", "RUNNING"), client.get_job_logs(job)
+            time.sleep(0.2)
+        (node_id,) = {
+            a.node_id
+            for a in list_actors(filters=[("class_name", "=", "Worker"), ("state", "=", "ALIVE")])
+        }
+        (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
+        cluster.remove_node(node)
+        while (status := client.get_job_status(job)) not in ("SUCCEEDED", "FAILED", "STOPPED"):
+            assert time.monotonic() < deadline, client.get_job_logs(job)
+            time.sleep(0.5)
+        log = client.get_job_logs(job)
+        assert status == "SUCCEEDED", log
+        assert "recovering (failure 1 of at most 3)" in log, log
+        assert float(log.split("final test accuracy: ")[1].split()[0]) >= 0.9, log
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
