@@ -154,6 +154,40 @@ def test_a_server_lost_while_writing_a_checkpoint_leaves_nothing_used(straight, 
     assert steps(root)[0] == 40 and not list(root.glob("*.tmp-*"))
 
 
+def test_a_lost_registry_is_replaced_and_the_object_store_copies_go_on(straight, tmp_path):
+    """The object-store registry (a detached actor) SIGKILLed after the first checkpoint; later
+    checkpoints go to a new one, and a worker lost afterwards is restored from it, bit-exact."""
+    import ray
+    from ray._private import state
+
+    from raysinga.checkpoint import objstore
+
+    lines: list[str] = []
+    t = DistributedTrainer(job(tmp_path, "checkpoint.object_store=true"), log=print)
+    kill_worker, fired = kill_at(t, "worker", 30, lines)
+    registry: list[int] = []
+
+    def log(line: str) -> None:
+        if not registry and "step 20/" in line:  # step 10 is in the store by now
+            ray.get(objstore.registry(create=False).list.remote())  # up (it starts in the back)
+            (pid,) = [
+                a["Pid"]
+                for a in state.actors().values()
+                if a["Name"] == objstore.REGISTRY_NAME and a["State"] == "ALIVE"
+            ]
+            os.kill(pid, signal.SIGKILL)
+            registry.append(pid)
+        kill_worker(line)
+
+    t.log = log
+    res = t.fit()
+    assert registry and fired
+    for k, a in straight.params.items():
+        assert res.params[k].tobytes() == a.tobytes(), k
+    (ev,) = events(tmp_path)
+    assert ev["restored_from"] in (20, 30) and ev["source"].startswith("object store"), ev
+
+
 def test_more_failures_than_allowed_stop_the_run_with_a_summary(ray_session, tmp_path):
     lines: list[str] = []
     t = DistributedTrainer(job(tmp_path, "fault.max_failures=0"), log=print)
