@@ -135,6 +135,7 @@ class DistributedTrainer:
     def start(self) -> None:
         cluster.connect(self.address)
         self._place()  # first: the number of groups that fit decides the data cursor
+        self.steps0 = [0] * self.topo.n_groups  # a resume sets its own
         self._open_checkpoints()
         self._launch()
 

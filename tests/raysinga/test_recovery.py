@@ -18,6 +18,7 @@ from conftest import start_ray
 from ray import cloudpickle
 
 from raysinga import config
+from raysinga.actors.cluster import ResourceError
 from raysinga.actors.server import ParamServer
 from raysinga.checkpoint import Checkpoint, steps
 from raysinga.distributed import DistributedTrainer, FailuresExceeded
@@ -221,6 +222,35 @@ def test_fault_settings_are_checked(tmp_path):
     assert job(tmp_path, "fault.min_workers=1").fault.min_workers == 1
     with pytest.raises(config.ConfigError, match="fault: unknown key"):
         job(tmp_path, "fault.retries=2")
+
+
+FEWER_WORKERS = ("topology.workers_per_group=2", "fault.min_workers=1")
+FEWER_GROUPS = (
+    "topology.preset=downpour",
+    "topology.n_groups=2",
+    "topology.workers_per_group=1",
+    "fault.min_groups=1",
+)
+
+
+@pytest.mark.parametrize(
+    "shape, fits",
+    [
+        (FEWER_WORKERS, "room for 1 group(s) x 1 worker(s) of the configured 1 x 2"),
+        (FEWER_GROUPS, "room for 1 group(s) x 1 worker(s) of the configured 2 x 1"),
+    ],
+    ids=["fewer-workers", "fewer-groups"],
+)
+def test_an_elastic_run_starts_in_what_fits(ray_session, tmp_path, shape, fits):
+    """Workers of 5 CPUs on the session's 8-CPU Ray: one fits, and the run goes with one."""
+    lines: list[str] = []
+    cfg = job(tmp_path, *shape, "topology.worker.cpus=5", "fault.grow_check_s=3600")
+    res = DistributedTrainer(cfg, log=lines.append).fit()
+    assert [r["step"] for r in res.history if r["kind"] == "eval"] == [40]
+    assert any(fits in x for x in lines), lines
+    rigid = job(tmp_path / "rigid", *shape[:-1], "topology.worker.cpus=5")  # no minimum
+    with pytest.raises(ResourceError, match="does not fit the cluster"):
+        DistributedTrainer(rigid, log=lambda line: None).fit()
 
 
 @pytest.fixture
