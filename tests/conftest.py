@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import subprocess
+from typing import Any
 
 import pytest
 
@@ -64,17 +66,27 @@ def small_fs(tmp_path):
             subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
-@pytest.fixture(scope="module")
-def two_node_cluster():
-    """A head with no CPUs and two 2-CPU nodes, on this machine (``ray.cluster_utils``)."""
+@contextlib.contextmanager
+def local_cluster(*node_cpus: int, **head: Any):
+    """A Ray cluster on this machine (``ray.cluster_utils``): a head with no CPUs (plus
+    ``head`` options) and one node per entry of ``node_cpus``; the session's Ray joins it."""
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
     ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
-    ray.init(address=cluster.address, log_to_driver=False)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **head})
+    nodes = [cluster.add_node(num_cpus=n) for n in node_cpus]
     cluster.wait_for_nodes()
-    yield cluster, nodes
-    ray.shutdown()
-    cluster.shutdown()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    """A head with no CPUs and two 2-CPU nodes."""
+    with local_cluster(2, 2) as c:
+        yield c

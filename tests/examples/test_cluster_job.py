@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import local_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -85,20 +86,11 @@ def test_a_submitted_job_survives_the_loss_of_a_node(tmp_path):
     """A head without CPUs and two 2-CPU nodes; the job's roles fit on one. Once training is
     under way, the node with the workers is removed: the job restarts them on the other node
     from its last checkpoint and succeeds."""
-    import ray
-    from ray.cluster_utils import Cluster
     from ray.job_submission import JobSubmissionClient
     from ray.util.state import list_actors
 
-    ray.shutdown()
     dash = free_port()
-    head = {"num_cpus": 0, "include_dashboard": True, "dashboard_port": dash}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
-    for _ in range(2):
-        cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    try:
+    with local_cluster(2, 2, include_dashboard=True, dashboard_port=dash) as (cluster, _):
         client = JobSubmissionClient(f"http://127.0.0.1:{dash}")
         sets = (
             "train_steps=600",
@@ -130,6 +122,3 @@ def test_a_submitted_job_survives_the_loss_of_a_node(tmp_path):
         assert status == "SUCCEEDED", log
         assert "recovering (failure 1 of at most 3)" in log, log
         assert float(log.split("final test accuracy: ")[1].split()[0]) >= 0.9, log
-    finally:
-        ray.shutdown()
-        cluster.shutdown()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import start_ray
+from conftest import local_cluster, start_ray
 from ray import cloudpickle
 
 from raysinga import config
@@ -256,18 +256,8 @@ def test_an_elastic_run_starts_in_what_fits(ray_session, tmp_path, shape, fits):
 @pytest.fixture
 def spare_node_cluster():
     """A head with no CPUs and two 2-CPU nodes: a run fits on one, the other is the spare."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(2):
-        cluster.add_node(num_cpus=2)
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    with local_cluster(2, 2) as (cluster, _):
+        yield cluster
 
 
 @pytest.mark.cluster
@@ -299,18 +289,8 @@ def test_a_lost_node_with_the_workers_and_the_server_is_recovered(spare_node_clu
 @pytest.fixture
 def tight_cluster():
     """A head with no CPUs and two 1-CPU nodes: the two workers of a group need both."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    with local_cluster(1, 1) as (cluster, _):
+        yield cluster
 
 
 def assert_close(got: dict, want: dict, rel: float) -> None:
