@@ -31,7 +31,11 @@ KERNELS = {
     "pool.cu": ("maxpool_fwd", "maxpool_bwd", "avgpool_fwd", "avgpool_bwd"),
     "dropout.cu": ("dropout_mask",),
     "batchnorm.cu": ("bn_stats", "bn_apply", "bn_bwd_reduce", "bn_bwd_dx"),
+    "optim.cu": ("sgd_update", "adam_update", "weighted_sum"),
 }
+# NVRTC options per file beyond the default; a plain literal too. Without fused multiply-adds,
+# the optimizer updates and the gradient sum round exactly as NumPy does: bit-identical results.
+NVRTC_OPTIONS = {"optim.cu": ("--fmad=false",)}
 _SUFFIX = {"float32": "f32", "float64": "f64"}
 
 
@@ -39,7 +43,7 @@ _SUFFIX = {"float32": "f32", "float64": "f64"}
 def _compile(filename: str) -> dict:
     """All entry points of one .cu file, compiled once per device by NVRTC."""
     src = resources.files("raysinga.kernels").joinpath(filename).read_text()
-    module = cupy.RawModule(code=src, options=("-std=c++14",))
+    module = cupy.RawModule(code=src, options=("-std=c++14", *NVRTC_OPTIONS.get(filename, ())))
     return {
         f"{name}_{suf}": module.get_function(f"{name}_{suf}")
         for name in KERNELS[filename]
@@ -418,3 +422,89 @@ def batchnorm_backward(
     grad = _kernel("batchnorm.cu", "bn_bwd_dx", x.dtype)
     _launch(grad, x.size, dy, x, mean, inv_std, k, dgamma, dbeta, dx, x.size, c, s, x.dtype.type(m))
     return dx, dgamma, dbeta
+
+
+# ---------------------------------------------------------------- optimizers and the stub's sum
+# Not twins of cpu.py ops: their references are raysinga.optim's NumPy updates and the stub's
+# NumPy sum, which these match bit for bit (see optim.cu).
+
+
+def _check_flat(name: str, a, **others) -> None:
+    """Arrays updated in place by one launch: C-contiguous, same size and dtype as ``a``."""
+    check_float(name, a)
+    for n, x in {name: a, **others}.items():
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{n} must be C-contiguous to be updated in place")
+        if x.size != a.size or x.dtype != a.dtype:
+            raise ValueError(
+                f"{n} ({x.size} x {x.dtype}) does not match {name} ({a.size} x {a.dtype})"
+            )
+
+
+def sgd_update(param, grad, buf, lr: float, momentum: float, weight_decay: float, nesterov: bool):
+    """One SGD step on ``param`` (and its momentum ``buf``, or None) in place, in one launch."""
+    grad = _c(grad, param.dtype)
+    _check_flat("param", param, grad=grad, **({} if buf is None else {"buf": buf}))
+    t = param.dtype.type
+    k = _kernel("optim.cu", "sgd_update", param.dtype)
+    args = (param, grad, 0 if buf is None else buf, param.size, t(lr), t(momentum))
+    _launch(k, param.size, *args, t(weight_decay), int(buf is not None), int(nesterov))
+
+
+def adam_update(
+    param,
+    grad,
+    m,
+    v,
+    lr: float,
+    t: int,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+) -> None:
+    """One Adam (``decoupled``: AdamW) step ``t`` on ``param``, ``m`` and ``v`` in place, in one
+    launch. Scalars are computed in double and rounded to the dtype, as NumPy does."""
+    grad = _c(grad, param.dtype)
+    _check_flat("param", param, grad=grad, m=m, v=v)
+    beta1, beta2 = betas
+    T = param.dtype.type  # noqa: N806 - the kernel's T
+    w = 1 - beta1
+    decay = 1 - lr * weight_decay
+    k = _kernel("optim.cu", "adam_update", param.dtype)
+    _launch(
+        k,
+        param.size,
+        param,
+        grad,
+        m,
+        v,
+        param.size,
+        T(decay),
+        int(bool(weight_decay) and decoupled),
+        T(weight_decay),
+        T(w),
+        T(1.0 - w),
+        int(abs(w) >= 0.5),
+        T(beta2),
+        T(1 - beta2),
+        T(-(lr / (1 - beta1**t))),
+        T((1 - beta2**t) ** 0.5),
+        T(eps),
+    )
+
+
+def weighted_sum(out, buffers: list, weights=None):
+    """``out`` = the sum, in list order, of ``weights[j] * buffers[j]`` (None: plain sum, as the
+    stub's NumPy sum), in one pass over the buffers."""
+    if not buffers:
+        raise ValueError("weighted_sum needs at least one buffer")
+    _check_flat("out", out, **{f"buffers[{j}]": b for j, b in enumerate(buffers)})
+    if weights is not None:
+        weights = _c(weights, out.dtype)
+        if weights.shape != (len(buffers),):
+            raise ValueError(f"weights must have shape ({len(buffers)},), got {weights.shape}")
+    ptrs = cupy.asarray(np.array([b.data.ptr for b in buffers], dtype=np.uint64))
+    k = _kernel("optim.cu", "weighted_sum", out.dtype)
+    _launch(k, out.size, out, ptrs, 0 if weights is None else weights, len(buffers), out.size)
+    return out

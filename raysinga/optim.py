@@ -98,6 +98,11 @@ class Optimizer:
     def _apply(self, xp: Any, param: Any, grad: Any, s: dict[str, Any], lr: float, t: int) -> None:
         raise NotImplementedError
 
+    def _fused(self, param: Any, grad: Any, s: dict[str, Any], lr: float, t: int) -> bool:
+        """Apply the update to a contiguous CuPy ``param`` in one fused kernel; False where this
+        optimizer has none (then ``_apply`` runs, as CuPy array operations)."""
+        return False
+
     def lr(self, step: int) -> float:
         return self.schedule(step)
 
@@ -120,7 +125,9 @@ class Optimizer:
         t = self.counts.get(name, 0) + 1
         slots, lr = self._slots.get(name, {}), self.schedule(step)
         pieces = _chunks(param.size, pool) if xp is np and param.flags.c_contiguous else []
-        if len(pieces) > 1:
+        if xp is not np and param.flags.c_contiguous and self._fused(param, grad, slots, lr, t):
+            pass  # one fused kernel on the GPU, bit-identical to _apply
+        elif len(pieces) > 1:
             p, g = param.reshape(-1), np.ascontiguousarray(grad).reshape(-1)
             flat = {k: v.reshape(-1) for k, v in slots.items()}
 
@@ -243,6 +250,14 @@ class SGD(Optimizer):
             g = g + h["momentum"] * buf if h["nesterov"] else buf
         param -= lr * g
 
+    def _fused(self, param, grad, s, lr, t) -> bool:
+        from raysinga.kernels import gpu  # noqa: PLC0415 - CuPy, only for CuPy parameters
+
+        h = self.hparams
+        buf = s["momentum"] if h["momentum"] else None
+        gpu.sgd_update(param, grad, buf, lr, h["momentum"], h["weight_decay"], h["nesterov"])
+        return True
+
 
 class AdaGrad(Optimizer):
     name = "adagrad"
@@ -349,6 +364,24 @@ class Adam(Optimizer):
         denom /= (1 - beta2**t) ** 0.5
         denom += h["eps"]
         param += -step_size * m / denom
+
+    def _fused(self, param, grad, s, lr, t) -> bool:
+        from raysinga.kernels import gpu  # noqa: PLC0415 - CuPy, only for CuPy parameters
+
+        h = self.hparams
+        gpu.adam_update(
+            param,
+            grad,
+            s["m"],
+            s["v"],
+            lr,
+            t,
+            h["betas"],
+            h["eps"],
+            h["weight_decay"],
+            self.decoupled,
+        )
+        return True
 
 
 class AdamW(Adam):

@@ -19,18 +19,20 @@ CU_FILES = sorted(p.name for p in PACKAGE.iterdir() if p.name.endswith(".cu"))
 SUFFIXES = ("f32", "f64")
 
 
-def _kernel_table() -> dict[str, tuple[str, ...]]:
-    """The ``KERNELS`` literal of gpu.py: kernel file -> entry points (without the dtype suffix)."""
+def _literal(name: str):
+    """A literal assigned at the top of gpu.py (``KERNELS``: kernel file -> entry points without
+    the dtype suffix; ``NVRTC_OPTIONS``: kernel file -> extra compiler options)."""
     tree = ast.parse(PACKAGE.joinpath("gpu.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "KERNELS" for t in node.targets
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
         ):
             return ast.literal_eval(node.value)
-    raise AssertionError("gpu.py defines no KERNELS table")
+    raise AssertionError(f"gpu.py defines no {name} table")
 
 
-KERNELS = _kernel_table()
+KERNELS = _literal("KERNELS")
+OPTIONS = _literal("NVRTC_OPTIONS")
 
 
 def test_every_cu_file_is_used_and_shipped():
@@ -60,9 +62,12 @@ def test_compiles_with_nvcc(filename, tmp_path):
     ptx = tmp_path / "out.ptx"
     with resources.as_file(PACKAGE.joinpath(filename)) as src:
         cmd = ["nvcc", "--ptx", "-arch=sm_80", "-std=c++14", "-Werror", "all-warnings"]
+        cmd += OPTIONS.get(filename, ())
         run = subprocess.run([*cmd, str(src), "-o", str(ptx)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "warning" not in run.stderr.lower(), run.stderr
     entries = set(re.findall(r"\.entry\s+(\w+)\(", ptx.read_text()))
     wanted = {f"{name}_{suf}" for name in KERNELS.get(filename, ()) for suf in SUFFIXES}
     assert wanted <= entries, f"missing from the PTX: {sorted(wanted - entries)}"
+    if "--fmad=false" in OPTIONS.get(filename, ()):  # rounding as NumPy's: no fused multiply-add
+        assert not re.search(r"\bfma\.", ptx.read_text()), "the PTX has fused multiply-adds"
