@@ -13,11 +13,13 @@ from typing import Any
 import numpy as np
 
 from raysinga.data import BatchPlan, has_split, load_dataset
+from raysinga.kernels import to_numpy
 from raysinga.layers import StepContext
 from raysinga.model import ModelSpec, Net
 from raysinga.trainer import evaluate
 
 from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
+from .device import WorkerDevice
 from .doorbell import Doorbell
 from .errors import reports_role
 from .server import node_id
@@ -87,6 +89,7 @@ class Worker:
         n_servers: int,
         n_groups: int,
         tag: str,
+        device: str = "cpu",
     ) -> None:
         self.index, self.group, self.seed = index, group, seed
         self.n_groups, self.group_batch = n_groups, group_batch
@@ -104,6 +107,12 @@ class Worker:
             Layout.of({p: (s, dtype) for p, s in shapes.items()}),
             self.node,
         )
+        self.gpu: WorkerDevice | None = None  # device: "gpu" (a worker given GPUs)
+        if device == "gpu":
+            self.gpu = WorkerDevice(shapes, dtype, self.grads)
+            self.state = {k: self.gpu.asarray(v) for k, v in self.state.items()}
+        elif device != "cpu":
+            raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
 
     @reports_role
     def describe(self) -> dict[str, Any]:
@@ -116,7 +125,7 @@ class Worker:
     @reports_role
     def get_state(self) -> dict[str, np.ndarray]:
         """Copies of this worker's non-trainable state (batch-norm running statistics)."""
-        return {k: np.array(v, copy=True) for k, v in self.state.items()}
+        return {k: np.array(to_numpy(v), copy=True) for k, v in self.state.items()}
 
     @reports_role
     def restore(self, state: dict[str, np.ndarray], batch_offset: int) -> None:
@@ -124,7 +133,7 @@ class Worker:
         for k, v in state.items():
             if k not in self.state or self.state[k].shape != v.shape:
                 raise ValueError(f"worker state {k!r} does not fit this model")
-            self.state[k][...] = v
+            self.state[k][...] = v if self.gpu is None else self.gpu.asarray(v)
         self.batch_offset = batch_offset
 
     @reports_role
@@ -167,16 +176,22 @@ class Worker:
         start = time.time()
         t0 = time.perf_counter()
         params = self.reader.read(sources)
+        if self.gpu is not None:
+            params = self.gpu.upload(params)
         t1 = time.perf_counter()
         b = self.batch_index(step)
         lo, _ = self.plan.slice_bounds(part, parts)
         x, y = self.train.get(self.plan.indices(b, part, parts))
+        x = x.astype(self.net.dtype, copy=False)
+        if self.gpu is not None:
+            x, y = self.gpu.asarray(x), self.gpu.asarray(y)
         ctx = StepContext(train=True, seed=self.seed, step=b, sample_offset=lo)
-        loss, grads, _ = self.net.loss_and_grads(
-            params, self.state, x.astype(self.net.dtype, copy=False), y, ctx, self.group_batch
-        )
-        for k, g in grads.items():
-            self.grads.arrays[k][...] = g
+        loss, grads, _ = self.net.loss_and_grads(params, self.state, x, y, ctx, self.group_batch)
+        if self.gpu is not None:
+            self.gpu.download_grads(grads)
+        else:
+            for k, g in grads.items():
+                self.grads.arrays[k][...] = g
         t2 = time.perf_counter()
         return {
             "loss": loss,
@@ -191,7 +206,12 @@ class Worker:
         if self.test is None:
             return {}
         params = self.reader.read(sources)
-        return evaluate(self.net, params, self.state, self.test, batch_size, np, self.net.dtype)
+        if self.gpu is not None:
+            params = self.gpu.upload(params)
+            xp = self.gpu.cp
+        else:
+            xp = np
+        return evaluate(self.net, params, self.state, self.test, batch_size, xp, self.net.dtype)
 
     @reports_role
     def pid(self) -> int:
@@ -200,4 +220,6 @@ class Worker:
         return os.getpid()
 
     def shutdown(self) -> None:
+        if self.gpu is not None:
+            self.gpu.close()
         self.grads.close()

@@ -315,6 +315,12 @@ def from_dict(d: Any) -> JobConfig:
             f"topology.workers_per_group ({topology.workers_per_group}): every "
             "worker needs at least one sample"
         )
+    device = _choice("device", d.get("device", "auto"), ("auto", "cpu", "gpu"))
+    if device == "gpu" and topology is not None and not topology.worker.gpus:
+        raise ConfigError(
+            "device: gpu in a distributed run needs GPUs for the workers "
+            "(topology.worker.gpus, e.g. 1 or 0.5)"
+        )
     fault = _fault(d.get("fault"))
     _check_elastic(fault, topology)
     return JobConfig(
@@ -325,7 +331,7 @@ def from_dict(d: Any) -> JobConfig:
         name=name,
         seed=_int("seed", d.get("seed", 0), 0),
         dtype=_choice("dtype", d.get("dtype", "float32"), ("float32", "float64")),
-        device=_choice("device", d.get("device", "auto"), ("auto", "cpu", "gpu")),
+        device=device,
         test_freq=_int("test_freq", d.get("test_freq", 0), 0),
         disp_freq=_int("disp_freq", d.get("disp_freq", 100), 1),
         run_dir=d.get("run_dir"),

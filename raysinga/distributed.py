@@ -100,6 +100,8 @@ class DistributedTrainer:
                 f"topology.workers_per_group {self.topo.workers_per_group}"
             )
         self.shapes = self.net.param_shapes()
+        # Workers given GPUs compute on them (device: cpu keeps them on the CPU all the same).
+        self.worker_device = "gpu" if self.topo.worker.gpus and cfg.device != "cpu" else "cpu"
         self.updater = {k: v for k, v in cfg.updater.items() if k != "clip_norm"}
         self.schedule = make_optimizer(self.updater).schedule  # for the lr in progress lines
         self.slices = plan_slices(
@@ -230,6 +232,7 @@ class DistributedTrainer:
                     topo.n_servers,
                     topo.n_groups,
                     tag,
+                    self.worker_device,
                 )
                 for i in range(topo.workers_per_group)
             ]
