@@ -58,3 +58,76 @@ class WorkerDevice:
         if self._locked:
             self.cp.cuda.runtime.hostUnregister(self._locked)
             self._locked = 0
+
+
+class ServerDevice:
+    """A server that runs its optimizer on a GPU: its slices and their optimizer slots live on
+    the device, the summed gradient goes up through a reused pinned staging buffer, and the new
+    values come down into the shared buffer the workers read (its pages locked, a direct DMA).
+
+    A checkpoint's snapshot of the slots is copied to pinned host buffers on a stream of its own,
+    ordered after the last update; the next update waits for that copy on the device, not on the
+    host, and the checkpoint writer waits for it before it reads the copies."""
+
+    def __init__(self, layout: Layout, buf: SharedBuffer) -> None:
+        self.cp = cp = cupy_module()
+        import cupyx  # noqa: PLC0415 - with CuPy
+
+        self._cupyx = cupyx
+        self.values = {k: cp.asarray(a) for k, a in buf.arrays.items()}
+        self._stage = cupyx.empty_pinned((max(layout.nbytes, 1),), np.uint8)
+        self.staged = layout.views(self._stage)
+        self.grads = {k: cp.empty_like(v) for k, v in self.values.items()}
+        self.buf = buf
+        self._locked = 0
+        if layout.nbytes:
+            cp.cuda.runtime.hostRegister(buf.flat.ctypes.data, layout.nbytes, 0)
+            self._locked = buf.flat.ctypes.data
+        self._copier = cp.cuda.Stream(non_blocking=True)
+        self._slot_copies: dict[str, np.ndarray] = {}  # pinned, reused from one snapshot on
+        self._copied: Any = None  # the event the last snapshot's copy records
+
+    def reload(self) -> None:
+        """The device values from the shared buffer (after a checkpoint was loaded into it)."""
+        for k, v in self.values.items():
+            v.set(self.buf.arrays[k])
+
+    def upload_grads(self, grads: dict[str, np.ndarray]) -> dict[str, Any]:
+        stream = self.cp.cuda.get_current_stream()
+        if self._copied is not None:  # a snapshot's copy of the slots comes before the update
+            stream.wait_event(self._copied)
+            self._copied = None
+        for k, host in grads.items():
+            np.copyto(self.staged[k], host)
+            self.grads[k].set(self.staged[k], stream=stream)
+        return self.grads
+
+    def publish(self) -> None:
+        """The updated values into the shared buffer; returns once they are there."""
+        stream = self.cp.cuda.get_current_stream()
+        for k, v in self.values.items():
+            v.get(stream=stream, out=self.buf.arrays[k], blocking=False)
+        stream.synchronize()
+
+    def snapshot_slots(self, slots: dict[str, Any]) -> tuple[dict[str, np.ndarray], Any]:
+        """Start copying optimizer slots (device arrays by key) to pinned host memory; returns
+        the host arrays and an event that is complete once they hold the values."""
+        after_update = self.cp.cuda.get_current_stream().record()
+        self._copier.wait_event(after_update)
+        out = {}
+        for key, a in slots.items():
+            host = self._slot_copies.get(key)
+            if host is None or host.shape != a.shape or host.dtype != a.dtype:
+                host = self._slot_copies[key] = self._cupyx.empty_pinned(a.shape, a.dtype)
+            if isinstance(a, np.ndarray):  # loaded, not yet moved to the device by an update
+                np.copyto(host, a)
+            else:
+                a.get(stream=self._copier, out=host, blocking=False)
+            out[key] = host
+        self._copied = self._copier.record()
+        return out, self._copied
+
+    def close(self) -> None:
+        if self._locked:
+            self.cp.cuda.runtime.hostUnregister(self._locked)
+            self._locked = 0

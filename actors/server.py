@@ -21,6 +21,7 @@ from raysinga.model import ModelSpec, Net
 from raysinga.optim import make_optimizer
 
 from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
+from .device import ServerDevice
 from .doorbell import Doorbell
 from .errors import reports_role
 from .slicing import Slice
@@ -44,6 +45,7 @@ class ParamServer:
         slices: list[Slice],
         updater: dict[str, Any],
         tag: str,
+        device: str = "cpu",
     ) -> None:
         self.index = index
         self.slices = [s for s in slices if s.server == index]
@@ -70,6 +72,11 @@ class ParamServer:
         self.remote_readers = False
         self._published: Any = None
         self._attached = Attachments()
+        self.gpu: ServerDevice | None = None  # device "gpu": the optimizer runs on a GPU
+        if device == "gpu":
+            self.gpu = ServerDevice(self.layout, self.buf)
+        elif device != "cpu":
+            raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
 
     @reports_role
     def describe(self) -> dict[str, Any]:
@@ -130,8 +137,14 @@ class ParamServer:
             g = {s.name: full[s.param].reshape(-1)[s.start : s.stop] for s in self.slices}
         else:
             g = self.layout.views(grads)
-        for s in self.slices:
-            self.optimizer.update(step, s.name, self.buf.arrays[s.name], g[s.name], self.pool)
+        if self.gpu is not None:
+            g = self.gpu.upload_grads({s.name: g[s.name] for s in self.slices})
+            for s in self.slices:
+                self.optimizer.update(step, s.name, self.gpu.values[s.name], g[s.name])
+            self.gpu.publish()
+        else:
+            for s in self.slices:
+                self.optimizer.update(step, s.name, self.buf.arrays[s.name], g[s.name], self.pool)
         self.versions += 1
         ref = self._publish()
         return int(self.versions.min()), ref, time.perf_counter() - t0
@@ -171,10 +184,16 @@ class ParamServer:
         self._join_writer()  # the driver waits for the previous one; never run two at once
         t0 = time.perf_counter()
         st = self.optimizer.state_dict()
+        on_device = None
+        if self.gpu is not None:  # slots copied down on a stream of their own
+            st = {**st}
+            st["slots"], on_device = self.gpu.snapshot_slots(st["slots"])
         live = self._tensors(st)
         self._copied = copied = threading.Event()
         self._copy_wait = 0.0
-        self._writer = self._io.submit(self._write_snapshot, live, tmp, shard, compression, copied)
+        self._writer = self._io.submit(
+            self._write_snapshot, live, tmp, shard, compression, copied, on_device
+        )
         counts = {s.param: int(st["counts"].get(s.name, 0)) for s in self.slices}
         return {
             "optimizer": {
@@ -187,11 +206,19 @@ class ParamServer:
         }
 
     def _write_snapshot(
-        self, live: list, tmp: Any, shard: int, compression: str | None, copied: threading.Event
+        self,
+        live: list,
+        tmp: Any,
+        shard: int,
+        compression: str | None,
+        copied: threading.Event,
+        on_device: Any = None,
     ) -> dict[str, Any]:
         from raysinga.checkpoint import writer  # noqa: PLC0415
 
         try:
+            if on_device is not None:  # the slots' device-to-host copy (a CUDA event)
+                on_device.synchronize()
             image = self._image_for(live) if compression is None else None
             tensors = image.place(live, self.pool) if image is not None else self._copies(live)
         finally:
@@ -330,6 +357,8 @@ class ParamServer:
                 }
             )
             self.versions[:] = max(counts.values(), default=0)
+        if self.gpu is not None:
+            self.gpu.reload()
         self._publish()
         return loaded
 
@@ -342,4 +371,6 @@ class ParamServer:
         self._io.shutdown(wait=True)
         self.pool.shutdown(wait=False)
         self._attached.close()
+        if self.gpu is not None:
+            self.gpu.close()
         self.buf.close()

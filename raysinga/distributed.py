@@ -100,8 +100,10 @@ class DistributedTrainer:
                 f"topology.workers_per_group {self.topo.workers_per_group}"
             )
         self.shapes = self.net.param_shapes()
-        # Workers given GPUs compute on them (device: cpu keeps them on the CPU all the same).
+        # Workers given GPUs compute on them, servers given GPUs run their optimizer there
+        # (device: cpu keeps both on the CPU all the same).
         self.worker_device = "gpu" if self.topo.worker.gpus and cfg.device != "cpu" else "cpu"
+        self.server_device = "gpu" if self.topo.server.gpus and cfg.device != "cpu" else "cpu"
         self.updater = {k: v for k, v in cfg.updater.items() if k != "clip_norm"}
         self.schedule = make_optimizer(self.updater).schedule  # for the lr in progress lines
         self.slices = plan_slices(
@@ -208,6 +210,7 @@ class DistributedTrainer:
                 self.slices,
                 updater,
                 tag,
+                self.server_device,
             )
             for k in range(topo.n_servers)
         ]

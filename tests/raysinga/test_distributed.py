@@ -122,6 +122,23 @@ def test_gpu_workers_match_the_reference_and_repeat_bit_identically(
         assert a.tobytes() == runs[1][k].tobytes(), k
 
 
+@pytest.mark.gpu
+def test_a_gpu_server_matches_the_reference_and_resumes_bit_exact(ray_session, reference, tmp_path):
+    """The server's optimizer on the GPU (fused kernels); a checkpoint copies its slots down
+    asynchronously, and a run resumed from it ends with the same bits as an unbroken one."""
+    topo = "{workers_per_group: 2, worker: {cpus: 1, gpus: 0.25}, server: {cpus: 0, gpus: 0.25}}"
+    trainer = DistributedTrainer(job(tmp_path / "a", topo), **QUIET)
+    assert (trainer.worker_device, trainer.server_device) == ("gpu", "gpu")
+    straight = trainer.fit().params
+    assert relative_error(straight, reference) <= 1e-5
+    first = job(tmp_path / "b", topo, "train_steps=20", "checkpoint_frequency=10")
+    DistributedTrainer(first, **QUIET).fit()
+    rest = job(tmp_path / "b", topo, "checkpoint_frequency=10")
+    resumed = DistributedTrainer(rest, resume=True, **QUIET).fit().params
+    for k, a in straight.items():
+        assert resumed[k].tobytes() == a.tobytes(), k
+
+
 def test_device_gpu_needs_gpus_for_the_workers(tmp_path):
     with pytest.raises(config.ConfigError, match="device: gpu in a distributed run needs GPUs"):
         job(tmp_path, "{workers_per_group: 2}", "device=gpu")
