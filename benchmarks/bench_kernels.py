@@ -1,0 +1,134 @@
+"""Memory-bound GPU kernels against a device-to-device copy, and a checkpoint's device-to-host
+snapshot against a plain pinned copy, each measured in the same run on the same GPU.
+
+    pip install -e '.[bench,gpu]'
+    python benchmarks/bench_kernels.py [--mib 256] [--repeats 20]
+
+Each kernel's bandwidth is the bytes it must read and write (its inputs and outputs, once) over
+its time, from CUDA events around ``--repeats`` launches after a warm-up; the reference is
+``cupy.copyto`` of an array of the same size (read once, written once). Ratios > 1 would mean a
+kernel moves its bytes faster than a copy. Goal: every ratio at least 0.8.
+
+The snapshot is :class:`raysinga.actors.device.ServerDevice`'s copy of optimizer slots to pinned
+host memory on its own stream; the reference is one ``ndarray.get`` of the same bytes into
+pinned memory. Goal: at least 0.8x. Prints "not measured" where no GPU is usable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import numpy as np
+
+from raysinga import kernels as K
+
+
+def timed(cp, fn, repeats: int) -> float:
+    """Median seconds of one call, timed with CUDA events."""
+    fn()
+    cp.cuda.get_current_stream().synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+    return statistics.median(times)
+
+
+def kernel_cases(cp, gpu, n: int, dtype) -> list[tuple[str, object, int]]:
+    """(name, call, bytes read and written) per memory-bound kernel, on ``n`` elements."""
+    rng = cp.random.default_rng(0)
+    item = np.dtype(dtype).itemsize
+    a, b = rng.standard_normal(n, dtype=dtype), rng.standard_normal(n, dtype=dtype)
+    rows = n // 1024
+    z, bias = a[: rows * 1024].reshape(rows, 1024), rng.standard_normal(1024, dtype=dtype)
+    p, g, m, v = (rng.standard_normal(n, dtype=dtype) for _ in range(4))
+    v = cp.abs(v)
+    bufs = [rng.standard_normal(n, dtype=dtype) for _ in range(4)]
+    out = cp.empty(n, dtype)
+    side = int((n // 64) ** 0.5) // 2 * 2
+    x4 = a[: 64 * side * side].reshape(4, 16, side, side)
+    pooled = 64 * (side // 2) ** 2
+    return [
+        ("relu forward", lambda: gpu.activation_forward(a, "relu"), 2 * n * item),
+        ("relu backward", lambda: gpu.activation_backward(a, b, "relu"), 3 * n * item),
+        ("bias + relu", lambda: gpu.bias_act_forward(z, bias, "relu"), 2 * z.size * item),
+        ("dropout mask", lambda: gpu.dropout_mask(a, 0.5, 7, 0), n * item),
+        ("max pool 2x2", lambda: gpu.maxpool_forward(x4, 2, 2, 0), x4.size * item + pooled * 8),
+        ("avg pool 2x2", lambda: gpu.avgpool_forward(x4, 2, 2, 0), x4.size * item + pooled * 4),
+        (
+            "sgd momentum",
+            lambda: gpu.sgd_update(p, g, m, 1e-3, 0.9, 0.0, False),
+            5 * n * item,
+        ),
+        (
+            "adam",
+            lambda: gpu.adam_update(p, g, m, v, 1e-3, 10, (0.9, 0.999), 1e-8, 0.0, False),
+            7 * n * item,
+        ),
+        ("sum of 4 grads", lambda: gpu.weighted_sum(out, bufs), 5 * n * item),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=256, help="size of one array (default 256)")
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+    if not K.gpu_available():
+        print(f"not measured: no usable GPU ({K.gpu_unavailable_reason()})")
+        return
+    cp = K.cupy_module()
+    import cupyx
+
+    from raysinga.actors.buffers import Layout, SharedBuffer
+    from raysinga.actors.device import ServerDevice
+    from raysinga.kernels import gpu
+
+    dtype = np.float32
+    n = (args.mib << 20) // np.dtype(dtype).itemsize
+    src, dst = cp.ones(n, dtype), cp.empty(n, dtype)
+    copy_s = timed(cp, lambda: cp.copyto(dst, src), args.repeats)
+    copy_bw = 2 * src.nbytes / copy_s
+    print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, float32, {args.mib} MiB")
+    print(f"  device-to-device copy: {copy_bw / 1e9:8.1f} GB/s")
+    worst = float("inf")
+    for name, fn, nbytes in kernel_cases(cp, gpu, n, dtype):
+        bw = nbytes / timed(cp, fn, args.repeats)
+        worst = min(worst, bw / copy_bw)
+        print(f"  {name:16} {bw / 1e9:8.1f} GB/s  {bw / copy_bw:5.2f}x the copy")
+    print(f"goal: every kernel >= 0.80x the copy -> {'met' if worst >= 0.8 else 'NOT met'}")
+
+    slots = {f"s{i}/m": cp.full(n // 4, i, dtype) for i in range(4)}
+    layout = Layout.of({"w": ((1,), "float32")})
+    buf = SharedBuffer("bench-kernels", layout)
+    dev = ServerDevice(layout, buf)
+    try:
+
+        def snapshot():
+            _, done = dev.snapshot_slots(slots)
+            done.synchronize()
+
+        pinned = {k: cupyx.empty_pinned(a.shape, a.dtype) for k, a in slots.items()}
+
+        def plain():
+            for k, a in slots.items():
+                a.get(out=pinned[k])
+
+        snap_s, plain_s = timed(cp, snapshot, args.repeats), timed(cp, plain, args.repeats)
+    finally:
+        dev.close()
+        buf.close()
+    total = sum(a.nbytes for a in slots.values())
+    print(
+        f"snapshot to pinned host memory: {total / snap_s / 1e9:6.1f} GB/s, a plain pinned copy "
+        f"{total / plain_s / 1e9:6.1f} GB/s: {plain_s / snap_s:4.2f}x (goal >= 0.80x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
