@@ -191,9 +191,14 @@ class ParamServer:
         live = self._tensors(st)
         self._copied = copied = threading.Event()
         self._copy_wait = 0.0
-        self._writer = self._io.submit(
-            self._write_snapshot, live, tmp, shard, compression, copied, on_device
-        )
+
+        def write() -> dict[str, Any]:
+            try:
+                return self._write_snapshot(live, tmp, shard, compression, copied, on_device)
+            finally:
+                copied.set()  # whatever failed, the next update must not wait for ever
+
+        self._writer = self._io.submit(write)
         counts = {s.param: int(st["counts"].get(s.name, 0)) for s in self.slices}
         return {
             "optimizer": {

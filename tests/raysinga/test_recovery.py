@@ -20,7 +20,7 @@ from ray import cloudpickle
 from raysinga import config
 from raysinga.actors.cluster import ResourceError
 from raysinga.actors.server import ParamServer
-from raysinga.checkpoint import Checkpoint, steps
+from raysinga.checkpoint import Checkpoint, CheckpointError, steps
 from raysinga.distributed import DistributedTrainer, FailuresExceeded
 
 JOB = """
@@ -117,11 +117,25 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 class SlowCommitServer(ParamServer):
     """Writes its shard of step 20, then holds the checkpoint uncommitted for a while."""
 
-    def _write_snapshot(self, live, tmp, shard, compression, copied):
-        out = super()._write_snapshot(live, tmp, shard, compression, copied)
+    def _write_snapshot(self, live, tmp, *rest):
+        out = super()._write_snapshot(live, tmp, *rest)
         if "step-20." in str(tmp):
             time.sleep(3)
         return out
+
+
+class CopyFailsServer(ParamServer):
+    """Its snapshot fails before the copy of its values is taken."""
+
+    def _write_snapshot(self, live, tmp, *rest):
+        raise OSError("no memory for the image")
+
+
+def test_a_snapshot_failing_before_its_copy_stops_the_run_without_hanging(ray_session, tmp_path):
+    t = DistributedTrainer(job(tmp_path), classes={"server": CopyFailsServer}, log=lambda x: None)
+    with pytest.raises(CheckpointError, match=r"checkpoint of step 10 failed(.|\n)*no memory"):
+        t.fit()
+    assert not list((tmp_path / "checkpoints").glob("step-*"))
 
 
 def test_a_server_lost_while_writing_a_checkpoint_leaves_nothing_used(straight, tmp_path):
