@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from raysinga import config
+from raysinga.actors.cluster import packs, shrunk
+from raysinga.actors.topology import Resources, Topology
 from raysinga.distributed import DistributedTrainer
 from raysinga.trainer import Trainer
 
@@ -48,3 +50,23 @@ def test_downpour_groups_on_different_nodes_train(two_node_cluster, tmp_path):
     )
     result = DistributedTrainer(cfg, log=lambda s: None).fit()
     assert result.final_eval["test_accuracy"] >= 0.9
+
+
+def test_shrunk_lists_smaller_topologies_fewer_workers_first():
+    t = Topology(preset="downpour", n_groups=2, workers_per_group=3)
+    got = [(s.n_groups, s.workers_per_group) for s in shrunk(t, 1, 2)]
+    assert got == [(2, 3), (2, 2), (1, 3), (1, 2)]
+    assert shrunk(t, 2, 3) == [t]
+
+
+def test_packs_checks_every_bundle_against_some_node():
+    two = Topology(workers_per_group=2)  # two 1-CPU worker bundles; server and stub ride along
+    assert packs(two, [{"CPU": 2.0}])
+    assert packs(two, [{"CPU": 1.0}, {"CPU": 1.0}])
+    assert not packs(two, [{"CPU": 1.0}, {"CPU": 0.5}])  # 1.5 CPUs, but no half bundles
+    gpu = Topology(workers_per_group=2, worker=Resources(cpus=1, gpus=0.5))
+    assert packs(gpu, [{"CPU": 2.0, "GPU": 1.0}])
+    assert not packs(gpu, [{"CPU": 4.0}])
+    own = Topology(workers_per_group=1, server=Resources(cpus=2))  # a server bundle of its own
+    assert not packs(own, [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}])
+    assert packs(own, [{"CPU": 1.0}, {"CPU": 2.0}])
