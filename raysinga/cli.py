@@ -119,6 +119,14 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from .plots import plot_run  # noqa: PLC0415
+
+    for path in plot_run(args.run, args.output):
+        print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="raysinga",
@@ -208,6 +216,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="which tensors (default: trainable parameters)",
     )
     e.set_defaults(func=_export)
+
+    pl = sub.add_parser(
+        "plot",
+        help="draw a run's loss, accuracy and throughput as PNGs",
+        description="Draw loss and test accuracy against step (loss.png) and samples/s "
+        "(throughput.png) from a run's metrics.jsonl, with checkpoints, failures and resizes "
+        "marked. Needs matplotlib (pip install 'raysinga[plot]').",
+    )
+    pl.add_argument("run", metavar="RUN", help="run directory (holding metrics.jsonl) or the file")
+    pl.add_argument(
+        "-o", "--output", metavar="DIR", default=None, help="where to write (default: RUN)"
+    )
+    pl.set_defaults(func=_plot)
     return p
 
 

@@ -128,6 +128,7 @@ class DistributedTrainer:
         self.progress = 0  # the most steps a group has done (as far as the driver knows)
         self.failures: list[dict[str, Any]] = []  # lost roles recovered from, with their cost
         self.events: list[dict[str, Any]] = []  # those failures, and resizes
+        self.metrics: MetricsLog | None = None  # the loop's, while it runs
         self.t_grow = 0.0  # when room to grow back was last looked for
         self.max_chunk = 1 << 30
         self.servers: list[Any] = []
@@ -465,6 +466,15 @@ class DistributedTrainer:
             f"raysinga: checkpoint step {p['step']} -> {path} (training waited "
             f"{blocked * 1e3:.0f} ms; written in {seconds:.2f} s)"
         )
+        if self.metrics is not None:
+            self.metrics.record(
+                {
+                    "kind": "checkpoint",
+                    "step": p["step"],
+                    "blocked_ms": round(blocked * 1e3, 3),
+                    "seconds": round(seconds, 3),
+                }
+            )
         c = self.cfg.checkpoint
         deleted = prune(self.ck_root, c.keep_last, c.keep_every, lock=False, known_valid=p["step"])
         if c.object_store:
@@ -679,7 +689,7 @@ class DistributedTrainer:
                 return  # too far ahead of the slowest group: wait for it
             pending[self.stubs[g].run.remote(s, e)] = (g, s, e)
 
-        with MetricsLog(self.run_dir, result) as metrics:
+        with MetricsLog(self.run_dir, result) as metrics, self._recording(metrics):
             record = metrics.record
             while True:
                 for g in range(G):
@@ -740,6 +750,15 @@ class DistributedTrainer:
         if self.gather:
             result.params = self.gather_params()
         return result
+
+    @contextlib.contextmanager
+    def _recording(self, metrics: MetricsLog) -> Iterator[None]:
+        """Committed checkpoints go into the metrics log while the loop runs."""
+        self.metrics = metrics
+        try:
+            yield
+        finally:
+            self.metrics = None
 
     def _tune_chunks(self, window: list[dict[str, float]]) -> None:
         """Keep chunks (steps run between two visits of this loop) near a second, so that a

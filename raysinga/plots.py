@@ -1,0 +1,137 @@
+"""Pictures of a run from its ``metrics.jsonl``: loss and accuracy against step, and samples/s,
+with checkpoints, failures and resizes marked (``raysinga plot RUN``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+METRICS = "metrics.jsonl"
+
+
+def load_records(run: str | Path) -> tuple[Path, list[dict[str, Any]]]:
+    """The records of a run directory's ``metrics.jsonl`` (or of that file itself)."""
+    path = Path(run)
+    if path.is_dir():
+        path = path / METRICS
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such metrics file (a run directory has {METRICS})")
+    records = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not a JSON record ({e.msg})") from None
+        if not isinstance(rec, dict) or "kind" not in rec:
+            raise ValueError(f"{path}:{n}: a record needs a 'kind'")
+        records.append(rec)
+    return path, records
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib  # noqa: PLC0415 - optional: only plots need it
+    except ImportError:
+        raise RuntimeError("raysinga plot needs matplotlib: pip install 'raysinga[plot]'") from None
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    return plt
+
+
+def _mark_events(ax: Any, records: list[dict[str, Any]]) -> None:
+    """Vertical lines: checkpoints (grey, dotted), failures (red) with the step restored
+    (red, dashed), resizes (green); each kind labelled once, for the legend."""
+    seen: set[str] = set()
+
+    def line(x: float, label: str, **style: Any) -> None:
+        ax.axvline(x, label=None if label in seen else label, **style)
+        seen.add(label)
+
+    for r in records:
+        kind, step = r.get("kind"), r.get("step")
+        if not isinstance(step, (int, float)):
+            continue
+        if kind == "checkpoint":
+            line(step, "checkpoint", color="0.55", linestyle=":", linewidth=1)
+        elif kind == "failure":
+            line(step, "failure", color="tab:red", linewidth=1.8)
+            if isinstance(r.get("restored_from"), (int, float)):
+                line(r["restored_from"], "restored from", color="tab:red", linestyle="--")
+        elif kind == "resize":
+            line(step, "resize", color="tab:green", linestyle="-.", linewidth=1.5)
+
+
+def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
+    """Write ``loss.png`` and ``throughput.png`` for a run into ``out`` (default: the run
+    directory); returns their paths."""
+    path, records = load_records(run)
+    train = [r for r in records if r["kind"] == "train" and "loss" in r]
+    evals = [r for r in records if r["kind"] == "eval"]
+    if not train and not evals:
+        raise ValueError(f"{path}: no train or eval records to plot")
+    out_dir = Path(out) if out is not None else path.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plt = _pyplot()
+    name = path.parent.name
+    written = []
+
+    fig, ax = plt.subplots(figsize=(9, 5), layout="constrained")
+    handles: list[Any] = []
+    if train:
+        handles += ax.plot(
+            [r["step"] for r in train], [r["loss"] for r in train], label="train loss"
+        )
+    tests = [r for r in evals if "test_loss" in r]
+    if tests:
+        handles += ax.plot(
+            [r["step"] for r in tests],
+            [r["test_loss"] for r in tests],
+            "o-",
+            label="test loss",
+        )
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    _mark_events(ax, records)
+    acc = [r for r in evals if "test_accuracy" in r]
+    if acc:
+        ax2 = ax.twinx()
+        handles += ax2.plot(
+            [r["step"] for r in acc],
+            [r["test_accuracy"] for r in acc],
+            "s-",
+            color="tab:purple",
+            label="test accuracy",
+        )
+        ax2.set_ylabel("test accuracy")
+    marks = [h for h in ax.get_legend_handles_labels()[0] if h not in handles]
+    ax.legend(handles=handles + marks, loc="upper right")
+    ax.set_title(f"{name}: loss and accuracy")
+    ax.grid(alpha=0.3)
+    written.append(out_dir / "loss.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    rate = [r for r in train if "samples_per_s" in r]
+    if rate:
+        fig, ax = plt.subplots(figsize=(9, 4), layout="constrained")
+        ax.plot(
+            [r["step"] for r in rate],
+            [r["samples_per_s"] for r in rate],
+            ".-",
+            label="samples/s",
+        )
+        ax.set_xlabel("step")
+        ax.set_ylabel("samples/s")
+        ax.set_ylim(bottom=0)
+        _mark_events(ax, records)
+        ax.legend(loc="lower right")
+        ax.set_title(f"{name}: training throughput")
+        ax.grid(alpha=0.3)
+        written.append(out_dir / "throughput.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written

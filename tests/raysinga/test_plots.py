@@ -1,0 +1,73 @@
+"""`raysinga plot`: PNGs from a run's metrics.jsonl, and clear errors for what is not one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from raysinga.cli import main
+from raysinga.plots import _mark_events, load_records, plot_run
+
+pytest.importorskip("matplotlib")
+
+RECORDS = [
+    *({"kind": "train", "step": s, "loss": 2.0 / s, "samples_per_s": 1000.0 + s} for s in (5, 10)),
+    {"kind": "checkpoint", "step": 10, "blocked_ms": 3.0, "seconds": 0.1},
+    {"kind": "eval", "step": 10, "test_loss": 0.3, "test_accuracy": 0.9},
+    {"kind": "failure", "step": 15, "restored_from": 10, "role": "worker", "time": 1.0},
+    *({"kind": "train", "step": s, "loss": 2.0 / s, "samples_per_s": 900.0} for s in (15, 20)),
+    {"kind": "resize", "step": 20, "restored_from": 20, "workers": 2, "time": 2.0},
+    {"kind": "eval", "step": 20, "test_loss": 0.2, "test_accuracy": 0.95},
+]
+
+
+def write(run, records) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_plot_writes_loss_and_throughput_pngs(tmp_path, capsys):
+    write(tmp_path / "run", RECORDS)
+    assert main(["plot", str(tmp_path / "run"), "-o", str(tmp_path / "pics")]) == 0
+    out = capsys.readouterr().out
+    for name in ("loss.png", "throughput.png"):
+        png = (tmp_path / "pics" / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
+        assert f"wrote {tmp_path / 'pics' / name}" in out
+    # the events are marked: one legend entry each, whatever their number
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    _mark_events(ax, RECORDS)
+    labels = ax.get_legend_handles_labels()[1]
+    assert labels == ["checkpoint", "failure", "restored from", "resize"]
+    plt.close(fig)
+
+
+def test_an_eval_only_run_has_no_throughput_plot(tmp_path):
+    write(tmp_path, [{"kind": "eval", "step": 3, "test_loss": 0.5}])
+    assert [p.name for p in plot_run(tmp_path)] == ["loss.png"]
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ('{"kind": "train"\n', r"metrics.jsonl:1: not a JSON record"),
+        ('{"step": 3}\n', r"metrics.jsonl:1: a record needs a 'kind'"),
+        ('{"kind": "failure", "step": 3}\n', "no train or eval records to plot"),
+    ],
+)
+def test_bad_metrics_name_the_file_and_line(tmp_path, content, why, capsys):
+    (tmp_path / "metrics.jsonl").write_text(content)
+    with pytest.raises(ValueError, match=why):
+        plot_run(tmp_path)
+    assert main(["plot", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("raysinga: error:")
+
+
+def test_a_missing_run_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="no such metrics file"):
+        load_records(tmp_path / "nothing")
+    assert main(["plot", str(tmp_path / "nothing")]) == 2
+    assert "no such metrics file" in capsys.readouterr().err
