@@ -82,56 +82,43 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
     fig, ax = plt.subplots(figsize=(9, 5), layout="constrained")
     handles: list[Any] = []
     if train:
-        handles += ax.plot(
-            [r["step"] for r in train], [r["loss"] for r in train], label="train loss"
-        )
+        handles += _series(ax, train, "loss", "-", "train loss")
     tests = [r for r in evals if "test_loss" in r]
     if tests:
-        handles += ax.plot(
-            [r["step"] for r in tests],
-            [r["test_loss"] for r in tests],
-            "o-",
-            label="test loss",
-        )
+        handles += _series(ax, tests, "test_loss", "o-", "test loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     _mark_events(ax, records)
     acc = [r for r in evals if "test_accuracy" in r]
     if acc:
         ax2 = ax.twinx()
-        handles += ax2.plot(
-            [r["step"] for r in acc],
-            [r["test_accuracy"] for r in acc],
-            "s-",
-            color="tab:purple",
-            label="test accuracy",
-        )
+        handles += _series(ax2, acc, "test_accuracy", "s-", "test accuracy", color="tab:purple")
         ax2.set_ylabel("test accuracy")
     marks = [h for h in ax.get_legend_handles_labels()[0] if h not in handles]
     ax.legend(handles=handles + marks, loc="upper right")
-    ax.set_title(f"{name}: loss and accuracy")
-    ax.grid(alpha=0.3)
-    written.append(out_dir / "loss.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+    written.append(_save(plt, fig, ax, f"{name}: loss and accuracy", out_dir / "loss.png"))
 
     rate = [r for r in train if "samples_per_s" in r]
     if rate:
         fig, ax = plt.subplots(figsize=(9, 4), layout="constrained")
-        ax.plot(
-            [r["step"] for r in rate],
-            [r["samples_per_s"] for r in rate],
-            ".-",
-            label="samples/s",
-        )
+        _series(ax, rate, "samples_per_s", ".-", "samples/s")
         ax.set_xlabel("step")
         ax.set_ylabel("samples/s")
         ax.set_ylim(bottom=0)
         _mark_events(ax, records)
         ax.legend(loc="lower right")
-        ax.set_title(f"{name}: training throughput")
-        ax.grid(alpha=0.3)
-        written.append(out_dir / "throughput.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        title = f"{name}: training throughput"
+        written.append(_save(plt, fig, ax, title, out_dir / "throughput.png"))
     return written
+
+
+def _series(ax: Any, recs: list[dict[str, Any]], key: str, fmt: str, label: str, **style: Any):
+    return ax.plot([r["step"] for r in recs], [r[key] for r in recs], fmt, label=label, **style)
+
+
+def _save(plt: Any, fig: Any, ax: Any, title: str, path: Path) -> Path:
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
