@@ -93,10 +93,13 @@ class Topology:
             raise TopologyError("topology.worker: a worker must reserve some CPUs or GPUs")
         for role in ("worker", "server", "stub"):
             r = getattr(self, role)
-            if r.cpus < 0 or r.gpus < 0 or r.memory < 0 or (r.gpus > 1 and r.gpus % 1):
+            for key in ("cpus", "gpus", "memory"):
+                v = getattr(r, key)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                    raise TopologyError(f"topology.{role}.{key}: expected a number >= 0, got {v!r}")
+            if r.gpus > 1 and r.gpus % 1:
                 raise TopologyError(
-                    f"topology.{role}: resources must be >= 0 and a GPU count "
-                    f"above 1 must be whole, got {r}"
+                    f"topology.{role}.gpus: a GPU count above 1 must be whole, got {r.gpus!r}"
                 )
 
     @property

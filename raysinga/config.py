@@ -278,6 +278,13 @@ def _updater(d: Any) -> dict[str, Any]:
     clip = d.pop("clip_norm", None)
     if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
         raise ConfigError(f"updater.clip_norm: expected a positive number, got {clip!r}")
+    if "lr" in d:
+        from .schedules import make_schedule  # noqa: PLC0415
+
+        try:
+            make_schedule(d["lr"])
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"updater.lr: {e}") from None
     try:
         make_optimizer(d)
     except (ValueError, TypeError) as e:
@@ -371,6 +378,11 @@ def load(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
         raise ConfigError(f"{path}: no such job file")
     try:
         d = parse_yaml(p.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    except yaml.YAMLError as e:  # one line: where, and what the parser found
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = [str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x]
+        raise ConfigError(
+            f"{where}: not valid YAML: {'; '.join(what) or str(e).splitlines()[0]}"
+        ) from None
     return from_dict(apply_overrides(d or {}, overrides or []))

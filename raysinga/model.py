@@ -112,8 +112,13 @@ class Net:
                     "digits, '_', '-' and '.'"
                 )
             names.add(ls.name)
-            layer = LAYERS[ls.kind](ls.name, **ls.options)
-            shape = layer.build(shape)
+            try:
+                layer = LAYERS[ls.kind](ls.name, **ls.options)
+                shape = layer.build(shape)
+            except TypeError as e:  # an option the layer does not take
+                raise ValueError(f"model.layers[{i}] ({ls.name}): {e}") from None
+            except ValueError as e:
+                raise ValueError(f"model.layers[{i}]: {e}") from None
             self.layers.append(layer)
         self.layers[0].need_dx = False  # nobody wants the input's gradient: skip that GEMM
         self.output_shape = shape

@@ -56,6 +56,75 @@ def test_bad_job_file_is_one_line_and_exit_2(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def _edit(path: list, value):
+    """The example job with one value replaced (``...`` deletes the key)."""
+
+    def edit(d: dict) -> dict:
+        cur = d
+        for k in path[:-1]:
+            cur = cur[k]
+        if value is ...:
+            del cur[path[-1]]
+        else:
+            cur[path[-1]] = value
+        return d
+
+    return edit
+
+
+MALFORMED = {  # a job-file edit -> the start of its one-line error
+    "not a mapping": (lambda d: [1, 2], "(top level): expected a mapping"),
+    "no model": (_edit(["model"], ...), "model: missing"),
+    "unknown key": (_edit(["epochs"], 3), "epochs: unknown key"),
+    "negative steps": (_edit(["train_steps"], -5), "train_steps: expected an integer >= 1"),
+    "steps as text": (_edit(["train_steps"], "ten"), "train_steps: expected an integer >= 1"),
+    "zero batch": (_edit(["data", "batch_size"], 0), "data.batch_size: expected an integer"),
+    "data not a mapping": (_edit(["data"], 5), "data: expected a mapping"),
+    "data typo": (_edit(["data", "shuffel"], True), "data: unknown key(s) ['shuffel']"),
+    "layers not a list": (_edit(["model", "layers"], "dense"), "model.layers: expected"),
+    "negative units": (_edit(["model", "layers", 1, "units"], -3), "model.layers[1]: layer"),
+    "layer option typo": (
+        _edit(["model", "layers", 1, "unitz"], 3),
+        "model.layers[1]: layer 'fc2'",
+    ),
+    "unknown layer": (_edit(["model", "layers", 1, "kind"], "lstm"), "model.layers[1].kind"),
+    "lr as text": (_edit(["updater", "lr"], "fast"), "updater.lr: a learning-rate schedule"),
+    "unknown optimizer": (_edit(["updater", "name"], "adamax"), "updater: unknown optimizer"),
+    "zero servers": (_edit(["topology", "n_servers"], 0), "topology.n_servers: expected"),
+    "negative cpus": (_edit(["topology", "worker"], {"cpus": -1}), "topology.worker.cpus"),
+    "workers as text": (_edit(["topology", "workers_per_group"], "two"), "topology.workers"),
+    "negative keep": (_edit(["checkpoint"], {"keep_last": -1}), "checkpoint.keep_last"),
+    "failures as text": (_edit(["fault"], {"max_failures": "x"}), "fault.max_failures"),
+    "elastic minimum": (_edit(["fault"], {"min_workers": 5}), "fault.min_workers: 5 is more"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_every_malformed_job_file_gets_one_line_naming_the_key(tmp_path, case, capsys):
+    import copy
+
+    import yaml
+
+    from raysinga.cli import main
+
+    edit, want = MALFORMED[case]
+    job = yaml.safe_load((ROOT / "examples/digits_mlp.yaml").read_text())
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(edit(copy.deepcopy(job))))
+    assert main(["train", str(tmp_path / "job.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"raysinga: error: {want}"), err
+
+
+def test_broken_yaml_is_one_line_with_its_position(tmp_path, capsys):
+    from raysinga.cli import main
+
+    (tmp_path / "job.yaml").write_text("model: {input_shape: [64]\nlayers: - x\n")
+    assert main(["train", str(tmp_path / "job.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"raysinga: error: \S*job\.yaml:2:1: not valid YAML: .+\n", err), err
+
+
 def test_help_lists_train():
     r = raysinga("--help", cwd=ROOT)
     assert r.returncode == 0 and "train" in r.stdout
