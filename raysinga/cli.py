@@ -22,20 +22,27 @@ def _train(args: argparse.Namespace) -> int:
     }
     if sum(map(bool, start.values())) > 1:
         raise ValueError("--resume, --auto-resume, --init-from and --fresh exclude one another")
+    from .progress import Progress  # noqa: PLC0415
     from .run_state import Preempted  # noqa: PLC0415
 
+    log = Progress()  # a bar on a terminal, plain lines elsewhere
     try:
         if cfg.topology is None or args.local:
             from .trainer import Trainer  # noqa: PLC0415 - keeps `raysinga --help` fast
 
-            result = Trainer(cfg, **start).fit()
+            result = Trainer(cfg, log=log, **start).fit()
         else:
             from .distributed import DistributedTrainer  # noqa: PLC0415 - imports Ray
 
-            result = DistributedTrainer(cfg, address=args.address, gather=False, **start).fit()
+            result = DistributedTrainer(
+                cfg, log=log, address=args.address, gather=False, **start
+            ).fit()
     except Preempted as e:
+        log.close()
         print(f"raysinga: {e}", file=sys.stderr)
         return 128 + e.signum
+    finally:
+        log.close()
     final = result.final_eval
     if final is not None and "test_accuracy" in final:
         print(f"final test accuracy: {final['test_accuracy']:.4f}")
