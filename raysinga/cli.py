@@ -134,6 +134,14 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _graph(args: argparse.Namespace) -> int:
+    from .graph import write_graph  # noqa: PLC0415
+
+    for path in write_graph(config_mod.load(args.config, args.set), args.output):
+        print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="raysinga",
@@ -236,6 +244,23 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--output", metavar="DIR", default=None, help="where to write (default: RUN)"
     )
     pl.set_defaults(func=_plot)
+
+    g = sub.add_parser(
+        "graph",
+        help="write a job's net structure as JSON and draw it (PNG or SVG)",
+        description="Write the net of a YAML job file as JSON (every layer with its options, "
+        "output shape and parameters) and draw the layer chain. Needs matplotlib.",
+    )
+    g.add_argument("config", metavar="CONFIG", help="YAML job file")
+    g.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        default=None,
+        help="the drawing, .png or .svg (default: <name>-net.png); the JSON goes beside it",
+    )
+    g.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], help="override")
+    g.set_defaults(func=_graph)
     return p
 
 

@@ -98,6 +98,7 @@ class Net:
             raise ValueError(f"model.loss: unknown loss {spec.loss!r}; allowed: {sorted(LOSSES)}")
         self.spec, self.dtype = spec, np.dtype(dtype)
         self.layers: list[Layer] = []
+        self.out_shapes: list[tuple[int, ...]] = []  # per layer, one sample's
         names: set[str] = set()
         shape = tuple(spec.input_shape)
         for i, ls in enumerate(spec.layers):
@@ -120,11 +121,35 @@ class Net:
             except ValueError as e:
                 raise ValueError(f"model.layers[{i}]: {e}") from None
             self.layers.append(layer)
+            self.out_shapes.append(tuple(shape))
         self.layers[0].need_dx = False  # nobody wants the input's gradient: skip that GEMM
         self.output_shape = shape
         self.loss_fn = LOSSES[spec.loss]
 
     # -- names, shapes, initial values
+    def describe(self) -> dict[str, Any]:
+        """The net's structure as plain data: every layer with its options, the shape of one
+        sample leaving it and its parameters (what ``raysinga graph`` draws)."""
+        layers = []
+        for ly, ls, out in zip(self.layers, self.spec.layers, self.out_shapes, strict=True):
+            params = {ly.key(k): list(s) for k, s in ly.param_shapes().items()}
+            layers.append(
+                {
+                    "name": ly.name,
+                    "kind": ls.kind,
+                    "options": dict(ls.options),
+                    "output_shape": list(out),
+                    "params": params,
+                    "param_count": sum(int(np.prod(s)) for s in params.values()),
+                }
+            )
+        return {
+            "input_shape": list(self.spec.input_shape),
+            "layers": layers,
+            "loss": self.spec.loss,
+            "param_count": sum(ly["param_count"] for ly in layers),
+        }
+
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every trainable parameter, in layer order: ``{"fc1/W": (784, 1024), ...}``."""
         return {ly.key(k): s for ly in self.layers for k, s in ly.param_shapes().items()}

@@ -1,0 +1,49 @@
+"""`raysinga graph`: the net as JSON and as a drawing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from raysinga import config
+from raysinga.cli import main
+from raysinga.graph import write_graph
+from raysinga.model import Net
+
+pytest.importorskip("matplotlib")
+
+CNN = Path(__file__).resolve().parents[2] / "examples" / "digits_cnn.yaml"
+
+
+def test_the_json_has_every_layer_with_shapes_and_parameters(tmp_path):
+    cfg = config.load(CNN)
+    js, png = write_graph(cfg, tmp_path / "net.png")
+    net = json.loads(js.read_text())
+    assert net["name"] == "digits-cnn" and net["input_shape"] == [1, 8, 8]
+    assert [ly["name"] for ly in net["layers"]] == [ls.name for ls in cfg.model.layers]
+    by_name = {ly["name"]: ly for ly in net["layers"]}
+    assert by_name["conv1"]["output_shape"] == [16, 8, 8]
+    assert by_name["pool"]["output_shape"] == [32, 4, 4]
+    assert by_name["flat"]["output_shape"] == [512]
+    assert by_name["fc"]["params"] == {"fc/W": [512, 64], "fc/b": [64]}
+    assert by_name["conv1"]["options"]["filters"] == 16
+    shapes = Net(cfg.model).param_shapes()
+    assert net["param_count"] == sum(int(np.prod(s)) for s in shapes.values())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_svg_and_the_cli(tmp_path, capsys):
+    out = tmp_path / "deep" / "net.svg"
+    assert main(["graph", str(CNN), "-o", str(out), "--set", "name=renamed"]) == 0
+    assert out.read_text().lstrip().startswith("<?xml") and "<svg" in out.read_text()
+    assert json.loads((tmp_path / "deep" / "net.json").read_text())["name"] == "renamed"
+    assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_a_drawing_must_be_png_or_svg(tmp_path, capsys):
+    assert main(["graph", str(CNN), "-o", str(tmp_path / "net.pdf")]) == 2
+    assert "the drawing must be .png or .svg" in capsys.readouterr().err
+    assert not (tmp_path / "net.json").exists()
