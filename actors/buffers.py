@@ -14,6 +14,7 @@ import glob
 import math
 import mmap
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,30 @@ def remove_files(tag: str) -> int:
     return n
 
 
+# raysinga-<tag>-<role>-<pid>[-<doorbell>]: every file names the process that made it.
+_OWNED = re.compile(r"raysinga-.+-(?:server\d+|g\d+w\d+|stub\d+)-(\d+)(?:-.*)?")
+_swept = False
+
+
+def remove_stale() -> int:
+    """Unlink this node's shared-memory files whose process is gone: what roles of a run whose
+    driver died (and took its actors with it) left behind. Returns how many."""
+    n = 0
+    for f in _shm_dir().glob("raysinga-*"):
+        m = _OWNED.fullmatch(f.name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                f.unlink()
+                n += 1
+        except (PermissionError, OverflowError):  # alive (another user's), or not a pid
+            pass
+    return n
+
+
 @dataclass(frozen=True)
 class ShmHandle:
     """How a reader on the same node finds a buffer: the file and its layout."""
@@ -89,6 +114,10 @@ class SharedBuffer:
     """A writer's persistent buffer, backed by a file in ``/dev/shm``."""
 
     def __init__(self, tag: str, layout: Layout, node_id: str = "") -> None:
+        global _swept
+        if not _swept:  # once per process: the first buffer a role makes on this node
+            _swept = True
+            remove_stale()
         self.layout, self.node_id = layout, node_id
         self.path = str(_shm_dir() / f"raysinga-{tag}-{os.getpid()}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -283,17 +283,19 @@ class DistributedTrainer:
     def shutdown(self, graceful: bool = True) -> None:
         """Stop every actor and free the placement group; safe to call twice and after
         failures. ``graceful``: each actor first unlinks its shared memory itself (up to 5 s);
-        otherwise (after a lost role, when the others may hang on it) they are killed at once
-        and their shared-memory files removed by tag."""
+        otherwise (after a lost role, when the others may hang on it) they are killed at once.
+        Files not unlinked by their actors are removed by tag."""
         import ray  # noqa: PLC0415
         from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
 
         actors = [*self.stubs, *(w for row in self.workers for w in row), *self.servers]
+        done: list[Any] = []
         if actors and graceful:
-            ray.wait([a.shutdown.remote() for a in actors], num_returns=len(actors), timeout=5)
+            calls = [a.shutdown.remote() for a in actors]
+            done, _ = ray.wait(calls, num_returns=len(actors), timeout=5)
         for a in actors:
             ray.kill(a)
-        if actors and not graceful:
+        if actors and len(done) < len(actors):  # some could not unlink their files themselves
             cluster.remove_shared_files(self.tag)
         if self.placement is not None:
             remove_placement_group(self.placement.pg)

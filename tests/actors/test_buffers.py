@@ -41,3 +41,28 @@ def test_another_process_reads_the_buffer_in_place_and_sees_updates():
     finally:
         buf.close()
     assert not os.path.exists(buf.path)
+
+
+def test_files_of_dead_processes_are_swept_and_live_ones_kept():
+    import subprocess
+
+    from raysinga.actors import buffers
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid names no process now
+    shm = buffers._shm_dir()
+    names = {
+        f"raysinga-sweeptest-{os.getpid()}a-g0w0-{gone.pid}": False,
+        f"raysinga-sweeptest-{os.getpid()}a-stub0-{gone.pid}-go-w1": False,
+        f"raysinga-sweeptest-{os.getpid()}b-server0-{os.getpid()}": True,  # this process: alive
+        f"raysinga-sweeptest-{os.getpid()}c-image": True,  # no owner in its name: left alone
+    }
+    for n in names:
+        (shm / n).write_bytes(b"x")
+    try:
+        assert buffers.remove_stale() >= 2
+        for n, kept in names.items():
+            assert (shm / n).exists() == kept, n
+    finally:
+        for n in names:
+            (shm / n).unlink(missing_ok=True)
