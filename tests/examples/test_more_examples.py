@@ -1,0 +1,47 @@
+"""The Downpour job file and the fine-tuning example, as their docstrings say to run them, at a
+small scale."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_the_downpour_job_trains_two_asynchronous_groups(tmp_path):
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "raysinga.cli",
+            "train",
+            str(ROOT / "examples/digits_downpour.yaml"),
+            *("--set", "train_steps=300", "--set", "test_freq=300", "--set", f"run_dir={tmp_path}"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "downpour, 1 server(s), 2 group(s) x 1 worker(s)" in r.stdout
+    assert float(r.stdout.split("final test accuracy: ")[1].split()[0]) >= 0.85, r.stdout
+
+
+@pytest.mark.slow
+def test_fine_tuning_reuses_the_base_layers_under_new_ones(ray_session):
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import finetune_digits
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    out = finetune_digits.main(["--base-steps", "200", "--steps", "150"])
+    # fc1 and fc2 (W and b) from the base; fc3 and cls new; the base head out unused
+    assert "(step 200): matched 4, missing 4, unexpected 2, shape-mismatched 0\n" in out["report"]
+    assert "missing (initialised fresh): fc3/W" in out["report"]
+    assert "unexpected (ignored): out/W" in out["report"]
+    assert out["tuned_accuracy"] >= 0.85, out
