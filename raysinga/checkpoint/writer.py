@@ -266,15 +266,15 @@ def commit(
 ) -> Location:
     """Write ``params.meta`` and the manifest, then move the directory to ``step-<step>``."""
     tmp = storage.resolve(tmp)
-    ids = sorted(int(s["file"].split("-")[1].split(".")[0]) for s in shards)
+    ids = sorted(_shard_id(s) for s in shards)
     if ids != list(range(len(shards))):
         raise CheckpointError(f"shards must be numbered 0..{len(shards) - 1}, got {ids}")
     _check_unique(shards)
     lines = [
         "# raysinga checkpoint: name kind shape dtype slice version shard checksum",
         *(
-            TensorInfo(**_info_args(t), shard=i).meta_line(t["xxh3"])
-            for i, s in enumerate(sorted(shards, key=lambda s: s["file"]))
+            TensorInfo(**_info_args(t), shard=_shard_id(s)).meta_line(t["xxh3"])
+            for s in sorted(shards, key=_shard_id)  # by number: shard-2 before shard-10
             for t in s["tensors"]
         ),
     ]
@@ -304,11 +304,7 @@ def commit(
                 "compression": None,
             }
         ],
-        "tensors": [
-            {**t, "shard": int(s["file"].split("-")[1].split(".")[0])}
-            for s in shards
-            for t in s["tensors"]
-        ],
+        "tensors": [{**t, "shard": _shard_id(s)} for s in shards for t in s["tensors"]],
     }
     sealed = seal(manifest)
     with _writing(tmp.join(MANIFEST)):
@@ -317,6 +313,11 @@ def commit(
     with _writing(final):
         storage.commit_dir(tmp, final)
     return final
+
+
+def _shard_id(shard: dict[str, Any]) -> int:
+    """``K`` of a shard record's ``shard-<K>.arrow``."""
+    return int(shard["file"].split("-")[1].split(".")[0])
 
 
 @contextlib.contextmanager

@@ -122,6 +122,21 @@ def test_multi_shard_round_trip_with_slices(tensors, compression, nshards, data)
         assert {i.version for i in ck.infos} == {3}
 
 
+def test_params_meta_names_the_right_shard_past_ten(tmp_path):
+    """shard-10 sorts before shard-2 as text: params.meta must label every line by number."""
+    tmp = begin(tmp_path, 1)
+    records = [
+        write_shard(tmp, k, [(TensorInfo(f"t{k}", "param", (2,), "float32", 0, 2), np.ones(2))])
+        for k in range(12)
+    ]
+    ck = Checkpoint.open(commit(tmp, 1, records))
+    lines = (Path(ck.location.path) / "params.meta").read_text().splitlines()[1:]
+    assert [ln.split("\t")[0] for ln in lines] == [f"t{k}" for k in range(12)]
+    for ln in lines:
+        name, shard = ln.split("\t")[0], ln.split("\t")[6]
+        assert shard == f"shard-{name[1:]}" == f"shard-{ck.info(name).shard}", ln
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "page_cache"])
 def test_writes_across_staging_buffer_edges(tmp_path, monkeypatch, direct):
     monkeypatch.setattr(sink, "DIRECT", direct)
