@@ -48,7 +48,7 @@ def check_fits(topo: Topology) -> None:
             + "; ".join(short)
             + ". Lower the counts or the per-role resources (topology.worker/server/stub)."
         )
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    nodes = live_nodes()
     for role, res in (("worker", topo.worker), ("server", topo.server), ("stub", topo.stub)):
         if res.empty:
             continue

@@ -142,6 +142,17 @@ def _graph(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_set(parser: argparse.ArgumentParser) -> None:
+    """``--set key.path=value``, for every command that reads a job file."""
+    parser.add_argument(
+        "--set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override a job-file value, e.g. --set updater.lr=0.05 (repeatable; YAML values)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="raysinga",
@@ -154,13 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the model a YAML job file describes and report test accuracy.",
     )
     t.add_argument("config", metavar="CONFIG", help="YAML job file, e.g. examples/digits_mlp.yaml")
-    t.add_argument(
-        "--set",
-        metavar="KEY=VALUE",
-        action="append",
-        default=[],
-        help="override a job-file value, e.g. --set updater.lr=0.05 (repeatable; YAML values)",
-    )
+    _add_set(t)
     t.add_argument(
         "--local",
         action="store_true",
@@ -259,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the drawing, .png or .svg (default: <name>-net.png); the JSON goes beside it",
     )
-    g.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], help="override")
+    _add_set(g)
     g.set_defaults(func=_graph)
     return p
 

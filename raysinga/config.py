@@ -170,6 +170,10 @@ def _int(path: str, v: Any, minimum: int) -> int:
     return v
 
 
+def _optional_int(path: str, v: Any, minimum: int) -> int | None:
+    return None if v is None else _int(path, v, minimum)
+
+
 def _choice(path: str, v: Any, allowed: tuple[str, ...]) -> str:
     if v not in allowed:
         raise ConfigError(f"{path}: expected one of {', '.join(map(str, allowed))}, got {v!r}")
@@ -232,12 +236,8 @@ def _fault(d: Any) -> FaultConfig:
     return FaultConfig(
         max_failures=_int("fault.max_failures", d.get("max_failures", 3), 0),
         window_s=_seconds("fault.window_s", d.get("window_s", 0)),
-        min_workers=None
-        if d.get("min_workers") is None
-        else _int("fault.min_workers", d["min_workers"], 1),
-        min_groups=None
-        if d.get("min_groups") is None
-        else _int("fault.min_groups", d["min_groups"], 1),
+        min_workers=_optional_int("fault.min_workers", d.get("min_workers"), 1),
+        min_groups=_optional_int("fault.min_groups", d.get("min_groups"), 1),
         grow_check_s=_seconds("fault.grow_check_s", d.get("grow_check_s", 30)),
     )
 

@@ -82,9 +82,9 @@ def kill_at(trainer: DistributedTrainer, role: str, at_step: int, lines: list[st
     return log, fired
 
 
-def events(run_dir: Path) -> list[dict]:
+def events(run_dir: Path, kinds: tuple[str, ...] = ("failure",)) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == "failure"]
+    return [r for r in map(json.loads, lines) if r["kind"] in kinds]
 
 
 @pytest.mark.parametrize("role", ["worker", "server", "stub"])
@@ -267,6 +267,16 @@ def test_an_elastic_run_starts_in_what_fits(ray_session, tmp_path, shape, fits):
         DistributedTrainer(rigid, log=lambda line: None).fit()
 
 
+def remove_node_of(cluster, role) -> str:
+    """Remove the node a role runs on, its raylet and every process on it; returns its id."""
+    import ray
+
+    node_id = ray.get(role.describe.remote())["node"]
+    (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
+    cluster.remove_node(node)
+    return node_id
+
+
 @pytest.fixture
 def spare_node_cluster():
     """A head with no CPUs and two 2-CPU nodes: a run fits on one, the other is the spare."""
@@ -276,8 +286,6 @@ def spare_node_cluster():
 
 @pytest.mark.cluster
 def test_a_lost_node_with_the_workers_and_the_server_is_recovered(spare_node_cluster, tmp_path):
-    import ray
-
     cluster = spare_node_cluster
     want = DistributedTrainer(job(tmp_path / "straight"), log=lambda line: None).fit().params
     t = DistributedTrainer(job(tmp_path / "lost"), log=lambda line: None)
@@ -286,10 +294,7 @@ def test_a_lost_node_with_the_workers_and_the_server_is_recovered(spare_node_clu
     def log(line: str) -> None:
         if removed or "step 15/" not in line:
             return
-        node_id = ray.get(t.servers[0].describe.remote())["node"]
-        (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
-        cluster.remove_node(node)  # its raylet and every process on it
-        removed.append(node_id)
+        removed.append(remove_node_of(cluster, t.servers[0]))
 
     t.log = log
     res = t.fit()
@@ -315,8 +320,6 @@ def assert_close(got: dict, want: dict, rel: float) -> None:
 
 @pytest.mark.cluster
 def test_a_lost_node_without_spare_room_shrinks_the_group_then_grows_back(tight_cluster, tmp_path):
-    import ray
-
     cluster = tight_cluster
     want = DistributedTrainer(job(tmp_path / "straight"), log=lambda line: None).fit().params
     more = ("fault.min_workers=1", "fault.grow_check_s=0")
@@ -327,10 +330,8 @@ def test_a_lost_node_without_spare_room_shrinks_the_group_then_grows_back(tight_
     def log(line: str) -> None:
         lines.append(line)
         if not removed and "step 15/" in line:
-            node_id = ray.get(t.workers[0][1].describe.remote())["node"]
-            (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
-            cluster.remove_node(node)  # worker 1's node; no other node has a CPU free
-            removed.append(node_id)
+            # worker 1's node; no other node has a CPU free
+            removed.append(remove_node_of(cluster, t.workers[0][1]))
         elif removed and not added and "step 25/" in line:  # ten steps on one worker
             added.append(cluster.add_node(num_cpus=1))  # the room comes back
 
@@ -338,11 +339,7 @@ def test_a_lost_node_without_spare_room_shrinks_the_group_then_grows_back(tight_
     res = t.fit()
     assert removed and added, lines
     assert_close(res.params, want, 1e-5)
-    recs = [
-        r
-        for r in map(json.loads, (tmp_path / "elastic" / "metrics.jsonl").read_text().splitlines())
-        if r["kind"] in ("failure", "resize")
-    ]
+    recs = events(tmp_path / "elastic", ("failure", "resize"))
     assert [r["kind"] for r in recs] == ["failure", "resize"], recs
     lost, grown = recs
     assert lost["role"] == "worker" and lost["workers"] == 1
@@ -356,8 +353,6 @@ def test_a_lost_node_without_spare_room_shrinks_the_group_then_grows_back(tight_
 
 @pytest.mark.cluster
 def test_a_lost_node_drops_a_downpour_group_then_it_comes_back(tight_cluster, tmp_path):
-    import ray
-
     cluster = tight_cluster
     more = (
         "topology.preset=downpour",
@@ -373,10 +368,7 @@ def test_a_lost_node_drops_a_downpour_group_then_it_comes_back(tight_cluster, tm
     def log(line: str) -> None:
         lines.append(line)
         if not removed and "step 15/" in line:
-            node_id = ray.get(t.workers[1][0].describe.remote())["node"]
-            (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
-            cluster.remove_node(node)
-            removed.append(node_id)
+            removed.append(remove_node_of(cluster, t.workers[1][0]))
         elif removed and not added and "step 25/" in line:
             added.append(cluster.add_node(num_cpus=1))
 
