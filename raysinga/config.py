@@ -57,6 +57,8 @@ TOP_KEYS = {
     "test_freq": "evaluate on the test set every N steps (0: only at the end)",
     "disp_freq": "print training metrics every N steps",
     "run_dir": "where metrics.jsonl is written (default: runs/<name>)",
+    "tensorboard": "also write the metrics as TensorBoard event files in <run_dir>/tensorboard "
+    "(default false)",
     "topology": "servers, groups, workers per group, resources (absent: one process, no Ray)",
     "checkpoint_after": "no periodic checkpoint before this step (SINGA's checkpoint_after)",
     "checkpoint_frequency": "checkpoint every N steps from checkpoint_after (0: none)",
@@ -129,6 +131,7 @@ class JobConfig:
     test_freq: int = 0
     disp_freq: int = 100
     run_dir: str | None = None
+    tensorboard: bool = False
     topology: Topology | None = None
     checkpoint_after: int = 0
     checkpoint_frequency: int = 0
@@ -328,6 +331,9 @@ def from_dict(d: Any) -> JobConfig:
             "device: gpu in a distributed run needs GPUs for the workers "
             "(topology.worker.gpus, e.g. 1 or 0.5)"
         )
+    tensorboard = d.get("tensorboard", False)
+    if not isinstance(tensorboard, bool):
+        raise ConfigError(f"tensorboard: expected true or false, got {tensorboard!r}")
     fault = _fault(d.get("fault"))
     _check_elastic(fault, topology)
     return JobConfig(
@@ -342,6 +348,7 @@ def from_dict(d: Any) -> JobConfig:
         test_freq=_int("test_freq", d.get("test_freq", 0), 0),
         disp_freq=_int("disp_freq", d.get("disp_freq", 100), 1),
         run_dir=d.get("run_dir"),
+        tensorboard=tensorboard,
         topology=topology,
         checkpoint_after=_int("checkpoint_after", d.get("checkpoint_after", 0), 0),
         checkpoint_frequency=_int("checkpoint_frequency", d.get("checkpoint_frequency", 0), 0),

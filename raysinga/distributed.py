@@ -408,7 +408,7 @@ class DistributedTrainer:
             storage.remove_dir(tmp)
             raise
         meta = run_state.run_meta(
-            cfg, done, self.batch_offset, optimizer, list(history), seed=self.seed
+            cfg, done, self.batch_offset, optimizer, history, step, seed=self.seed
         )
         self.saved_steps.add(step)
         self.pending = {
@@ -691,7 +691,10 @@ class DistributedTrainer:
                 return  # too far ahead of the slowest group: wait for it
             pending[self.stubs[g].run.remote(s, e)] = (g, s, e)
 
-        with MetricsLog(self.run_dir, result) as metrics, self._recording(metrics):
+        with (
+            MetricsLog(self.run_dir, result, self.cfg.tensorboard) as metrics,
+            self._recording(metrics),
+        ):
             record = metrics.record
             while True:
                 for g in range(G):

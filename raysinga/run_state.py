@@ -19,7 +19,8 @@ The manifest's ``meta["run"]`` holds everything else resume needs::
                 random draw is a pure function of it and of step/sample counters, so the
                 seed is the whole RNG state
     optimizer   {"name", "hparams", "schedule", "counts": {param: updates applied}}
-    history     the metric records so far (metrics.jsonl up to this step)
+    history     the metric records so far (metrics.jsonl up to this step), ending with this
+                checkpoint's own record: its step (its timings are known only once committed)
     best        the best evaluation so far ({"step", "metric", "value"}) or None
     config      the job as given
 """
@@ -141,10 +142,12 @@ def run_meta(
     batch_offset: int,
     optimizer: dict[str, Any],
     history: list[dict[str, Any]],
+    step: int,
     seed: int | None = None,
 ) -> dict[str, Any]:
-    """The manifest meta of a training checkpoint (see the module's docstring)."""
+    """The manifest meta of the training checkpoint of ``step`` (see the module's docstring)."""
     topo = cfg.topology.to_dict() if cfg.topology is not None else None
+    history = [*history, {"kind": "checkpoint", "step": step}]
     return {
         "run": {
             "format": RUN_FORMAT,
@@ -526,6 +529,7 @@ class LocalCheckpoints:
         self.root = storage.resolve(cfg.checkpoint_dir)
         self.seed, self.start, self.batch_offset = cfg.seed, 0, 0
         self.history: list[dict[str, Any]] = []
+        self.metrics: Any = None  # the trainer's MetricsLog while its loop runs
         self.params = trainer.net.init_params(cfg.seed)
         self.state = trainer.net.init_state()
         self.stop_signal: int | None = None
@@ -645,14 +649,24 @@ class LocalCheckpoints:
                 "schedule": st["schedule"],
                 "counts": {p: int(st["counts"].get(p, 0)) for p in shapes},
             }
-            meta = run_meta(cfg, [step], self.batch_offset, opt, list(history), seed=self.seed)
+            meta = run_meta(cfg, [step], self.batch_offset, opt, history, step, seed=self.seed)
             path = writer.commit(tmp, step, [shard, st_shard], meta)
         except BaseException:
             storage.remove_dir(tmp)
             raise
+        seconds = time.perf_counter() - t0
         self.saved_steps.add(step)
-        self.saved.append({"step": step, "path": str(path), "seconds": time.perf_counter() - t0})
-        self.t.log(f"raysinga: checkpoint step {step} -> {path}")
+        self.saved.append({"step": step, "path": str(path), "seconds": seconds})
+        self.t.log(f"raysinga: checkpoint step {step} -> {path} (written in {seconds:.2f} s)")
+        if self.metrics is not None:  # training waits for the whole write in this process
+            self.metrics.record(
+                {
+                    "kind": "checkpoint",
+                    "step": step,
+                    "blocked_ms": round(seconds * 1e3, 3),
+                    "seconds": round(seconds, 3),
+                }
+            )
         deleted = prune(
             self.root,
             cfg.checkpoint.keep_last,

@@ -22,6 +22,7 @@ from .data import BatchPlan, Dataset, has_split, load_dataset
 from .layers import StepContext
 from .model import Net
 from .optim import clip_grad_norm, make_optimizer
+from .tb_events import EventWriter
 
 
 @dataclass
@@ -38,25 +39,33 @@ class TrainResult:
 
 class MetricsLog:
     """Records go to the result's history and, one JSON object a line, to
-    ``<run_dir>/metrics.jsonl``, flushed at once so a crash loses nothing already reported."""
+    ``<run_dir>/metrics.jsonl``, flushed at once so a crash loses nothing already reported;
+    with ``tensorboard``, also to an event file in ``<run_dir>/tensorboard``."""
 
-    def __init__(self, run_dir: Path, result: TrainResult) -> None:
+    def __init__(self, run_dir: Path, result: TrainResult, tensorboard: bool = False) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.result, self.file = result, (run_dir / "metrics.jsonl").open("w")
+        self.events = EventWriter(run_dir) if tensorboard else None
         for rec in result.history:  # a resumed run's records so far
-            self.file.write(json.dumps(rec) + "\n")
+            self._write(rec)
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
+        if self.events is not None:
+            self.events.record(rec)
 
     def record(self, rec: dict[str, Any]) -> None:
         self.result.history.append(rec)
-        self.file.write(json.dumps(rec) + "\n")
-        self.file.flush()
+        self._write(rec)
 
     def __enter__(self) -> MetricsLog:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.file.close()
+        if self.events is not None:
+            self.events.close()
 
 
 def evaluate(
@@ -131,8 +140,8 @@ class Trainer:
         )
 
         window_loss, window_steps, t0 = 0.0, 0, time.perf_counter()
-        with MetricsLog(self.run_dir, result) as metrics:
-            record = metrics.record
+        with MetricsLog(self.run_dir, result, cfg.tensorboard) as metrics:
+            ckpts.metrics, record = metrics, metrics.record
             for step in range(ckpts.start, cfg.train_steps):
                 if ckpts.stop_signal is not None:
                     ckpts.save(step, params, state, result.history, final=True)

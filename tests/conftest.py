@@ -90,3 +90,14 @@ def two_node_cluster():
     """A head with no CPUs and two 2-CPU nodes."""
     with local_cluster(2, 2) as c:
         yield c
+
+
+def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of a run's TensorBoard event files by tag, as TensorBoard itself reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import (  # noqa: PLC0415
+        EventAccumulator,
+    )
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}

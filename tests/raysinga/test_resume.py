@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import start_ray
+from conftest import start_ray, tensorboard_scalars
 
 from raysinga import config, run_state
 from raysinga.checkpoint import Checkpoint, CheckpointError, save, steps
@@ -100,6 +100,22 @@ def test_resume_is_bit_exact_with_the_same_loss_curve(straight, halfway, tmp_pat
     assert losses(rres.history, 20) == losses(sres.history, 20) and losses(sres.history, 20)
     # the restored history is the halfway run's, then the resumed steps
     assert [r["step"] for r in rres.history if r["kind"] == "train"] == list(range(5, 45, 5))
+
+
+def test_a_resumed_distributed_run_writes_its_history_and_checkpoints_to_tensorboard(
+    halfway, tmp_path
+):
+    rd, res = resumed_from(tmp_path, halfway, "tensorboard=true")
+    got = tensorboard_scalars(rd)
+    train = [r for r in res.history if r["kind"] == "train"]
+    assert [s for s, _ in got["train/loss"]] == [r["step"] for r in train] == list(range(5, 45, 5))
+    assert [v for _, v in got["train/loss"]] == pytest.approx([r["loss"] for r in train], 1e-6)
+    assert [s for s, _ in got["eval/test_accuracy"]] == [20, 40]
+    # step 10's record came with the history, step 20's without its timings (the checkpoint
+    # holds its own record before it is committed)
+    assert [s for s, _ in got["checkpoint/seconds"]] == [10, 30, 40]
+    saved = [r["step"] for r in res.history if r["kind"] == "checkpoint"]
+    assert saved == [10, 20, 30, 40]
 
 
 def test_compressed_checkpoints_resume_bit_exact(straight, ray_module, tmp_path):

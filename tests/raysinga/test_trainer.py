@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,13 @@ def test_digits_mlp_example_reaches_95_percent(tmp_path):
     res = run("digits_mlp.yaml", tmp_path)
     assert res.final_eval["test_accuracy"] >= 0.95
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == len(res.history) and '"kind": "eval"' in lines[-1]
+    assert len(lines) == len(res.history)
+    last = [json.loads(line) for line in lines[-2:]]
+    # the final evaluation, then the final checkpoint, committed and recorded
+    assert [r["kind"] for r in last] == ["eval", "checkpoint"]
+    assert last[0]["step"] == last[1]["step"] == 1500
+    assert last[1]["seconds"] > 0 and last[1]["blocked_ms"] > 0
+    assert (tmp_path / "checkpoints" / "step-1500").is_dir()
 
 
 @pytest.mark.slow
