@@ -1,5 +1,5 @@
-"""The Downpour job file and the fine-tuning example, as their docstrings say to run them, at a
-small scale."""
+"""The CNN and Downpour job files and the fine-tuning example, as their docstrings say to run
+them, at a small scale."""
 
 from __future__ import annotations
 
@@ -12,21 +12,27 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def train(job: str, run_dir: Path, *sets: str) -> subprocess.CompletedProcess:
+    """``raysinga train examples/JOB`` with ``--set`` overrides, in its own process."""
+    overrides = [a for s in (*sets, f"run_dir={run_dir}") for a in ("--set", s)]
+    cmd = [sys.executable, "-m", "raysinga.cli", "train", str(ROOT / "examples" / job)]
+    return subprocess.run(
+        [*cmd, *overrides], capture_output=True, text=True, timeout=600, cwd=run_dir
+    )
+
+
+@pytest.mark.slow
+def test_the_cnn_job_trains_on_two_workers(tmp_path):
+    r = train("digits_cnn.yaml", tmp_path, "train_steps=150", "test_freq=150", "disp_freq=50")
+    assert r.returncode == 0, r.stderr
+    assert "sandblaster, 1 server(s), 1 group(s) x 2 worker(s)" in r.stdout
+    assert float(r.stdout.split("final test accuracy: ")[1].split()[0]) >= 0.8, r.stdout
+    assert (tmp_path / "checkpoints" / "step-150" / "manifest.msgpack").is_file()
+
+
 @pytest.mark.slow
 def test_the_downpour_job_trains_two_asynchronous_groups(tmp_path):
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "raysinga.cli",
-            "train",
-            str(ROOT / "examples/digits_downpour.yaml"),
-            *("--set", "train_steps=300", "--set", "test_freq=300", "--set", f"run_dir={tmp_path}"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    r = train("digits_downpour.yaml", tmp_path, "train_steps=300", "test_freq=300")
     assert r.returncode == 0, r.stderr
     assert "downpour, 1 server(s), 2 group(s) x 1 worker(s)" in r.stdout
     assert float(r.stdout.split("final test accuracy: ")[1].split()[0]) >= 0.85, r.stdout
