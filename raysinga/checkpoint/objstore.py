@@ -103,10 +103,15 @@ class CheckpointRegistry:
 
     def adopt(self, run: str, step: int, uri: str) -> list[Any]:
         """Put the committed checkpoint at ``uri`` into the object store from this actor, which
-        thereby owns the object: it outlives the job that asked. Returns ``[ref]``."""
+        thereby owns the object: it outlives the job that asked. Returns ``[ref]``, or ``[]``
+        when the directory is gone: calls wait while this actor restarts (its node was lost), and
+        by then the run may have pruned the checkpoint, which the store need not hold either."""
         import ray  # noqa: PLC0415
 
-        arr = pack(uri)
+        try:
+            arr = pack(uri)
+        except FileNotFoundError:
+            return []
         ref = ray.put(arr)
         self._entries[(run, step)] = {"refs": [ref], "uri": uri, "nbytes": int(arr.nbytes)}
         return [ref]

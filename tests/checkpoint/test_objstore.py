@@ -4,10 +4,12 @@ the job that published, and the fall-back to disk when the object is gone."""
 from __future__ import annotations
 
 import gc
+import shutil
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -105,6 +107,19 @@ def test_the_registry_keeps_a_checkpoint_after_its_job_ends(ray_session, tmp_pat
     assert "object" in str(ck.location)  # it came from memory, not from the disk copy
     assert any(e["run"] == "job-run" for e in ray_session.get(O.registry().list.remote()))
     assert ray_session.get(O.registry().delete.remote("job-run", 7))
+
+
+def test_the_registry_skips_a_checkpoint_pruned_before_it_got_to_it(ray_session, tmp_path):
+    reg = O.registry()
+    path = C.save(tmp_path, 3, {"w": np.ones(4, np.float32)}).path
+    shutil.rmtree(path)
+    assert ray_session.get(reg.adopt.remote("pruned-run", 3, str(path))) == []
+    assert ray_session.get(reg.lookup.remote("pruned-run")) is None
+    # a damaged one is still an error
+    path = C.save(tmp_path, 4, {"w": np.ones(4, np.float32)}).path
+    (Path(path) / "manifest.msgpack").write_bytes(b"not a manifest")
+    with pytest.raises(ray_session.exceptions.RayTaskError, match="manifest"):
+        ray_session.get(reg.adopt.remote("pruned-run", 4, str(path)))
 
 
 def test_a_lost_object_falls_back_to_the_disk_copy(ray_session, tmp_path):
