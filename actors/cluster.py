@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -19,15 +20,47 @@ class ResourceError(RuntimeError):
     """The cluster cannot hold the topology; the message names what is missing."""
 
 
+class ConnectError(RuntimeError):
+    """The cluster named cannot be reached or joined."""
+
+
 def connect(address: str | None = None) -> None:
-    """Join the cluster at ``address`` / ``RAY_ADDRESS``, or start an embedded local one."""
+    """Join the cluster at ``address`` / ``RAY_ADDRESS`` (else the one ``ray start`` runs on
+    this machine, as Ray does), or start an embedded local one."""
     import ray  # noqa: PLC0415
 
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        _check_reachable(address)
     kwargs: dict[str, Any] = {"include_dashboard": False} if not address else {}
-    ray.init(address=address, log_to_driver=True, **kwargs)
+    try:
+        ray.init(address=address, log_to_driver=True, **kwargs)
+    except ConnectionError as e:
+        # The port answered, so the likeliest cause is the token that `ray start` requires
+        # (Ray logs "InvalidAuthToken" but does not put it in the exception).
+        hint = (
+            "; a cluster started with `ray start` requires its token: set RAY_AUTH_MODE=token"
+            if not os.environ.get("RAY_AUTH_MODE")
+            else ""
+        )
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConnectError(f"cannot join the Ray cluster at {address}: {first}{hint}") from e
+
+
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Fail at once on a ``host:port`` nothing answers at: Ray itself retries for ever."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return  # "auto", "local", ray:// client addresses: Ray's to resolve
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise ConnectError(
+            f"cannot reach the Ray cluster at {address}: {e.strerror or e} (is `ray start "
+            "--head` running there? --address and RAY_ADDRESS take the head's host:port)"
+        ) from None
 
 
 def check_fits(topo: Topology) -> None:

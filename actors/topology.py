@@ -73,6 +73,12 @@ class Topology:
             raise TopologyError(
                 f"topology.staleness: expected an integer >= 0 or null, got {self.staleness!r}"
             )
+        if self.staleness is not None and self.preset != "downpour":
+            raise TopologyError(
+                f"topology.staleness: only the downpour preset bounds staleness ({self.preset}: "
+                f"{'one synchronous group' if self.preset != 'hogwild' else 'no bound'}), "
+                f"got {self.staleness!r}"
+            )
         if self.preset in ("sandblaster", "allreduce") and self.n_groups != 1:
             raise TopologyError(
                 f"topology.n_groups: the {self.preset} preset has exactly one "

@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(f"base ({args.base_steps} steps): test accuracy {out['base_accuracy']:.4f}")
     print(f"tuned (+{args.steps} steps, two new layers): test accuracy {out['tuned_accuracy']:.4f}")
+    print(f"both runs are in {work} (e.g. raysinga plot {work / 'tuned'}); delete it when done")
     return out
 
 

@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(e))
     accuracy = result.final_eval["test_accuracy"]
     print(f"final test accuracy: {accuracy:.4f}")
+    print(f"the run is in {work} (raysinga plot {work} marks the events); delete it when done")
     return {"events": events, "accuracy": accuracy, "run_dir": work}
 
 

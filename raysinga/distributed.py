@@ -128,6 +128,7 @@ class DistributedTrainer:
         self.progress = 0  # the most steps a group has done (as far as the driver knows)
         self.failures: list[dict[str, Any]] = []  # lost roles recovered from, with their cost
         self.events: list[dict[str, Any]] = []  # those failures, and resizes
+        self.adopting: list[Any] = []  # the object-store registry's calls still running
         self.metrics: MetricsLog | None = None  # the loop's, while it runs
         self.t_grow = 0.0  # when room to grow back was last looked for
         self.max_chunk = 1 << 30
@@ -481,7 +482,7 @@ class DistributedTrainer:
         deleted = prune(self.ck_root, c.keep_last, c.keep_every, lock=False, known_valid=p["step"])
         if c.object_store:
             key = run_state.registry_key(self.cfg.name, self.ck_root)
-            run_state.keep_in_object_store(key, p["step"], str(path), deleted)
+            run_state.keep_in_object_store(key, p["step"], str(path), deleted, self.adopting)
 
     @contextlib.contextmanager
     def _stop_signals(self) -> Iterator[None]:
@@ -528,6 +529,7 @@ class DistributedTrainer:
             try:
                 self.shutdown()
                 self._abandon_pending()  # a failure elsewhere: never commit half of it
+                run_state.wait_adopted(self.adopting, self.log)
             finally:
                 if self.lock is not None:
                     self.lock.release()
@@ -790,15 +792,18 @@ class DistributedTrainer:
             )
         }
         plan_steps = max(self.n_train // self.cfg.data.batch_size, 1)
-        return {
+        rec = {
             "kind": "train",
             "step": step,
             "epoch": ((step - 1) * self.topo.n_groups) // plan_steps,
             "loss": mean["loss"],
             "lr": self._lr(step - 1),
             "samples_per_s": len(window) * self.cfg.data.batch_size / max(dt, 1e-9),
-            "ms": {k: round(v * 1e3, 3) for k, v in mean.items() if k != "loss"},
         }
+        if window and "grad_norm" in window[-1]:  # the window's last step, as in the trainer
+            rec["grad_norm"] = window[-1]["grad_norm"]
+        rec["ms"] = {k: round(v * 1e3, 3) for k, v in mean.items() if k != "loss"}
+        return rec
 
     def _lr(self, step: int) -> float:
         return self.schedule(step)

@@ -331,15 +331,46 @@ def _forget_registry(key: str) -> None:
         ray.get(reg.delete.remote(key, e["step"]))
 
 
-def keep_in_object_store(key: str, step: int, uri: str, deleted: list[int]) -> None:
+def keep_in_object_store(
+    key: str, step: int, uri: str, deleted: list[int], adopting: list[Any]
+) -> None:
     """``checkpoint.object_store``: the registry (a detached actor, which then owns the object)
     puts the checkpoint just committed at ``uri`` into Ray's object store under ``key``
     (:func:`registry_key`), and drops the steps pruned from the directory, so that the store
-    holds what the directory holds."""
+    holds what the directory holds. The call is not waited for; its ref joins ``adopting``
+    (those still running), for :func:`wait_adopted` at the end of the run."""
+    import ray  # noqa: PLC0415
+
     reg = _registry(create=True)
-    reg.adopt.remote(key, step, uri)
+    if adopting:
+        _, adopting[:] = ray.wait(adopting, num_returns=len(adopting), timeout=0)
+    adopting.append(reg.adopt.remote(key, step, uri))
     for s in deleted:
         reg.delete.remote(key, s)
+
+
+def wait_adopted(adopting: list[Any], log: Any, timeout: float = 30.0) -> None:
+    """Wait for the registry to hold the checkpoints handed to it: a driver that exits first can
+    take its queued calls with it (a short run whose registry was still starting), leaving the
+    object store without them. A copy that did not arrive is reported, not raised: the
+    checkpoints on disk are committed all the same."""
+    if not adopting:
+        return
+    import ray  # noqa: PLC0415
+
+    ready, left = ray.wait(adopting, num_returns=len(adopting), timeout=timeout)
+    adopting.clear()
+    problems = [f"not confirmed within {timeout:g} s"] if left else []
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - any failure: the disk copy stands
+            problems.append(str(e).strip().splitlines()[-1])
+    if problems:
+        log(
+            "raysinga: the object store may lack a checkpoint's copy "
+            f"({'; '.join(problems)}); the directory holds it"
+        )
 
 
 def plan_verification(files: list[str], readers: int) -> list[list[str]]:
@@ -403,11 +434,12 @@ def open_run(
     src, ck, skipped = find_resume(root, cfg.name, cfg.checkpoint.object_store)
     _set_aside_skipped(root, skipped, log)
     if src is None:
+        where = f"{root}" + (" or in the object store" if cfg.checkpoint.object_store else "")
         if resume == "auto":
-            log(f"raysinga: no checkpoint of {cfg.name!r} in {root}: starting")
+            log(f"raysinga: no checkpoint of {cfg.name!r} in {where}: starting")
             return None, None
         raise CheckpointError(
-            f"--resume: no valid checkpoint of run {cfg.name!r} in {root}"
+            f"--resume: no valid checkpoint of run {cfg.name!r} in {where}"
             + (f" ({len(skipped)} invalid one(s) skipped)" if skipped else "")
             + "; run without --resume to start fresh"
         )
@@ -530,6 +562,7 @@ class LocalCheckpoints:
         self.seed, self.start, self.batch_offset = cfg.seed, 0, 0
         self.history: list[dict[str, Any]] = []
         self.metrics: Any = None  # the trainer's MetricsLog while its loop runs
+        self.adopting: list[Any] = []  # the object-store registry's calls still running
         self.params = trainer.net.init_params(cfg.seed)
         self.state = trainer.net.init_state()
         self.stop_signal: int | None = None
@@ -558,8 +591,11 @@ class LocalCheckpoints:
     def __exit__(self, *exc: object) -> None:
         for s, h in self._old.items():
             signal.signal(s, h)
-        if self.lock is not None:
-            self.lock.release()
+        try:
+            wait_adopted(self.adopting, self.t.log)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.stop_signal is not None:
@@ -675,7 +711,9 @@ class LocalCheckpoints:
             known_valid=step,
         )
         if cfg.checkpoint.object_store:
-            keep_in_object_store(registry_key(cfg.name, self.root), step, str(path), deleted)
+            keep_in_object_store(
+                registry_key(cfg.name, self.root), step, str(path), deleted, self.adopting
+            )
 
     def preempted(self, step: int) -> None:
         raise Preempted(self.stop_signal or signal.SIGTERM, step, self.saved)

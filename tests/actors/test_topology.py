@@ -28,6 +28,8 @@ MLP = {
         ({"preset": "hogwild", "n_groups": 2, "workers_per_group": 2}, r"one worker per group"),
         ({"preset": "allreduce", "workers_per_group": 2, "n_servers": 1}, r"must equal"),
         ({"staleness": -1}, r"topology.staleness"),
+        ({"preset": "hogwild", "n_groups": 2, "staleness": 2}, r"only the downpour preset bounds"),
+        ({"staleness": 1}, r"topology.staleness: only the downpour .*one synchronous group"),
         ({"worker": {"cpus": 0}}, r"topology.worker: a worker must reserve"),
         ({"worker": {"cores": 1}}, r"topology.worker: expected a mapping of cpus"),
         ({"servers": 2}, r"topology: unknown key\(s\) \['servers'\]"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,26 @@ def test_train_prints_progress_and_final_accuracy(tmp_path):
     assert "step 20/60" in r.stdout and "step 60/60  test_loss" in r.stdout
     assert "final test accuracy: 0." in r.stdout
     assert (tmp_path / "metrics.jsonl").is_file()
+
+
+def test_an_unreachable_cluster_is_one_line_at_once(tmp_path):
+    """Ray would retry an address nothing answers at for ever; the CLI says so and stops."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = raysinga(
+        "train",
+        str(ROOT / "examples/digits_mlp.yaml"),
+        *("--address", f"127.0.0.1:{port}", "--set", f"run_dir={tmp_path}"),
+        cwd=tmp_path,
+    )
+    assert r.returncode == 1
+    assert r.stderr.strip() == (
+        f"raysinga: error: cannot reach the Ray cluster at 127.0.0.1:{port}: Connection refused "
+        "(is `ray start --head` running there? --address and RAY_ADDRESS take the head's "
+        "host:port)"
+    )
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_bad_job_file_is_one_line_and_exit_2(tmp_path):

@@ -60,6 +60,16 @@ def test_sandblaster_matches_the_single_process_reference(
     assert relative_error(params, reference) <= 1e-5
 
 
+def test_clipping_matches_the_reference_and_reports_the_norm(ray_session, tmp_path):
+    clip = "updater.clip_norm=0.5"  # below the norms of the first steps: clipping happens
+    ref = Trainer(job(tmp_path / "ref", "null", clip), **QUIET).fit()
+    got = DistributedTrainer(job(tmp_path / "d", "{workers_per_group: 2}", clip), **QUIET).fit()
+    assert relative_error(got.params, ref.params) <= 1e-5
+    norms = [[r["grad_norm"] for r in res.history if r["kind"] == "train"] for res in (got, ref)]
+    assert len(norms[0]) == 2 and norms[0] == pytest.approx(norms[1], rel=1e-5)
+    assert norms[1][0] > 0.5
+
+
 def test_allreduce_places_a_server_with_each_worker_and_matches(ray_session, reference, tmp_path):
     cfg = job(tmp_path, "{preset: allreduce, workers_per_group: 2, slice_bytes: 8192}")
     trainer = DistributedTrainer(cfg, **QUIET)

@@ -258,6 +258,43 @@ def test_resume_from_the_object_store_after_the_disk_copy_is_gone(straight, tmp_
     assert tensors(tmp_path / "checkpoints/step-40") == tensors(straight[0] / "checkpoints/step-40")
 
 
+def test_a_short_job_that_starts_the_registry_leaves_its_checkpoints_in_it(ray_module, tmp_path):
+    """A job's calls to the registry are not waited for while it trains; one that ends first
+    (the registry just starting) would take them with it. The driver waits at the end."""
+    import ray
+
+    from raysinga.checkpoint import objstore
+
+    old = run_state._registry()
+    if old is not None:  # this job must start it
+        ray.kill(old)
+        deadline = time.monotonic() + 30
+        while run_state._registry() is not None:
+            assert time.monotonic() < deadline, "the old registry never went away"
+            time.sleep(0.1)
+    (tmp_path / "job.yaml").write_text(JOB)
+    # only the final checkpoint: the registry starts as the job ends
+    sets = ("train_steps=20", "checkpoint_frequency=0", "checkpoint.object_store=true")
+    sets += (f"run_dir={tmp_path}",)
+    cmd = [sys.executable, "-m", "raysinga.cli", "train", str(tmp_path / "job.yaml")]
+    cmd += ["--address", ray_module.get_runtime_context().gcs_address]
+    r = subprocess.run(
+        [*cmd, *(a for s in sets for a in ("--set", s))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    reg = objstore.registry(create=False)
+    key = run_state.registry_key("resume", tmp_path / "checkpoints")
+    try:
+        assert [e["step"] for e in ray.get(reg.list.remote(key))] == [20]
+        assert run_state._registry_entry(key)["step"] == 20  # its object is there, not lost
+    finally:
+        for e in ray.get(reg.list.remote(key)):
+            ray.get(reg.delete.remote(key, e["step"]))
+
+
 # --- bad input ----------------------------------------------------------------------------------
 
 
