@@ -55,7 +55,8 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
     if not sep or not port.isdigit() or "://" in address:
         return  # "auto", "local", ray:// client addresses: Ray's to resolve
     try:
-        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout).close()
+        host = host.strip("[]") or "127.0.0.1"  # "[::1]:6379": an IPv6 literal
+        socket.create_connection((host, int(port)), timeout=timeout).close()
     except OSError as e:
         raise ConnectError(
             f"cannot reach the Ray cluster at {address}: {e.strerror or e} (is `ray start "

@@ -358,9 +358,12 @@ def wait_adopted(adopting: list[Any], log: Any, timeout: float = 30.0) -> None:
         return
     import ray  # noqa: PLC0415
 
-    ready, left = ray.wait(adopting, num_returns=len(adopting), timeout=timeout)
+    try:
+        ready, left = ray.wait(adopting, num_returns=len(adopting), timeout=timeout)
+        problems = [f"not confirmed within {timeout:g} s"] if left else []
+    except Exception as e:  # noqa: BLE001 - Ray gone (an interrupted run): not this run's error
+        ready, problems = [], [repr(e)]
     adopting.clear()
-    problems = [f"not confirmed within {timeout:g} s"] if left else []
     for ref in ready:
         try:
             ray.get(ref)

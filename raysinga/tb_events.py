@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 SUBDIR = "tensorboard"  # under the run directory
-_SKIP = {"step", "time"}  # the x axis, and wall-clock instants that are not metrics
+# the x axis, wall-clock instants and role identifiers: numbers that are not metrics
+_SKIP = {"step", "time", "died", "index", "group"}
 
 
 def _crc32c_table() -> list[int]:

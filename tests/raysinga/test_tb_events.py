@@ -67,3 +67,11 @@ def test_off_by_default(tmp_path):
 def test_the_switch_must_be_a_boolean():
     with pytest.raises(config.ConfigError, match=r"^tensorboard: expected true or false"):
         config.load(EXAMPLES / "digits_mlp.yaml", ["tensorboard=yes please"])
+
+
+def test_only_metrics_become_scalars():
+    rec = {"kind": "failure", "step": 250, "role": "server", "index": 0, "group": None}
+    rec |= {"time": 1.7e9, "died": 1.7e9, "detection_s": 0.06, "restore_s": 3.5, "ok": True}
+    assert record_scalars(rec) == {"failure/detection_s": 0.06, "failure/restore_s": 3.5}
+    train = {"kind": "train", "step": 10, "loss": 0.5, "ms": {"compute": 1.0}}
+    assert record_scalars(train) == {"train/loss": 0.5}
