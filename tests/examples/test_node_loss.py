@@ -35,7 +35,9 @@ def test_the_node_loss_demo_shrinks_recovers_and_grows_back():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "--- removing node" in out and "--- adding a node" in out, out
-    events = [json.loads(x) for x in r.stdout.split("--- events\n")[1].splitlines()[:-1]]
+    after = r.stdout.split("--- events\n")[1].splitlines()
+    events = [json.loads(x) for x in after if x.startswith("{")]
+    assert after[-1].startswith("the run is in ") and "raysinga plot" in after[-1], out
     assert [(e["kind"], e["workers"]) for e in events] == [("failure", 1), ("resize", 2)], out
     assert events[0]["restored_from"] == 50 and events[0]["steps_redone"] == 10
     assert float(out.split("final test accuracy: ")[1].split()[0]) >= 0.9, out
