@@ -101,3 +101,16 @@ def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+def run_cli(*args: str, cwd=None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``raysinga ARGS`` as a user runs it: its own process, output captured."""
+    import sys  # noqa: PLC0415
+
+    return subprocess.run(
+        [sys.executable, "-m", "raysinga.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from conftest import run_cli
 
 from raysinga import checkpoint as C
 from raysinga.checkpoint import CheckpointError, TensorInfo
@@ -71,9 +70,7 @@ def test_a_checkpoint_of_m_servers_loads_into_n(tmp_path, m, n):
 
 
 def cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "raysinga.cli", *args], capture_output=True, text=True, timeout=120
-    )
+    return run_cli(*args, timeout=120)
 
 
 def test_inspect_verify_export_from_the_command_line(tmp_path):

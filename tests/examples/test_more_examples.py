@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -15,10 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def train(job: str, run_dir: Path, *sets: str) -> subprocess.CompletedProcess:
     """``raysinga train examples/JOB`` with ``--set`` overrides, in its own process."""
     overrides = [a for s in (*sets, f"run_dir={run_dir}") for a in ("--set", s)]
-    cmd = [sys.executable, "-m", "raysinga.cli", "train", str(ROOT / "examples" / job)]
-    return subprocess.run(
-        [*cmd, *overrides], capture_output=True, text=True, timeout=600, cwd=run_dir
-    )
+    return run_cli("train", str(ROOT / "examples" / job), *overrides, cwd=run_dir, timeout=600)
 
 
 @pytest.mark.slow

@@ -10,20 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 from raysinga.checkpoint import Checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def raysinga(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "raysinga.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+raysinga = run_cli
 
 
 def test_train_prints_progress_and_final_accuracy(tmp_path):

@@ -277,6 +277,24 @@ def remove_node_of(cluster, role) -> str:
     return node_id
 
 
+def lose_a_node_then_regain_one(cluster, trainer, role) -> tuple[list, list, list]:
+    """Log into ``trainer``: at step 15 remove the node of ``role()`` (the actor as running
+    then), ten steps later add a 1-CPU node. Returns the log lines and the nodes removed and
+    added, filled as the run goes."""
+    lines: list[str] = []
+    removed, added = [], []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if not removed and "step 15/" in line:
+            removed.append(remove_node_of(cluster, role()))
+        elif removed and not added and "step 25/" in line:
+            added.append(cluster.add_node(num_cpus=1))  # the room comes back
+
+    trainer.log = log
+    return lines, removed, added
+
+
 @pytest.fixture
 def spare_node_cluster():
     """A head with no CPUs and two 2-CPU nodes: a run fits on one, the other is the spare."""
@@ -324,18 +342,8 @@ def test_a_lost_node_without_spare_room_shrinks_the_group_then_grows_back(tight_
     want = DistributedTrainer(job(tmp_path / "straight"), log=lambda line: None).fit().params
     more = ("fault.min_workers=1", "fault.grow_check_s=0")
     t = DistributedTrainer(job(tmp_path / "elastic", *more), log=lambda line: None)
-    lines: list[str] = []
-    removed, added = [], []
-
-    def log(line: str) -> None:
-        lines.append(line)
-        if not removed and "step 15/" in line:
-            # worker 1's node; no other node has a CPU free
-            removed.append(remove_node_of(cluster, t.workers[0][1]))
-        elif removed and not added and "step 25/" in line:  # ten steps on one worker
-            added.append(cluster.add_node(num_cpus=1))  # the room comes back
-
-    t.log = log
+    # worker 1's node, where no other node has a CPU free; then ten steps on one worker
+    lines, removed, added = lose_a_node_then_regain_one(cluster, t, lambda: t.workers[0][1])
     res = t.fit()
     assert removed and added, lines
     assert_close(res.params, want, 1e-5)
@@ -362,17 +370,7 @@ def test_a_lost_node_drops_a_downpour_group_then_it_comes_back(tight_cluster, tm
         "fault.grow_check_s=0",
     )
     t = DistributedTrainer(job(tmp_path, *more), log=lambda line: None)
-    lines: list[str] = []
-    removed, added = [], []
-
-    def log(line: str) -> None:
-        lines.append(line)
-        if not removed and "step 15/" in line:
-            removed.append(remove_node_of(cluster, t.workers[1][0]))
-        elif removed and not added and "step 25/" in line:
-            added.append(cluster.add_node(num_cpus=1))
-
-    t.log = log
+    lines, removed, added = lose_a_node_then_regain_one(cluster, t, lambda: t.workers[1][0])
     res = t.fit()
     assert removed and added, lines
     assert res.history[-1]["step"] == 40

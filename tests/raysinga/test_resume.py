@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import start_ray, tensorboard_scalars
+from conftest import run_cli, start_ray, tensorboard_scalars
 
 from raysinga import config, run_state
 from raysinga.checkpoint import Checkpoint, CheckpointError, save, steps
@@ -276,14 +276,9 @@ def test_a_short_job_that_starts_the_registry_leaves_its_checkpoints_in_it(ray_m
     # only the final checkpoint: the registry starts as the job ends
     sets = ("train_steps=20", "checkpoint_frequency=0", "checkpoint.object_store=true")
     sets += (f"run_dir={tmp_path}",)
-    cmd = [sys.executable, "-m", "raysinga.cli", "train", str(tmp_path / "job.yaml")]
-    cmd += ["--address", ray_module.get_runtime_context().gcs_address]
-    r = subprocess.run(
-        [*cmd, *(a for s in sets for a in ("--set", s))],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    address = ray_module.get_runtime_context().gcs_address
+    overrides = [a for s in sets for a in ("--set", s)]
+    r = run_cli("train", str(tmp_path / "job.yaml"), "--address", address, *overrides)
     assert r.returncode == 0, r.stderr
     reg = objstore.registry(create=False)
     key = run_state.registry_key("resume", tmp_path / "checkpoints")
