@@ -16,6 +16,7 @@ import mmap
 import os
 import re
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,57 @@ class Layout:
             e.name: raw[e.offset : e.offset + e.nbytes].view(e.dtype).reshape(e.shape)
             for e in self.entries
         }
+
+
+SEQ = "__seq__"  # a writer's update counter, after its arrays: odd while an update is under way
+
+
+def with_seq(layout: Layout) -> Layout:
+    """``layout`` with an update counter after its arrays (a sequence lock, see
+    :func:`stable_copy`); views by ``layout`` alone still read the arrays."""
+    return Layout.of({**{e.name: (e.shape, e.dtype) for e in layout.entries}, SEQ: ((1,), "int64")})
+
+
+class UpdateGuard:
+    """The writer's side of the sequence lock: ``with guard:`` around every in-place update.
+    The counter goes odd before the first byte changes and even after the last, so it also
+    counts the updates applied (``version``)."""
+
+    def __init__(self, seq: np.ndarray) -> None:
+        self.seq = seq
+
+    @property
+    def version(self) -> int:
+        return int(self.seq[0]) // 2
+
+    def set_version(self, version: int) -> None:
+        self.seq[0] = 2 * version
+
+    def __enter__(self) -> None:
+        self.seq[0] += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.seq[0] += 1
+
+
+def stable_copy(src: np.ndarray, seq: np.ndarray, out: np.ndarray, wait_s: float = 1e-4) -> int:
+    """Copy ``src`` (bytes another process updates in place) into ``out`` as one consistent
+    state: retried while an update was under way or one happened during the copy. Returns the
+    writer's version of the copy.
+
+    A reader that computes over the values in place would see another group's update land in the
+    middle of its forward or backward pass; this copy is what a step computes on instead. The
+    writer's stores are ordered by the machine (x86 keeps stores in program order, and an update
+    ends by joining its threads), so an unchanged even counter around the copy means no byte
+    changed during it."""
+    while True:
+        before = int(seq[0])
+        if before & 1:  # an update is under way: let it finish
+            time.sleep(wait_s)
+            continue
+        np.copyto(out, src)
+        if int(seq[0]) == before:
+            return before // 2
 
 
 def _shm_dir() -> Path:

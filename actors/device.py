@@ -90,7 +90,7 @@ class ServerDevice(_Transfers):
 
     def __init__(self, layout: Layout, buf: SharedBuffer) -> None:
         super().__init__(layout, buf)
-        self.values = {k: self.cp.asarray(a) for k, a in buf.arrays.items()}
+        self.values = {e.name: self.cp.asarray(buf.arrays[e.name]) for e in layout.entries}
         self.grads = {k: self.cp.empty_like(v) for k, v in self.values.items()}
         self._copier = self.cp.cuda.Stream(non_blocking=True)
         self._slot_copies: dict[str, np.ndarray] = {}  # pinned, reused from one snapshot on

@@ -2,8 +2,10 @@
 
 A server creates the initial values of its own slices (a pure function of the seed and the
 parameter name), so parameters never pass through the driver. ``update`` applies a group's summed
-gradient to every slice in place and bumps the slices' versions; readers on the server's node see
-the new values through shared memory, readers elsewhere through a snapshot in the object store.
+gradient to every slice in place and bumps the slices' version; readers on the server's node see
+the new values through shared memory (asynchronous groups copy them under a sequence lock, so a
+step never mixes two versions of a server's values), readers elsewhere through a snapshot in the
+object store.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 from raysinga.model import ModelSpec, Net
 from raysinga.optim import make_optimizer
 
-from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
+from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, UpdateGuard, with_seq
 from .device import ServerDevice
 from .doorbell import Doorbell
 from .errors import reports_role
@@ -52,7 +54,10 @@ class ParamServer:
         net = Net(ModelSpec.from_dict(model), dtype=dtype)
         self.layout = Layout.of({s.name: ((s.size,), dtype) for s in self.slices})
         self.node = node_id()
-        self.buf = SharedBuffer(f"{tag}-server{index}", self.layout, self.node)
+        self.buf = SharedBuffer(f"{tag}-server{index}", with_seq(self.layout), self.node)
+        # Asynchronous groups read the values while others update them: readers copy under
+        # this sequence lock, whose counter is also the version (updates applied) of the slices.
+        self.guard = UpdateGuard(self.buf.arrays[SEQ])
         for s in self.slices:
             self.buf.arrays[s.name][...] = net.init_param(s.param, seed).reshape(-1)[
                 s.start : s.stop
@@ -68,7 +73,6 @@ class ParamServer:
         self._copy_wait = 0.0  # seconds the update after the last snapshot waited for its copy
         # Servers work while the workers wait for them, so spread updates over the node's cores.
         self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
-        self.versions = np.zeros(len(self.slices), np.int64)
         self.remote_readers = False
         self._published: Any = None
         self._attached = Attachments()
@@ -141,28 +145,21 @@ class ParamServer:
             g = self.gpu.upload_grads({s.name: g[s.name] for s in self.slices})
             for s in self.slices:
                 self.optimizer.update(step, s.name, self.gpu.values[s.name], g[s.name])
-            self.gpu.publish()
+            with self.guard:
+                self.gpu.publish()
         else:
-            for s in self.slices:
-                self.optimizer.update(step, s.name, self.buf.arrays[s.name], g[s.name], self.pool)
-        self.versions += 1
+            with self.guard:
+                for s in self.slices:
+                    self.optimizer.update(
+                        step, s.name, self.buf.arrays[s.name], g[s.name], self.pool
+                    )
         ref = self._publish()
-        return int(self.versions.min()), ref, time.perf_counter() - t0
+        return self.guard.version, ref, time.perf_counter() - t0
 
     @reports_role
     def latest(self) -> tuple[int, Any]:
         """The current version and its published snapshot (None without remote readers)."""
-        return int(self.versions.min()), self._published
-
-    @reports_role
-    def get(self, min_version: int = 0) -> tuple[int, Any]:
-        """The current values as a snapshot ref, refusing to serve values older than asked."""
-        version = int(self.versions.min())
-        if version < min_version:
-            raise RuntimeError(f"asked for version >= {min_version}, have {version}")
-        import ray  # noqa: PLC0415
-
-        return version, ray.put(self.buf.snapshot())
+        return self.guard.version, self._published
 
     @reports_role
     def values(self) -> dict[str, np.ndarray]:
@@ -245,8 +242,7 @@ class ParamServer:
             for s in self.slices:
                 a = values[s.name]
                 slots[s.name] = {n: np.empty(a.shape, a.dtype) for n in slot_names}
-        version = int(self.versions.min()) if len(self.versions) else 0
-        return run_state.slice_tensors(self.slices, self.shapes, values, slots, version)
+        return run_state.slice_tensors(self.slices, self.shapes, values, slots, self.guard.version)
 
     def _image_for(self, live: list) -> Any:
         """The shard image to copy ``live`` into: the one kept from the last checkpoint (or
@@ -361,7 +357,7 @@ class ParamServer:
                     "counts": counts,
                 }
             )
-            self.versions[:] = max(counts.values(), default=0)
+            self.guard.set_version(max(counts.values(), default=0))
         if self.gpu is not None:
             self.gpu.reload()
         self._publish()

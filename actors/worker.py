@@ -12,13 +12,14 @@ from typing import Any
 
 import numpy as np
 
+from raysinga.cursor import DataCursor
 from raysinga.data import BatchPlan, has_split, load_dataset
 from raysinga.kernels import to_numpy
 from raysinga.layers import StepContext
 from raysinga.model import ModelSpec, Net
 from raysinga.trainer import evaluate
 
-from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
+from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, stable_copy
 from .device import WorkerDevice
 from .doorbell import Doorbell
 from .errors import reports_role
@@ -38,13 +39,25 @@ def server_layouts(slices: list[Slice], n_servers: int, dtype: str) -> list[Layo
 
 
 class ParamReader:
-    """Whole parameters from per-server sources (a shared-memory handle or a snapshot array)."""
+    """Whole parameters from per-server sources (a shared-memory handle or a snapshot array).
+
+    ``consistent``: values in shared memory are copied under the server's sequence lock first
+    (asynchronous groups: another group's update may land while this one computes); otherwise
+    they are read in place (one synchronous group: the servers update only between steps)."""
 
     def __init__(
-        self, shapes: dict[str, tuple[int, ...]], slices: list[Slice], n_servers: int, dtype: str
+        self,
+        shapes: dict[str, tuple[int, ...]],
+        slices: list[Slice],
+        n_servers: int,
+        dtype: str,
+        consistent: bool = False,
     ) -> None:
         self.shapes, self.dtype = shapes, dtype
         self.layouts = server_layouts(slices, n_servers, dtype)
+        self._private = (
+            [np.empty(lay.nbytes, np.uint8) for lay in self.layouts] if consistent else []
+        )
         self.pieces = {
             p: sorted((s for s in slices if s.param == p), key=lambda s: s.start) for p in shapes
         }
@@ -56,8 +69,8 @@ class ParamReader:
 
     def read(self, sources: tuple[ShmHandle | np.ndarray, ...]) -> dict[str, np.ndarray]:
         views = [
-            self._att.views(src) if isinstance(src, ShmHandle) else lay.views(src)
-            for src, lay in zip(sources, self.layouts, strict=True)
+            self._view(k, src, lay)
+            for k, (src, lay) in enumerate(zip(sources, self.layouts, strict=True))
         ]
         out = {}
         for p, shape in self.shapes.items():
@@ -70,6 +83,15 @@ class ParamReader:
                     flat[s.start : s.stop] = views[s.server][s.name]
                 out[p] = self._joined[p]
         return out
+
+    def _view(self, k: int, src: ShmHandle | np.ndarray, lay: Layout) -> dict[str, np.ndarray]:
+        if not isinstance(src, ShmHandle):
+            return lay.views(src)  # a snapshot: a consistent copy already
+        if not self._private:
+            return self._att.views(src)
+        flat = self._att.flat(src)[: lay.nbytes]
+        stable_copy(flat, self._att.views(src)[SEQ], self._private[k])
+        return lay.views(self._private[k])
 
 
 class Worker:
@@ -95,12 +117,12 @@ class Worker:
         self.n_groups, self.group_batch = n_groups, group_batch
         self.net = Net(ModelSpec.from_dict(model), dtype=dtype)
         self.state = self.net.init_state()
-        self.batch_offset = 0  # the data cursor's offset (a resumed run's, else 0)
+        self.cursor = DataCursor()  # a resumed run's, else from the start
         self.train = load_dataset(data, split="train")
         self.test = load_dataset(data, split="test") if has_split(data, "test") else None
         self.plan = BatchPlan(len(self.train), group_batch, seed, shuffle)
         shapes = self.net.param_shapes()
-        self.reader = ParamReader(shapes, slices, n_servers, dtype)
+        self.reader = ParamReader(shapes, slices, n_servers, dtype, consistent=n_groups > 1)
         self.node = node_id()
         self.grads = SharedBuffer(
             f"{tag}-g{group}w{index}",
@@ -120,7 +142,7 @@ class Worker:
 
     def batch_index(self, step: int) -> int:
         """Groups take turns through one data order, so no two groups train on one batch."""
-        return step * self.n_groups + self.group + self.batch_offset
+        return self.cursor.batch(step, self.group, self.n_groups)
 
     @reports_role
     def get_state(self) -> dict[str, np.ndarray]:
@@ -128,13 +150,13 @@ class Worker:
         return {k: np.array(to_numpy(v), copy=True) for k, v in self.state.items()}
 
     @reports_role
-    def restore(self, state: dict[str, np.ndarray], batch_offset: int) -> None:
+    def restore(self, state: dict[str, np.ndarray], cursor: DataCursor) -> None:
         """Resume: saved non-trainable state (what of it there is) and the data cursor."""
         for k, v in state.items():
             if k not in self.state or self.state[k].shape != v.shape:
                 raise ValueError(f"worker state {k!r} does not fit this model")
             self.state[k][...] = v if self.gpu is None else self.gpu.asarray(v)
-        self.batch_offset = batch_offset
+        self.cursor = cursor
 
     @reports_role
     def compute(

@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"raysinga: error: {e}", file=sys.stderr)
         return 1
-    except RuntimeError as e:  # a role failed, or the cluster cannot hold the topology
+    except (RuntimeError, FloatingPointError) as e:  # a role failed, the cluster cannot hold
+        # the topology, or the loss went non-finite
         print(f"raysinga: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -9,6 +9,7 @@ down on success, failure or Ctrl-C.
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import threading
 import time
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import run_state
+from . import data_identity, run_state
 from .actors import cluster
 from .actors.errors import ActorLost, get_all
 from .actors.server import ParamServer
@@ -30,10 +31,11 @@ from .checkpoint import Checkpoint, CheckpointError, storage, writer
 from .checkpoint.manage import prune
 from .checkpoint.storage import RunLock
 from .config import JobConfig
+from .cursor import DataCursor
 from .data import load_dataset
 from .model import Net
 from .optim import make_optimizer
-from .trainer import MetricsLog, TrainResult, _check_fits, _format
+from .trainer import MetricsLog, NonFiniteLoss, TrainResult, _check_fits, _format
 
 ROLE_CLASSES = {"server": ParamServer, "worker": Worker, "stub": Stub}
 
@@ -94,6 +96,7 @@ class DistributedTrainer:
         train = load_dataset(cfg.data.source, split="train")
         _check_fits(self.net, train)
         self.n_train = len(train)
+        self.data = data_identity.identity(train, cfg.data.batch_size, cfg.data.shuffle)
         if cfg.data.batch_size < self.topo.workers_per_group:
             raise ValueError(
                 f"data.batch_size {cfg.data.batch_size} is smaller than "
@@ -115,13 +118,15 @@ class DistributedTrainer:
         self.source: run_state.Source | None = None  # what this run starts from, if anything
         self.start_info: dict[str, Any] | None = None  # its run state (resume)
         self.steps0: list[int] = [0] * self.topo.n_groups
-        self.batch_offset = 0
+        self.cursor = DataCursor()
         self.history0: list[dict[str, Any]] = []
         self.pending: dict[str, Any] | None = None  # the checkpoint being written
         self.saved: list[dict[str, Any]] = []  # per checkpoint: step, path, blocked, seconds
         self.stop_signal: int | None = None
         self.seed = cfg.seed
-        self.saved_steps: set[int] = set()  # steps with a checkpoint (made or resumed from)
+        # Checkpointed steps (made or resumed from), each with its groups' steps: asynchronous
+        # groups at [T-2, T] are saved as step T, which the state [T, T] must later replace.
+        self.saved_at: dict[int, tuple[int, ...]] = {}
         self.init_names: dict[str, str] = {}
         self.start_ck: Checkpoint | None = None  # opened with size checks, in the driver
         self.tag = ""  # names the shared-memory files of the roles spawned last
@@ -133,6 +138,7 @@ class DistributedTrainer:
         self.t_grow = 0.0  # when room to grow back was last looked for
         self.max_chunk = 1 << 30
         self.servers: list[Any] = []
+        self.chunks: dict[Any, tuple[int, int, int]] = {}  # the loop's chunks still running
         self.workers: list[list[Any]] = []
         self.stubs: list[Any] = []
         self.placement: cluster.Placement | None = None
@@ -298,6 +304,10 @@ class DistributedTrainer:
             ray.kill(a)
         if actors and len(done) < len(actors):  # some could not unlink their files themselves
             cluster.remove_shared_files(self.tag)
+        for ref in self.chunks:  # ended with their actors: fetched, so Ray does not report
+            with contextlib.suppress(Exception):  # each as an unhandled error
+                ray.get(ref, timeout=5)
+        self.chunks = {}
         if self.placement is not None:
             remove_placement_group(self.placement.pg)
         self.servers, self.workers, self.stubs, self.placement = [], [], [], None
@@ -325,17 +335,19 @@ class DistributedTrainer:
     def _adopt(self, src: run_state.Source, ck: Checkpoint) -> None:
         """Start from ``ck``, a checkpoint of this run: steps, data cursor, seed, history."""
         info = run_state.run_info(ck)
-        run_state.check_fits(ck, self.shapes)
-        self.steps0, self.batch_offset = run_state.cursor_for(info, self.topo.n_groups)
+        run_state.check_fits(ck, self.shapes, self.net.dtype)
+        data_identity.check_resume(ck, info, self.data)
+        self.steps0, self.cursor = run_state.cursor_for(info, self.topo.n_groups)
         if len(info["steps"]) != self.topo.n_groups:
             self.log(
                 f"raysinga: {len(info['steps'])} group(s) saved, {self.topo.n_groups} "
-                f"now: all start at step {self.steps0[0]}"
+                f"now: all start at step {self.steps0[0]}, skipping the batches the faster "
+                "groups had taken"
             )
         self.seed = int(info["rng"]["seed"])
         self.history0 = [r for r in info["history"] if r.get("step", 0) <= max(self.steps0)]
         self.source, self.start_info, self.start_ck = src, info, ck
-        self.saved_steps = {ck.step}
+        self.saved_at = {ck.step: tuple(int(s) for s in info["steps"])}
         self.log(
             f"raysinga: resuming {self.cfg.name!r} at step {max(self.steps0)} from {src.label}"
         )
@@ -377,7 +389,7 @@ class DistributedTrainer:
         for g, row in enumerate(self.workers):
             for i, w in enumerate(row):
                 st = run_state.worker_state(ck, g, i, state_names)
-                calls.append(w.restore.remote(st, self.batch_offset if resume else 0))
+                calls.append(w.restore.remote(st, self.cursor if resume else DataCursor()))
         self._get(calls, "worker")
         self.log(f"raysinga: loaded {self.source.label} in {time.perf_counter() - t0:.2f} s")
 
@@ -387,11 +399,12 @@ class DistributedTrainer:
         background; the previous checkpoint, if still writing, is finished first."""
         self._finish_checkpoint(wait=True)
         step = max(done)
-        if step in self.saved_steps:
+        if self.saved_at.get(step) == tuple(done):
             return
+        replace = step in self.saved_at
         cfg = self.cfg
         t0 = time.perf_counter()
-        tmp = writer.begin(self.ck_root, step)
+        tmp = writer.begin(self.ck_root, step, replace=replace)
         try:
             infos = self._get(
                 [
@@ -409,11 +422,12 @@ class DistributedTrainer:
             storage.remove_dir(tmp)
             raise
         meta = run_state.run_meta(
-            cfg, done, self.batch_offset, optimizer, history, step, seed=self.seed
+            cfg, done, self.cursor, optimizer, history, step, seed=self.seed, data=self.data
         )
-        self.saved_steps.add(step)
+        self.saved_at[step] = tuple(done)
         self.pending = {
             "step": step,
+            "replace": replace,
             "tmp": tmp,
             "states": states,
             "meta": meta,
@@ -442,7 +456,9 @@ class DistributedTrainer:
                 run_state.state_tensors(p["states"]),
                 self.cfg.checkpoint.compression,
             )
-            path = writer.commit(p["tmp"], p["step"], [*p["records"], state], p["meta"])
+            path = writer.commit(
+                p["tmp"], p["step"], [*p["records"], state], p["meta"], replace=p["replace"]
+            )
         except BaseException as e:
             from ray.exceptions import ObjectLostError  # noqa: PLC0415
 
@@ -648,8 +664,8 @@ class DistributedTrainer:
     def _start_over(self) -> None:
         if self.start_info is not None:  # resumed, but its checkpoint is gone since
             raise CheckpointError(f"{self.ck_root}: the checkpoint this run resumed from is gone")
-        self.steps0, self.batch_offset = [0] * self.topo.n_groups, 0
-        self.history0, self.saved_steps = [], set()
+        self.steps0, self.cursor = [0] * self.topo.n_groups, DataCursor()
+        self.history0, self.saved_at = [], {}
 
     def _chunk_end(self, s: int) -> int:
         cfg = self.cfg
@@ -671,6 +687,7 @@ class DistributedTrainer:
         done = list(self.steps0)
         self.progress = max(done)
         pending: dict[Any, tuple[int, int, int]] = {}
+        self.chunks = pending  # for shutdown, should the loop end with an error
         result = TrainResult({}, {}, list(self.history0))
         window: list[dict[str, float]] = []
         t_window = t_ckpt = time.perf_counter()
@@ -723,7 +740,11 @@ class DistributedTrainer:
                     continue
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 g, s, e = pending.pop(ready[0])
-                window += self._get(ready, "stub", g)[0]
+                recs = self._get(ready, "stub", g)[0]
+                bad = next((r for r in recs if not math.isfinite(r["loss"])), None)
+                if bad is not None:  # before any checkpoint can take the state it leads to
+                    raise NonFiniteLoss(bad["loss"], bad["step"], g if G > 1 else None)
+                window += recs
                 done[g] = e
                 self.progress = max(done)
                 self._tune_chunks(window)

@@ -14,7 +14,11 @@ The manifest's ``meta["run"]`` holds everything else resume needs::
     model       {"digest": ModelSpec.digest(), "spec": ...}
     topology    the topology that wrote it (informative: a different one reshards)
     steps       steps done per group
-    cursor      {"batch_offset": B}: group g's next batch is steps[g] * n_groups + g + B
+    data        what the cursor assumes of the data: batch size, order, sample count and
+                shape, a digest of some rows (raysinga.data_identity); checked on resume
+    cursor      {"batch_offset": B, "skip": [...]}: group g's batch at step s is slot
+                s * n_groups + g + B of the run's data order, where slot k is the k-th batch
+                index not in skip (batches consumed out of turn; see raysinga.cursor)
     rng         {"seed": S}: the seed of initialisation, data order and dropout masks; every
                 random draw is a pure function of it and of step/sample counters, so the
                 seed is the whole RNG state
@@ -35,12 +39,14 @@ from typing import Any
 
 import numpy as np
 
+from . import data_identity
 from .checkpoint import Checkpoint, CheckpointError, Location, storage, writer
 from .checkpoint.finetune import MatchReport, match
 from .checkpoint.format import TensorInfo
-from .checkpoint.manage import latest, prune, steps
+from .checkpoint.manage import latest, prune, recover, remove_staged, steps
 from .checkpoint.reader import _hash_file
 from .checkpoint.storage import RunLock
+from .cursor import DataCursor
 
 RUN_FORMAT = 1
 WORKER_PREFIX = "worker/"
@@ -139,11 +145,12 @@ def merge_optimizer(parts: list[dict[str, Any]]) -> dict[str, Any]:
 def run_meta(
     cfg: Any,
     steps: list[int],
-    batch_offset: int,
+    cursor: DataCursor,
     optimizer: dict[str, Any],
     history: list[dict[str, Any]],
     step: int,
     seed: int | None = None,
+    data: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The manifest meta of the training checkpoint of ``step`` (see the module's docstring)."""
     topo = cfg.topology.to_dict() if cfg.topology is not None else None
@@ -155,9 +162,10 @@ def run_meta(
             "model": {"digest": cfg.model.digest(), "spec": cfg.model.to_dict()},
             "topology": topo,
             "steps": list(steps),
-            "cursor": {"batch_offset": batch_offset},
+            "cursor": cursor.to_dict(),
             "rng": {"seed": cfg.seed if seed is None else seed},
             "optimizer": optimizer,
+            "data": data,
             "history": history,
             "best": best_eval(history),
             "config": cfg.raw,
@@ -229,8 +237,24 @@ def run_info(ck: Checkpoint) -> dict[str, Any]:
     return run
 
 
-def check_fits(ck: Checkpoint, shapes: dict[str, tuple[int, ...]]) -> MatchReport:
-    """Resume needs every parameter by name and shape: anything else is refused with the list."""
+def check_fits(
+    ck: Checkpoint, shapes: dict[str, tuple[int, ...]], dtype: Any = None
+) -> MatchReport:
+    """Resume needs every parameter by name and shape, and (given ``dtype``) its values and
+    optimizer slots in that dtype: anything else is refused with the list."""
+    if dtype is not None:
+        want = np.dtype(dtype).name
+        wrong = [
+            f"{n} ({ck.info(n).dtype})"
+            for n in ck.names("param") + ck.names("slot")
+            if ck.info(n).dtype != want
+        ]
+        if wrong:
+            raise CheckpointError(
+                f"{ck.location}: the run trains in {want} but the checkpoint holds "
+                f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}; resume with the "
+                "checkpoint's dtype, or start a new run from it with --init-from (which casts)"
+            )
     stored = {n: ck.info(n).shape for n in ck.names("param")}
     report = MatchReport()
     for n, shape in stored.items():
@@ -417,9 +441,13 @@ def open_run(
 ) -> tuple[Source | None, Checkpoint | None]:
     """Decide what a run starts from (the caller holds the run's lock): the newest valid
     checkpoint when resuming, nothing otherwise. A fresh start over existing checkpoints is
-    refused unless ``fresh``, which deletes them."""
+    refused unless ``fresh``, which deletes them. First, a replace of a checkpoint cut short
+    by a crash is finished or undone (only the lock holder may)."""
+    for done in recover(root):
+        log(f"raysinga: {done}")
     have = steps(root)
     if fresh and have:
+        remove_staged(root)  # while their steps stand: a staged one alone would be restored
         for s in have:
             storage.remove_dir(root.join(f"step-{s}"))
         log(f"raysinga: --fresh: deleted {len(have)} checkpoint(s) in {root}")
@@ -490,12 +518,14 @@ def verify_start(
 def set_aside(root: Location, name: str) -> str:
     """Move the committed checkpoint directory ``name`` that failed validation out of the way,
     to ``<name>.invalid-<id>`` beside it: kept for a look, ignored by readers, and out of the
-    way of the resumed run, which writes that step again (a checkpoint is never overwritten)."""
+    way of the resumed run, which writes that step again (without ``replace``, a checkpoint is
+    never overwritten). On object stores the move is a copy of every object, then a delete
+    (storage.move_dir)."""
     import uuid  # noqa: PLC0415
 
     src, dst = root.join(name), root.join(f"{name}.invalid-{uuid.uuid4().hex[:8]}")
     try:
-        src.fs.move(src.path, dst.path)
+        storage.move_dir(src, dst)
     except Exception as e:  # pyarrow raises OSError, or NotImplementedError on some stores
         raise CheckpointError(
             f"{src}: failed validation and could not be moved aside ({e}); move or delete it, "
@@ -505,9 +535,14 @@ def set_aside(root: Location, name: str) -> str:
 
 
 def _set_aside_skipped(root: Location, skipped: list, log: Any) -> None:
-    """Checkpoints newer than the one resumed from that failed validation: set aside."""
+    """Checkpoints newer than the one resumed from that failed validation: set aside. On an
+    object store one without a manifest is an interrupted in-place write, garbage: removed."""
     for where, why in skipped:
-        moved = set_aside(root, where.rstrip("/").rsplit("/", 1)[-1])
+        name = where.rstrip("/").rsplit("/", 1)[-1]
+        if not root.local and storage.remove_unfinished(root.join(name)):
+            log(f"raysinga: skipping {where}: {why}; removed (a write cut short)")
+            continue
+        moved = set_aside(root, name)
         log(f"raysinga: skipping {where}: {why}; moved aside to {moved}")
 
 
@@ -533,16 +568,16 @@ class _Shape:
     shape: tuple[int, ...]
 
 
-def cursor_for(info: dict[str, Any], n_groups: int) -> tuple[list[int], int]:
-    """Steps per group and the batch offset for ``n_groups`` groups, from a checkpoint's run
+def cursor_for(info: dict[str, Any], n_groups: int) -> tuple[list[int], DataCursor]:
+    """Steps per group and the data cursor for ``n_groups`` groups, from a checkpoint's run
     state: the same groups continue where they were; a different number of groups starts at
-    the slowest one's step, at the data position the run had reached there."""
+    the slowest one's step, skipping the batches the faster ones took (:mod:`.cursor`)."""
     saved = [int(s) for s in info["steps"]]
-    offset = int(info["cursor"]["batch_offset"])
-    if len(saved) == n_groups:
-        return saved, offset
-    base = min(saved)
-    return [base] * n_groups, offset + base * (len(saved) - n_groups)
+    try:
+        cursor = DataCursor.from_dict(info["cursor"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"run state: malformed data cursor {info['cursor']!r}: {e}") from e
+    return cursor.regroup(saved, n_groups)
 
 
 def init_source(where: Any) -> Source:
@@ -562,14 +597,17 @@ class LocalCheckpoints:
     def __init__(self, trainer: Any) -> None:
         self.t, cfg = trainer, trainer.cfg
         self.root = storage.resolve(cfg.checkpoint_dir)
-        self.seed, self.start, self.batch_offset = cfg.seed, 0, 0
+        self.seed, self.start, self.cursor = cfg.seed, 0, DataCursor()
+        self.data = data_identity.identity(
+            trainer.train_data, cfg.data.batch_size, cfg.data.shuffle
+        )
         self.history: list[dict[str, Any]] = []
         self.metrics: Any = None  # the trainer's MetricsLog while its loop runs
         self.adopting: list[Any] = []  # the object-store registry's calls still running
         self.params = trainer.net.init_params(cfg.seed)
         self.state = trainer.net.init_state()
         self.stop_signal: int | None = None
-        self.saved_steps: set[int] = set()
+        self.saved_at: dict[int, tuple[int, ...]] = {}  # step -> the groups' steps saved there
         self.saved: list[dict[str, Any]] = []
         self.lock: RunLock | None = None
         self._old: dict[int, Any] = {}
@@ -615,7 +653,8 @@ class LocalCheckpoints:
         if src is not None and ck is not None:
             src, ck = verify_start(self.root, cfg, src, ck, _verify_all, t.log)
             info = run_info(ck)
-            check_fits(ck, shapes)
+            check_fits(ck, shapes, t.net.dtype)
+            data_identity.check_resume(ck, info, self.data)
             self.params = {p: np.array(ck.array(p)) for p in shapes}
             self._load_state(ck)
             opt = info["optimizer"]
@@ -630,10 +669,10 @@ class LocalCheckpoints:
                     "counts": {p: int(opt["counts"].get(p, 0)) for p in shapes},
                 }
             )
-            (self.start,), self.batch_offset = cursor_for(info, 1)
+            (self.start,), self.cursor = cursor_for(info, 1)
             self.seed = int(info["rng"]["seed"])
             self.history = [r for r in info["history"] if r.get("step", 0) <= self.start]
-            self.saved_steps.add(ck.step)
+            self.saved_at[ck.step] = tuple(int(s) for s in info["steps"])
             t.log(f"raysinga: resuming {cfg.name!r} at step {self.start} from {src.label}")
         elif t.init_from is not None:
             src, ck, names = open_init(t.init_from, shapes, t.log)
@@ -656,8 +695,10 @@ class LocalCheckpoints:
         from .kernels import to_numpy  # noqa: PLC0415
 
         cfg = self.t.cfg
-        if (final and not cfg.checkpoint.final) or step in self.saved_steps or step == 0:
+        if (final and not cfg.checkpoint.final) or self.saved_at.get(step) == (step,) or step == 0:
             return
+        # A Downpour checkpoint resumed here may hold other groups' steps under this number.
+        replace = step in self.saved_at
         t0 = time.perf_counter()
         shapes = self.t.net.param_shapes()
         slices = [_WholeSlice(p, int(np.prod(s))) for p, s in shapes.items()]
@@ -668,7 +709,7 @@ class LocalCheckpoints:
             p, _, slot = key.rpartition("/")
             slots.setdefault(slice_of[p], {})[slot] = to_numpy(arr).reshape(-1)
         values = {s.name: to_numpy(params[s.param]).reshape(-1) for s in slices}
-        tmp = writer.begin(self.root, step)
+        tmp = writer.begin(self.root, step, replace=replace)
         try:
             shard = writer.write_shard(
                 tmp,
@@ -688,13 +729,15 @@ class LocalCheckpoints:
                 "schedule": st["schedule"],
                 "counts": {p: int(st["counts"].get(p, 0)) for p in shapes},
             }
-            meta = run_meta(cfg, [step], self.batch_offset, opt, history, step, seed=self.seed)
-            path = writer.commit(tmp, step, [shard, st_shard], meta)
+            meta = run_meta(
+                cfg, [step], self.cursor, opt, history, step, seed=self.seed, data=self.data
+            )
+            path = writer.commit(tmp, step, [shard, st_shard], meta, replace=replace)
         except BaseException:
             storage.remove_dir(tmp)
             raise
         seconds = time.perf_counter() - t0
-        self.saved_steps.add(step)
+        self.saved_at[step] = (step,)
         self.saved.append({"step": step, "path": str(path), "seconds": seconds})
         self.t.log(f"raysinga: checkpoint step {step} -> {path} (written in {seconds:.2f} s)")
         if self.metrics is not None:  # training waits for the whole write in this process

@@ -146,7 +146,7 @@ class Trainer:
                 if ckpts.stop_signal is not None:
                     ckpts.save(step, params, state, result.history, final=True)
                     ckpts.preempted(step)
-                b = step + ckpts.batch_offset
+                b = ckpts.cursor.batch(step)
                 epoch, _ = self.plan.cursor(b)
                 x, y = self.train_data.get(self.plan.indices(b))
                 ctx = StepContext(train=True, seed=seed, step=b)
@@ -154,9 +154,7 @@ class Trainer:
                     params, state, xp.asarray(x, dtype), xp.asarray(y), ctx
                 )
                 if not np.isfinite(loss):
-                    raise FloatingPointError(
-                        f"loss is {loss} at step {step}: lower updater.lr or set updater.clip_norm"
-                    )
+                    raise NonFiniteLoss(loss, step)
                 grad_norm = clip_grad_norm(grads, cfg.clip_norm) if cfg.clip_norm else None
                 lr = self.optimizer.lr(step)
                 self.optimizer.update_all(step, params, grads)
@@ -203,6 +201,18 @@ class Trainer:
         result.params = {k: K.to_numpy(v) for k, v in params.items()}
         result.state = {k: K.to_numpy(v) for k, v in state.items()}
         return result
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The loss became NaN or infinite: the run stops before anything of it is checkpointed."""
+
+    def __init__(self, loss: float, step: int, group: int | None = None) -> None:
+        where = f"step {step}" if group is None else f"step {step} of group {group}"
+        super().__init__(
+            f"loss is {loss} at {where}; the run stops, its last checkpoint is from before: "
+            "lower updater.lr or set updater.clip_norm"
+        )
+        self.step, self.group = step, group
 
 
 def _resolve_device(want: str) -> str:

@@ -1,13 +1,15 @@
-"""Run directories of checkpoints: save in one call, find the newest valid one, prune."""
+"""Run directories of checkpoints: save in one call, find the newest valid one, prune, and
+recover from a replace cut short."""
 
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import storage, writer
-from .format import STEP_DIR, CheckpointError, TensorInfo
+from .format import MANIFEST, STEP_DIR, CheckpointError, TensorInfo
 from .reader import Checkpoint
 from .storage import Location, RunLock
 
@@ -33,14 +35,16 @@ def save(
     meta: dict[str, Any] | None = None,
     compression: str | None = None,
     lock: bool = True,
+    replace: bool = False,
 ) -> Location:
-    """Save whole tensors as a one-shard checkpoint ``<root>/step-<step>`` (single process)."""
+    """Save whole tensors as a one-shard checkpoint ``<root>/step-<step>`` (single process);
+    ``replace``: over a committed one of that step (see :func:`writer.commit`)."""
     root = storage.resolve(root)
     run_lock = RunLock(root) if lock else None
     if run_lock:
         run_lock.acquire()
     try:
-        tmp = writer.begin(root, step)
+        tmp = writer.begin(root, step, replace=replace)
         try:
             pairs = (
                 tensors_of(params, "param")
@@ -48,7 +52,7 @@ def save(
                 + tensors_of(state or {}, "state")
             )
             shard = writer.write_shard(tmp, 0, pairs, compression)
-            return writer.commit(tmp, step, [shard], meta)
+            return writer.commit(tmp, step, [shard], meta, replace=replace)
         except BaseException:
             storage.remove_dir(tmp)
             raise
@@ -111,6 +115,10 @@ def prune(
 def _prune(
     root: Location, keep_last: int, keep_every: int | None, known_valid: int | None
 ) -> list[int]:
+    # Replaces cut short first (an unfinished step-N may be mid-replace); then the staging
+    # directories, while their steps stand (remove_dir keeps one that is its step's only copy).
+    recover(root)
+    remove_staged(root)
     all_steps = steps(root)
     if not root.local:  # written in place there: a step directory without a manifest is unfinished
         all_steps = [s for s in all_steps if not storage.remove_unfinished(root.join(f"step-{s}"))]
@@ -129,7 +137,56 @@ def _prune(
         if s not in keep:
             storage.remove_dir(root.join(f"step-{s}"))
             deleted.append(s)
+    return deleted
+
+
+def remove_staged(root: Location) -> None:
+    """Remove what writers left in ``step-N.tmp-<id>`` directories (the caller holds the lock,
+    so none is being written)."""
     for d in storage.list_dirs(root):
         if ".tmp-" in d and STEP_DIR.match(d.split(".tmp-")[0]):
             storage.remove_dir(root.join(d))
-    return deleted
+
+
+REPLACED_DIR = re.compile(r"^(step-\d+)\.replaced-")
+
+
+def recover(root: str | Location) -> list[str]:
+    """Finish or undo replaces of a checkpoint (``writer.commit(..., replace=True)``) cut short
+    by a crash, so that the step again has a whole checkpoint, old or new. For the run's
+    writer, holding its lock, before it reads the run; returns what it did, for the log.
+
+    Local: an old checkpoint left as ``step-N.replaced-<id>`` with no ``step-N`` is renamed
+    back (the new one, in its ``.tmp-`` directory, goes like any unfinished write); beside a
+    ``step-N`` it is a leftover. Object stores: a ``step-N`` without manifest beside a whole
+    staged ``step-N.tmp-<id>`` was being replaced by it: the copy is done again (from the
+    newest such one, should there be several)."""
+    root = storage.resolve(root)
+    names = storage.list_dirs(root)
+    done = []
+    for d in names:
+        if (m := REPLACED_DIR.match(d)) is None:
+            continue
+        final = root.join(m.group(1))
+        if storage.exists(final):
+            storage.remove_dir(root.join(d))
+        else:
+            storage.move_dir(root.join(d), final)
+            done.append(f"{final}: restored from {d}, left by a replace cut short")
+    if root.local:
+        return done
+    staged: dict[str, Checkpoint] = {}
+    for d in names:
+        base, sep, _ = d.partition(".tmp-")
+        if not sep or not STEP_DIR.match(base) or storage.exists(root.join(base, MANIFEST)):
+            continue
+        try:
+            ck = Checkpoint.open(root.join(d), verify="fast")
+        except CheckpointError:
+            continue  # unfinished: the old step-N, if any, is whole
+        if base not in staged or ck.manifest["created"] > staged[base].manifest["created"]:
+            staged[base] = ck
+    for base, ck in sorted(staged.items()):
+        storage.commit_dir(ck.location, root.join(base), replace=True)
+        done.append(f"{root.join(base)}: finished its replace by {ck.location}, cut short")
+    return done

@@ -5,7 +5,8 @@ hashed as it is written; :func:`commit` writes ``params.meta`` and, last, the ma
 file's size and checksum, then renames the directory into place. A crash at any point leaves at
 most a ``.tmp-`` directory, which readers ignore and the next writer removes. Object stores have
 no directory rename: there the shards go straight into ``step-N`` and the manifest, written last,
-is the commit (see :func:`storage.staging_dir`).
+is the commit (see :func:`storage.staging_dir`). Replacing a committed checkpoint is an explicit
+choice (``replace=True``), staged in ``step-N.tmp-<id>`` everywhere.
 """
 
 from __future__ import annotations
@@ -70,13 +71,15 @@ def _record_batch(info: TensorInfo, arr: Any) -> pa.RecordBatch:
     )
 
 
-def begin(root: str | Location, step: int) -> Location:
+def begin(root: str | Location, step: int, replace: bool = False) -> Location:
     """Create and return the directory the checkpoint of ``step`` is written into: a temporary
-    one on local disk, ``step-<step>`` itself on object stores."""
+    one on local disk, ``step-<step>`` itself on object stores. ``replace``: the checkpoint
+    will replace a committed ``step-<step>`` (commit with ``replace=True`` too), so it is
+    staged in a temporary directory everywhere."""
     root = storage.resolve(root)
     if not isinstance(step, int) or step < 0:
         raise CheckpointError(f"step must be a non-negative integer, got {step!r}")
-    tmp = storage.staging_dir(root, f"step-{step}", uuid.uuid4().hex[:12])
+    tmp = storage.staging_dir(root, f"step-{step}", uuid.uuid4().hex[:12], replace=replace)
     with _writing(tmp):
         tmp.fs.create_dir(tmp.path, recursive=True)
     return tmp
@@ -262,9 +265,17 @@ def _checked(info: TensorInfo, arr: Any, shard: int) -> TensorInfo:
 
 
 def commit(
-    tmp: str | Location, step: int, shards: list[dict[str, Any]], meta: dict[str, Any] | None = None
+    tmp: str | Location,
+    step: int,
+    shards: list[dict[str, Any]],
+    meta: dict[str, Any] | None = None,
+    replace: bool = False,
 ) -> Location:
-    """Write ``params.meta`` and the manifest, then move the directory to ``step-<step>``."""
+    """Write ``params.meta`` and the manifest, then move the directory to ``step-<step>``.
+
+    A committed ``step-<step>`` is refused unless ``replace``; then it is replaced so that a
+    crash at any point leaves a whole checkpoint of the step, old or new, for the next writer
+    to open (:func:`storage.commit_dir`, :func:`manage.recover`)."""
     tmp = storage.resolve(tmp)
     ids = sorted(_shard_id(s) for s in shards)
     if ids != list(range(len(shards))):
@@ -311,7 +322,7 @@ def commit(
         storage.write_bytes(tmp.join(MANIFEST), sealed)
     final = Location(tmp.fs, tmp.path.rsplit(".tmp-", 1)[0])
     with _writing(final):
-        storage.commit_dir(tmp, final)
+        storage.commit_dir(tmp, final, replace=replace)
     return final
 
 

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 
 import numpy as np
 
-from raysinga.actors.buffers import Attachments, Layout, SharedBuffer
+from raysinga.actors.buffers import (
+    SEQ,
+    Attachments,
+    Layout,
+    SharedBuffer,
+    UpdateGuard,
+    stable_copy,
+    with_seq,
+)
 
 
 def _read(handle, q):
@@ -66,3 +75,56 @@ def test_files_of_dead_processes_are_swept_and_live_ones_kept():
     finally:
         for n in names:
             (shm / n).unlink(missing_ok=True)
+
+
+def _update_for(handle_path_q, stop, seconds):
+    """The writer of the sequence-lock test: fills its array with 1, 2, 3, ... in place."""
+    buf = SharedBuffer("test-seq", with_seq(Layout.of({"w": ((1 << 20,), "float32")})))
+    guard = UpdateGuard(buf.arrays[SEQ])
+    handle_path_q.put(buf.handle())
+    try:
+        v = 0.0
+        deadline = time.monotonic() + seconds
+        while not stop.is_set() and time.monotonic() < deadline:
+            v += 1
+            with guard:
+                buf.arrays["w"].fill(v)
+    finally:
+        stop.wait(30)  # the reader detaches first
+        buf.close()
+
+
+def test_copies_under_the_sequence_lock_never_mix_two_updates():
+    """Asynchronous groups read a server's values while it updates them in place: a plain copy
+    tears (part old values, part new: the control), a stable copy never does, and the version
+    it reports only grows."""
+    ctx = mp.get_context("fork")
+    q, stop = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_update_for, args=(q, stop, 60))
+    p.start()
+    try:
+        handle = q.get(timeout=30)
+        att = Attachments()
+        lay = Layout.of({"w": ((1 << 20,), "float32")})
+        src, seq = att.flat(handle)[: lay.nbytes], att.views(handle)[SEQ]
+        out = np.empty(lay.nbytes, np.uint8)
+        torn = 0
+        deadline = time.monotonic() + 20
+        while torn < 3 and time.monotonic() < deadline:  # the control: plain copies
+            np.copyto(out, src)
+            w = lay.views(out)["w"]
+            torn += int(w.min() != w.max())
+        assert torn, "the writer never overlapped a plain copy: the test proves nothing"
+        last = -1
+        for _ in range(300):
+            version = stable_copy(src, seq, out)
+            w = lay.views(out)["w"]
+            assert w.min() == w.max() == version, (w.min(), w.max(), version)
+            assert version >= last
+            last = version
+        del w, src, seq
+        att.close()
+    finally:
+        stop.set()
+        p.join(30)
+        p.kill()

@@ -74,6 +74,38 @@ def test_a_corrupt_object_is_refused(ray_session, tmp_path):
         O.unpack(np.zeros(100, np.uint8))
 
 
+def _change_one_value(path, w: np.ndarray, at: int) -> None:
+    """Change element ``at`` of ``w`` in its (uncompressed) shard: same size, new value."""
+    shard = Path(path) / "shard-0.arrow"
+    blob = bytearray(shard.read_bytes())
+    i = blob.index(w.tobytes()) + at * w.itemsize
+    blob[i : i + w.itemsize] = np.array([-1], w.dtype).tobytes()
+    shard.write_bytes(blob)
+
+
+def test_put_refuses_files_that_do_not_match_their_manifest(ray_session, tmp_path):
+    w = np.arange(1000, dtype=np.float32)
+    path = C.save(tmp_path, 2, {"w": w, "b": np.ones(3, np.int8)}).path
+    _change_one_value(path, w, 123)
+    with pytest.raises(C.CheckpointError, match=r"shard-0.arrow: checksum mismatch"):
+        C.Checkpoint.open(path, verify="full")  # what the disk path says of it
+    for copy in (O.pack, O.put):
+        with pytest.raises(C.CheckpointError, match=r"step-2/shard-0.arrow: checksum mismatch"):
+            copy(path)
+
+
+def test_get_with_full_verify_refuses_an_object_corrupted_after_put(ray_session, tmp_path):
+    w = np.arange(1000, dtype=np.float32)
+    arr = O.pack(C.save(tmp_path, 2, {"w": w}))
+    shard = O.unpack(arr)["shard-0.arrow"]  # a view into ``arr``
+    i = bytes(shard).index(w.tobytes()) + 123 * w.itemsize
+    shard[i : i + w.itemsize] = np.frombuffer(np.array([-1], w.dtype).tobytes(), np.uint8)
+    ref = ray_session.put(arr)  # what a put would hold had memory been damaged after the hash
+    assert O.get(ref, verify="fast").array("w")[123] == -1  # fast trusts the object's hash
+    with pytest.raises(C.CheckpointError, match=r"shard-0.arrow: checksum mismatch"):
+        O.get(ref, verify="full")
+
+
 PUBLISH = textwrap.dedent("""
     import sys, numpy as np, ray
     from raysinga import checkpoint as C

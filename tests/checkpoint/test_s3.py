@@ -33,10 +33,12 @@ from raysinga.checkpoint import (  # noqa: E402
     prune,
     save,
     steps,
+    storage,
     tensors_of,
     write_shard,
 )
 from raysinga.checkpoint.format import DTYPES  # noqa: E402
+from raysinga.checkpoint.manage import recover  # noqa: E402
 from raysinga.checkpoint.storage import Location  # noqa: E402
 
 BUCKET = "raysinga-test"
@@ -236,3 +238,321 @@ def test_run_lock_refuses_second_writer(s3):
     save(run, 1, {"w": np.ones(2, np.float32)})  # free again once released
     assert fs.get_file_info(f"{run.path}/.writer.lock").type == pafs.FileType.NotFound
     assert latest(run).checkpoint.step == 1
+
+
+# --------------------------------------------------------------------------- resuming a run on S3
+
+JOB = """
+name: s3run
+seed: 3
+model:
+  input_shape: [64]
+  layers:
+    - {kind: dense, name: fc1, units: 16, activation: relu}
+    - {kind: dense, name: out, units: 10}
+data: {source: {kind: digits}, batch_size: 32}
+updater: {name: adam, lr: 0.01}
+train_steps: 30
+disp_freq: 10
+test_freq: 0
+checkpoint_frequency: 10
+"""
+
+
+def _train(port: int, run: Location, d, *more: str, lines: list | None = None, **kw):
+    """The single-process trainer with its checkpoints in ``run`` on the moto server."""
+    from raysinga import config  # noqa: PLC0415 - the trainer is needed by these tests only
+    from raysinga.trainer import Trainer  # noqa: PLC0415
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "job.yaml").write_text(JOB)
+    query = f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+    uri = f"s3://{KEYS['access_key']}:{KEYS['secret_key']}@{run.path}?{query}"
+    cfg = config.load(d / "job.yaml", [f"run_dir={d}", f"checkpoint.dir={uri}", *more])
+    log = (lambda line: None) if lines is None else lines.append
+    return Trainer(cfg, log=log, **kw).fit()
+
+
+def _names(fs: pafs.FileSystem, run: Location) -> set[str]:
+    return {i.base_name for i in fs.get_file_info(pafs.FileSelector(run.path))}
+
+
+def test_resume_after_a_writer_died_mid_write(s3, tmp_path):
+    """A writer killed while writing step 30 in place leaves ``step-30/`` with shards and no
+    manifest: resume removes it (an object store cannot move a directory) and goes on from
+    step 20."""
+    fs, port = s3
+    run = _run(fs, "died")
+    _train(port, run, tmp_path, "train_steps=20")
+    tmp = begin(run, 30)
+    write_shard(tmp, 0, tensors_of({"w": np.zeros(3, np.float32)}))
+    assert steps(run) == [30, 20, 10]
+    lines: list[str] = []
+    _train(port, run, tmp_path, lines=lines, resume=True)
+    assert any("resuming 's3run' at step 20" in line for line in lines), lines
+    assert steps(run) == [30, 20, 10]
+    assert not any(".invalid-" in n for n in _names(fs, run))
+    ck = latest(run).checkpoint
+    assert ck.step == 30 and ck.meta["run"]["steps"] == [30]
+
+
+def _flip_a_byte(fs: pafs.FileSystem, ck: str) -> None:
+    with fs.open_input_stream(f"{ck}/shard-0.arrow") as f:
+        blob = bytearray(f.read())
+    blob[len(blob) // 2] ^= 0x10
+    with fs.open_output_stream(f"{ck}/shard-0.arrow") as f:
+        f.write(bytes(blob))
+
+
+def _truncate(fs: pafs.FileSystem, ck: str) -> None:
+    with fs.open_input_stream(f"{ck}/shard-0.arrow") as f:
+        blob = f.read()
+    with fs.open_output_stream(f"{ck}/shard-0.arrow") as f:
+        f.write(blob[:-100])
+
+
+@pytest.mark.parametrize("damage", [_flip_a_byte, _truncate], ids=["flipped_byte", "truncated"])
+def test_a_damaged_checkpoint_on_s3_is_set_aside(s3, tmp_path, damage):
+    """A committed checkpoint damaged at rest (a flipped byte only the full hash sees, or a
+    truncated shard the size checks see) is copied to ``step-20.invalid-<id>/`` and deleted;
+    the run resumes from step 10."""
+    fs, port = s3
+    run = _run(fs, "damaged")
+    _train(port, run, tmp_path, "train_steps=20")
+    damage(fs, f"{run.path}/step-20")
+    lines: list[str] = []
+    _train(port, run, tmp_path, lines=lines, resume=True)
+    assert any("moved aside to" in line and "step-20" in line for line in lines), lines
+    assert any("resuming 's3run' at step 10" in line for line in lines), lines
+    aside = [n for n in _names(fs, run) if ".invalid-" in n]
+    assert len(aside) == 1 and aside[0].startswith("step-20.invalid-")
+    assert sorted(
+        i.base_name for i in fs.get_file_info(pafs.FileSelector(f"{run.path}/{aside[0]}"))
+    ) == ["manifest.msgpack", "params.meta", "shard-0.arrow", "shard-1.arrow"]
+    assert steps(run) == [30, 20, 10]
+    assert Checkpoint.open(Location(fs, f"{run.path}/step-20")).meta["run"]["steps"] == [20]
+
+
+# --------------------------------------------------------------------------- replacing a checkpoint
+
+
+def _w(loc: Location) -> bytes:
+    return Checkpoint.open(loc, verify="full").array("w").tobytes()
+
+
+OLD, NEW = np.full(5, 1, np.float32), np.full(5, 2, np.float32)
+
+
+def test_replace_on_s3(s3):
+    """A committed step is overwritten only when asked; the new one is staged beside it, then
+    copied in, and nothing else is left."""
+    fs, _ = s3
+    run = _run(fs, "replace")
+    save(run, 4, {"w": OLD})
+    with pytest.raises(CheckpointError, match="already exists"):
+        save(run, 4, {"w": NEW})
+    tmp = begin(run, 4, replace=True)
+    assert tmp.path.startswith(f"{run.path}/step-4.tmp-")
+    shard = write_shard(tmp, 0, tensors_of({"w": NEW}))
+    with pytest.raises(CheckpointError, match="already exists"):
+        commit(tmp, 4, [shard])  # staged for a replace, committed without: still refused
+    assert _w(Location(fs, f"{run.path}/step-4")) == OLD.tobytes()
+    final = save(run, 4, {"w": NEW}, replace=True)
+    assert final.path == f"{run.path}/step-4" and _w(final) == NEW.tobytes()
+    save(run, 5, {"w": NEW}, replace=True)  # nothing to replace: an ordinary commit
+    prune(run, keep_last=5)  # removes the refused attempt's staging directory
+    assert _names(fs, run) == {"step-4", "step-5"}
+
+
+def _staged(fs: pafs.FileSystem, run: Location, step: int, w: np.ndarray) -> Location:
+    """A whole checkpoint of ``step`` staged for a replace, as ``commit`` leaves it before it
+    copies: ``step-<step>.tmp-x`` with its manifest."""
+    other = _run(fs, "other")
+    save(other, step, {"w": w})
+    tmp = Location(fs, f"{run.path}/step-{step}.tmp-x")
+    storage.copy_dir(other.join(f"step-{step}"), tmp)
+    return tmp
+
+
+def _delete(fs: pafs.FileSystem, ck: Location, *names: str) -> None:
+    for n in names:
+        fs.delete_file(f"{ck.path}/{n}")
+
+
+# The states a replace of step-4 (OLD by NEW) passes through, and what step-4 must hold after.
+CRASHES = {
+    "staging": (lambda fs, ck, tmp: _delete(fs, tmp, "manifest.msgpack"), OLD),
+    "staged": (lambda fs, ck, tmp: None, OLD),
+    "uncommitting": (lambda fs, ck, tmp: _delete(fs, ck, "manifest.msgpack"), NEW),
+    "uncommitted": (lambda fs, ck, tmp: fs.delete_dir(ck.path), NEW),
+    "copying": (
+        lambda fs, ck, tmp: (
+            _delete(fs, ck, "manifest.msgpack", "params.meta"),
+            fs.copy_file(f"{tmp.path}/shard-0.arrow", f"{ck.path}/shard-0.arrow"),
+        ),
+        NEW,
+    ),
+    "copied": (lambda fs, ck, tmp: storage.copy_dir(tmp, ck), NEW),
+    "cleaning": (
+        lambda fs, ck, tmp: (storage.copy_dir(tmp, ck), _delete(fs, tmp, "manifest.msgpack")),
+        NEW,
+    ),
+}
+
+
+@pytest.mark.parametrize("state", list(CRASHES))
+def test_a_replace_cut_short_on_s3_is_recovered(s3, state):
+    """Each state a crash can leave (made by hand) is recovered by the writer's ``recover``
+    (``run_state.open_run`` calls it) to a whole checkpoint of step 4, old or new."""
+    fs, _ = s3
+    run = _run(fs, "cut")
+    save(run, 3, {"w": OLD})
+    ck = save(run, 4, {"w": OLD})
+    tmp = _staged(fs, run, 4, NEW)
+    make, want = CRASHES[state]
+    make(fs, ck, tmp)
+    recover(run)
+    assert _w(ck) == want.tobytes()
+    assert latest(run).checkpoint.step == 4
+    prune(run, keep_last=5)
+    assert _names(fs, run) == {"step-3", "step-4"}
+
+
+def test_a_leftover_staging_directory_goes_with_its_step(s3):
+    """A replace whose staging directory outlived it (its last delete failed) leaves it beside
+    the new step; when prune deletes that step, the leftover goes too (rather than stand as
+    the step's only copy and be copied back by ``recover``)."""
+    fs, _ = s3
+    run = _run(fs, "leftover")
+    ck = save(run, 4, {"w": OLD})
+    storage.copy_dir(_staged(fs, run, 4, NEW), ck)
+    save(run, 5, {"w": NEW})
+    assert prune(run, keep_last=1) == [4]
+    assert recover(run) == [] and _names(fs, run) == {"step-5"}
+
+
+def test_copy_dir_streams_what_copy_object_refuses(s3, monkeypatch):
+    """S3 copies at most 5 GiB per CopyObject: larger files go through this process."""
+    fs, _ = s3
+    run = _run(fs, "stream")
+    ck = save(run, 4, {"w": NEW})
+    monkeypatch.setattr(storage, "COPY_OBJECT_MAX", 100)
+    monkeypatch.setattr(storage, "_COPY_PIECE", 7)
+    storage.move_dir(ck, run.join("step-6"))
+    assert _w(run.join("step-6")) == NEW.tobytes() and _names(fs, run) == {"step-6"}
+
+
+class _Crash(BaseException):
+    """The process dies here: no handler runs."""
+
+
+class _Dying(pafs.FileSystemHandler):
+    """A filesystem that passes every call to ``fs`` and dies at its ``n``-th change."""
+
+    def __init__(self, fs: pafs.FileSystem, n: int) -> None:
+        self.fs, self.n = fs, n
+
+    def _change(self) -> None:
+        self.n -= 1
+        if self.n < 0:
+            raise _Crash
+
+    def get_type_name(self):
+        return "dying"
+
+    def normalize_path(self, path):
+        return path
+
+    def get_file_info(self, paths):
+        return self.fs.get_file_info(paths)
+
+    def get_file_info_selector(self, selector):
+        return self.fs.get_file_info(selector)
+
+    def open_input_stream(self, path):
+        return self.fs.open_input_stream(path)
+
+    def open_input_file(self, path):
+        return self.fs.open_input_file(path)
+
+    def create_dir(self, path, recursive):
+        self._change()
+        self.fs.create_dir(path, recursive=recursive)
+
+    def delete_dir(self, path):
+        self._change()
+        self.fs.delete_dir(path)
+
+    def delete_dir_contents(self, path, missing_dir_ok=False):
+        self._change()
+        self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
+
+    def delete_root_dir_contents(self):
+        raise NotImplementedError
+
+    def delete_file(self, path):
+        self._change()
+        self.fs.delete_file(path)
+
+    def move(self, src, dest):
+        self._change()
+        self.fs.move(src, dest)
+
+    def copy_file(self, src, dest):
+        self._change()
+        self.fs.copy_file(src, dest)
+
+    def open_output_stream(self, path, metadata):
+        self._change()
+        return self.fs.open_output_stream(path)
+
+    def open_append_stream(self, path, metadata):
+        raise NotImplementedError
+
+
+def test_a_replace_killed_at_every_change_is_recovered(s3):
+    """The writer dies before each change a replace makes to the bucket in turn (writing the
+    staged manifest, uncommitting, every copy, every delete): ``recover`` then finds step 4
+    whole, the old one until the old manifest is gone, the new one after; and a caller's
+    cleanup of the staging directory never takes the only whole copy."""
+    fs, _ = s3
+    got = []  # what step 4 holds after recovery, by where the writer died
+    for n in itertools.count():
+        run = _run(fs, "killed")
+        save(run, 4, {"w": OLD})
+        tmp = begin(run, 4, replace=True)
+        shard = write_shard(tmp, 0, tensors_of({"w": NEW}))
+        dying = Location(pafs.PyFileSystem(_Dying(fs, n)), tmp.path)
+        try:
+            commit(dying, 4, [shard], replace=True)
+        except _Crash:
+            pass
+        else:
+            break
+        storage.remove_dir(tmp)  # what a caller's error handler does
+        recover(run)
+        got.append(_w(run.join("step-4")))
+        prune(run, keep_last=5)
+        assert _names(fs, run) == {"step-4"}, n
+    k = got.index(NEW.tobytes())
+    assert n > 5 and 0 < k and got == [OLD.tobytes()] * k + [NEW.tobytes()] * (n - k)
+    assert _w(run.join("step-4")) == NEW.tobytes() and _names(fs, run) == {"step-4"}
+
+
+def test_resume_finishes_a_replace_cut_short(s3, tmp_path):
+    """End to end: step 20 of a run was being replaced by another state of step 20 (here, a
+    run with another seed) when the writer died, its old manifest already gone; resume
+    finishes the copy and goes on from the new step 20."""
+    fs, port = s3
+    run, other = _run(fs, "rep"), _run(fs, "rep-other")
+    _train(port, run, tmp_path / "a", "train_steps=20")
+    _train(port, other, tmp_path / "b", "train_steps=20", "seed=5")
+    storage.copy_dir(other.join("step-20"), run.join("step-20.tmp-x"))
+    fs.delete_file(f"{run.path}/step-20/manifest.msgpack")
+    lines: list[str] = []
+    _train(port, run, tmp_path / "a", lines=lines, resume=True)
+    assert any("step-20: finished its replace" in line for line in lines), lines
+    assert any("resuming 's3run' at step 20" in line for line in lines), lines
+    assert any("checkpoint's seed 5" in line for line in lines), lines
+    assert steps(run) == [30, 20, 10]
+    assert not any(".tmp-" in n for n in _names(fs, run))

@@ -104,6 +104,26 @@ def test_downpour_with_two_groups_reaches_95_percent(ray_session, tmp_path):
     assert result.final_eval["test_accuracy"] >= 0.95
 
 
+@pytest.mark.parametrize("topology", ["{workers_per_group: 2}", "{preset: downpour, n_groups: 2}"])
+def test_a_diverging_loss_stops_every_topology_before_it_is_checkpointed(
+    ray_session, tmp_path, topology
+):
+    """Review: the single-process trainer stopped on a non-finite loss; the distributed one
+    went on and checkpointed NaN parameters."""
+    from raysinga.checkpoint import Checkpoint, steps
+
+    cfg = job(
+        tmp_path, topology, "updater.lr=1e6", "updater.momentum=0.99", "checkpoint_frequency=5"
+    )
+    with pytest.raises(
+        FloatingPointError, match=r"loss is (nan|inf) at step \d+.*lower updater.lr"
+    ):
+        DistributedTrainer(cfg, **QUIET).fit()
+    for s in steps(tmp_path / "checkpoints"):
+        ck = Checkpoint.open(tmp_path / "checkpoints" / f"step-{s}", verify="full")
+        assert all(np.isfinite(ck.array(n)).all() for n in ck.names("param")), s
+
+
 def test_a_topology_larger_than_the_cluster_fails_fast_naming_what_is_missing(
     ray_session, tmp_path
 ):

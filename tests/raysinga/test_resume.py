@@ -325,6 +325,24 @@ def test_a_checkpoint_of_another_model_is_refused_with_the_names(halfway, tmp_pa
     assert "missing (initialised fresh): head/W" in msg and "unexpected (ignored): out/W" in msg
 
 
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ("data.batch_size=16", "data.batch_size is 16 in the job but 32"),
+        ("dtype=float64", "trains in float64 but the checkpoint holds"),
+    ],
+)
+def test_resume_refuses_another_batch_size_or_dtype(halfway, tmp_path, change, named):
+    """Review defects: the data cursor counts batches (another batch size trains on other
+    samples), and the servers used to cast a checkpoint of another dtype silently."""
+    import shutil
+
+    shutil.copytree(halfway / "checkpoints", tmp_path / "checkpoints")
+    with pytest.raises(CheckpointError, match=named):
+        DistributedTrainer(job(tmp_path, change), resume=True, **QUIET).fit()
+    assert steps(tmp_path / "checkpoints") == [20, 10]
+
+
 def test_init_from_loads_what_matches(halfway, tmp_path):
     text = JOB.replace("name: out", "name: head")  # a new head; fc1 and bn1 are reused
     (tmp_path / "job.yaml").write_text(text)
@@ -415,6 +433,43 @@ def test_sigkilled_driver_resumes_bit_exact(ray_session, tmp_path):
     assert tensors(run / "checkpoints/step-200") == tensors(ref / "checkpoints/step-200")
     got = Checkpoint.open(run / "checkpoints/step-200").meta["run"]["history"]
     assert losses(got, killed_at) == losses(want.history, killed_at)
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_the_step_reached_and_resumes_bit_exact(ray_session, tmp_path):
+    """SIGTERM (preemption, ``ray job stop``) to a distributed run: it finishes the steps under
+    way, checkpoints that step, exits 128 + 15, and ``--resume`` ends bit-identical to a run
+    never stopped."""
+    text = JOB.replace("train_steps: 40", "train_steps: 200").replace("steps: 60", "steps: 200")
+    text = text.replace("checkpoint_frequency: 10", "checkpoint_frequency: 0")
+    text = text.replace("disp_freq: 5", "disp_freq: 10").replace("test_freq: 20", "test_freq: 0")
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    for d in (ref, run):
+        d.mkdir()
+        (d / "job.yaml").write_text(text)
+    DistributedTrainer(job(ref), **QUIET).fit()
+    address = ray_session.get_runtime_context().gcs_address
+    cmd = [sys.executable, "-m", "raysinga.cli", "train", str(run / "job.yaml")]
+    cmd += ["--address", address, "--set", f"run_dir={run}"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in p.stdout:  # not a terminal: one line per record
+            lines.append(line)
+            if "step  50/200" in line:
+                p.send_signal(signal.SIGTERM)
+                break
+        out = "".join(lines) + p.stdout.read()
+        assert p.wait(timeout=120) == 128 + signal.SIGTERM, out
+    finally:
+        p.kill()
+    (stopped,) = steps(run / "checkpoints")
+    assert 50 <= stopped < 200, out
+    assert f"stopped by SIGTERM at step {stopped}; checkpoint" in out
+    Checkpoint.open(run / f"checkpoints/step-{stopped}", verify="full")
+    r = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert tensors(run / "checkpoints/step-200") == tensors(ref / "checkpoints/step-200")
 
 
 # --- the driver's memory during a checkpoint of a large model -----------------------------------

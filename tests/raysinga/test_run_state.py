@@ -172,3 +172,48 @@ def test_object_store_copies_belong_to_their_run_directory(ray_session, tmp_path
         for k in keys:
             for e in ray.get(reg.list.remote(k)):
                 ray.get(reg.delete.remote(k, e["step"]))
+
+
+# --- resume refuses what would change the meaning of the data cursor or the parameters -------
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ("data.batch_size=16", "data.batch_size is 16 in the job but 32"),
+        ("data.shuffle=false", "data.shuffle is False in the job but True"),
+        ("data.source.test_fraction=0.3", "training samples of shape"),  # other sample count
+        ("data.source.seed=7", "other training samples"),  # same count, other rows
+    ],
+)
+def test_resume_refuses_data_that_moves_the_cursor_onto_other_samples(tmp_path, change, named):
+    """Review defect: the cursor counts batches, so a changed batch size, order or data set
+    would silently continue on other samples."""
+    train(tmp_path, "train_steps=10")
+    with pytest.raises(CheckpointError, match=named):
+        train(tmp_path, change, resume=True)
+    assert steps(tmp_path / "checkpoints") == [10]  # nothing written
+
+
+def test_a_checkpoint_from_before_the_data_record_is_checked_on_its_job(tmp_path):
+    """Checkpoints written before ``run.data`` existed: the batch size of the job they saved."""
+    from raysinga.checkpoint import save
+
+    train(tmp_path / "a", "train_steps=10")
+    ck = Checkpoint.open(tmp_path / "a/checkpoints/step-10")
+    meta = ck.meta
+    del meta["run"]["data"]
+    arrays = {
+        k: {n: np.array(ck.array(n)) for n in ck.names(k)} for k in ("param", "slot", "state")
+    }
+    save(tmp_path / "b/checkpoints", 10, arrays["param"], arrays["slot"], arrays["state"], meta)
+    with pytest.raises(CheckpointError, match="data.batch_size is 16 in the job but 32"):
+        train(tmp_path / "b", "data.batch_size=16", resume=True)
+    train(tmp_path / "b", "train_steps=12", resume=True)  # unchanged: resumes
+
+
+def test_resume_refuses_another_dtype(tmp_path):
+    """Review defect: resume checked shapes only; the run then failed later in a kernel."""
+    train(tmp_path, "train_steps=10")
+    with pytest.raises(CheckpointError, match=r"trains in float64 but the checkpoint holds fc1/W"):
+        train(tmp_path, "dtype=float64", resume=True)
