@@ -21,6 +21,7 @@ import numpy as np
 
 from raysinga.model import ModelSpec, Net
 from raysinga.optim import make_optimizer
+from raysinga.trainer import check_finite_state
 
 from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, UpdateGuard, with_seq
 from .device import ServerDevice
@@ -225,6 +226,8 @@ class ParamServer:
             tensors = image.place(live, self.pool) if image is not None else self._copies(live)
         finally:
             copied.set()  # updates may go on (after a failure too: it is reported at the end)
+        # On the copy, off the training path: a non-finite state is never committed.
+        check_finite_state(((i.name, a) for i, a in tensors), self.guard.version)
         return writer.write_shard(tmp, shard, tensors, compression, image)
 
     def _tensors(self, st: dict[str, Any], slot_names: tuple[str, ...] | None = None) -> list:

@@ -286,6 +286,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("raysinga: interrupted", file=sys.stderr)
         return 130
+    except Exception:  # noqa: BLE001 - not the user's input: ours to fix
+        import traceback  # noqa: PLC0415
+
+        traceback.print_exc()
+        print(
+            "raysinga: internal error: the traceback above is a bug in raysinga, not a mistake "
+            "in your input; please report it with the command you ran",
+            file=sys.stderr,
+        )
+        return 70
 
 
 if __name__ == "__main__":

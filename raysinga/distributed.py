@@ -28,8 +28,8 @@ from .actors.slicing import plan_slices
 from .actors.stub import Stub
 from .actors.worker import Worker
 from .checkpoint import Checkpoint, CheckpointError, storage, writer
+from .checkpoint.lock import RunLock
 from .checkpoint.manage import prune
-from .checkpoint.storage import RunLock
 from .config import JobConfig
 from .cursor import DataCursor
 from .data import load_dataset
@@ -741,9 +741,7 @@ class DistributedTrainer:
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 g, s, e = pending.pop(ready[0])
                 recs = self._get(ready, "stub", g)[0]
-                bad = next((r for r in recs if not math.isfinite(r["loss"])), None)
-                if bad is not None:  # before any checkpoint can take the state it leads to
-                    raise NonFiniteLoss(bad["loss"], bad["step"], g if G > 1 else None)
+                self._check_finite(recs, g)  # before a checkpoint can take what follows
                 window += recs
                 done[g] = e
                 self.progress = max(done)
@@ -778,6 +776,15 @@ class DistributedTrainer:
         if self.gather:
             result.params = self.gather_params()
         return result
+
+    def _check_finite(self, recs: list[dict[str, float]], g: int) -> None:
+        """A non-finite loss (or gradient norm, where clipping computes it) stops the run."""
+        group = g if self.topo.n_groups > 1 else None
+        for r in recs:
+            for what, key in (("loss", "loss"), ("gradient norm", "grad_norm")):
+                v = r.get(key)
+                if v is not None and not math.isfinite(v):
+                    raise NonFiniteLoss(v, r["step"], group, what, first_step=self.steps0[g])
 
     @contextlib.contextmanager
     def _recording(self, metrics: MetricsLog) -> Iterator[None]:

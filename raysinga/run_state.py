@@ -40,12 +40,12 @@ from typing import Any
 import numpy as np
 
 from . import data_identity
-from .checkpoint import Checkpoint, CheckpointError, Location, storage, writer
+from .checkpoint import Checkpoint, CheckpointError, Location, placement, storage, writer
+from .checkpoint.filehash import hash_file as _hash_file
 from .checkpoint.finetune import MatchReport, match
 from .checkpoint.format import TensorInfo
+from .checkpoint.lock import RunLock
 from .checkpoint.manage import latest, prune, recover, remove_staged, steps
-from .checkpoint.reader import _hash_file
-from .checkpoint.storage import RunLock
 from .cursor import DataCursor
 
 RUN_FORMAT = 1
@@ -479,7 +479,28 @@ def open_run(
 
 
 def _describe(ck: Checkpoint, cfg: Any, log: Any) -> None:
+    """Refuse a resume past the job's end; say what comes from the checkpoint and what from the
+    job file where the two differ."""
     info = run_info(ck)
+    done = max(int(s) for s in info["steps"])
+    if done > cfg.train_steps:
+        raise CheckpointError(
+            f"{ck.location}: the checkpoint is at step {done}, beyond train_steps "
+            f"{cfg.train_steps}: raise train_steps to go on, or start a new run from it with "
+            "--init-from"
+        )
+    saved = (info.get("config") or {}).get("updater") or {}
+    now = (cfg.raw or {}).get("updater") or {}
+    # clip_norm is applied by the stubs from the job file, like train_steps
+    keys = sorted(
+        k for k in set(saved) | set(now) if k != "clip_norm" and saved.get(k) != now.get(k)
+    )
+    if saved and now and keys:
+        log(
+            f"raysinga: updater.{', updater.'.join(keys)} changed since the checkpoint: the run "
+            "goes on with the checkpoint's optimizer (schedule, hyperparameters, state); the "
+            "job file's train_steps, evaluation, checkpointing and topology apply"
+        )
     if info["model"]["digest"] != cfg.model.digest():
         log("raysinga: the model spec changed since the checkpoint (its parameters still fit)")
     if info["rng"]["seed"] != cfg.seed:
@@ -520,12 +541,12 @@ def set_aside(root: Location, name: str) -> str:
     to ``<name>.invalid-<id>`` beside it: kept for a look, ignored by readers, and out of the
     way of the resumed run, which writes that step again (without ``replace``, a checkpoint is
     never overwritten). On object stores the move is a copy of every object, then a delete
-    (storage.move_dir)."""
+    (placement.move_dir)."""
     import uuid  # noqa: PLC0415
 
     src, dst = root.join(name), root.join(f"{name}.invalid-{uuid.uuid4().hex[:8]}")
     try:
-        storage.move_dir(src, dst)
+        placement.move_dir(src, dst)
     except Exception as e:  # pyarrow raises OSError, or NotImplementedError on some stores
         raise CheckpointError(
             f"{src}: failed validation and could not be moved aside ({e}); move or delete it, "
@@ -693,6 +714,7 @@ class LocalCheckpoints:
         self, step: int, params: dict, state: dict, history: list, final: bool = False
     ) -> None:
         from .kernels import to_numpy  # noqa: PLC0415
+        from .trainer import check_finite_state  # noqa: PLC0415 - trainer imports this module
 
         cfg = self.t.cfg
         if (final and not cfg.checkpoint.final) or self.saved_at.get(step) == (step,) or step == 0:
@@ -709,6 +731,13 @@ class LocalCheckpoints:
             p, _, slot = key.rpartition("/")
             slots.setdefault(slice_of[p], {})[slot] = to_numpy(arr).reshape(-1)
         values = {s.name: to_numpy(params[s.param]).reshape(-1) for s in slices}
+        check_finite_state(
+            [
+                *((s.param, values[s.name]) for s in slices),
+                *((k, to_numpy(v)) for k, v in st["slots"].items()),
+            ],
+            step,
+        )
         tmp = writer.begin(self.root, step, replace=replace)
         try:
             shard = writer.write_shard(

@@ -8,6 +8,7 @@ on wall-clock time or on arrival order, so two runs with one config give the sam
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,7 +51,8 @@ class MetricsLog:
             self._write(rec)
 
     def _write(self, rec: dict[str, Any]) -> None:
-        self.file.write(json.dumps(rec) + "\n")
+        # NaN and infinity are not JSON: a reader of metrics.jsonl gets null instead.
+        self.file.write(json.dumps(_finite_or_null(rec), allow_nan=False) + "\n")
         self.file.flush()
         if self.events is not None:
             self.events.record(rec)
@@ -154,8 +156,12 @@ class Trainer:
                     params, state, xp.asarray(x, dtype), xp.asarray(y), ctx
                 )
                 if not np.isfinite(loss):
-                    raise NonFiniteLoss(loss, step)
+                    raise NonFiniteLoss(loss, step, first_step=ckpts.start)
                 grad_norm = clip_grad_norm(grads, cfg.clip_norm) if cfg.clip_norm else None
+                if grad_norm is not None and not math.isfinite(grad_norm):
+                    raise NonFiniteLoss(
+                        grad_norm, step, what="gradient norm", first_step=ckpts.start
+                    )
                 lr = self.optimizer.lr(step)
                 self.optimizer.update_all(step, params, grads)
                 window_loss, window_steps = window_loss + loss, window_steps + 1
@@ -204,15 +210,64 @@ class Trainer:
 
 
 class NonFiniteLoss(FloatingPointError):
-    """The loss became NaN or infinite: the run stops before anything of it is checkpointed."""
+    """The loss (or the gradients' norm) became NaN or infinite: the run stops before a
+    checkpoint can take the state it leads to, naming the likely cause."""
 
-    def __init__(self, loss: float, step: int, group: int | None = None) -> None:
+    def __init__(
+        self,
+        loss: float,
+        step: int,
+        group: int | None = None,
+        what: str = "loss",
+        first_step: int = 0,
+    ) -> None:
         where = f"step {step}" if group is None else f"step {step} of group {group}"
+        if step <= first_step:  # nothing trained yet: the inputs, not the optimizer
+            cause = "likely the data: check it for NaN or infinite values"
+        else:
+            cause = "likely the learning rate: lower updater.lr or set updater.clip_norm"
         super().__init__(
-            f"loss is {loss} at {where}; the run stops, its last checkpoint is from before: "
-            "lower updater.lr or set updater.clip_norm"
+            f"{what} is {loss} at {where}; the run stops, its last checkpoint is from before "
+            f"({cause})"
         )
         self.step, self.group = step, group
+
+
+class NonFiniteState(FloatingPointError):
+    """A checkpoint was about to take NaN or infinite values: it is never committed."""
+
+
+def first_nonfinite(named: Any, chunk: int = 1 << 20) -> str | None:
+    """The name of the first array of ``named`` ((name, array) pairs) holding a NaN or an
+    infinity, or None; checked in pieces, so the check allocates little whatever the size."""
+    for name, a in named:
+        flat = np.asarray(a).reshape(-1)
+        if flat.dtype.kind != "f":
+            continue
+        for i in range(0, flat.size, chunk):
+            if not np.isfinite(flat[i : i + chunk]).all():
+                return name
+    return None
+
+
+def check_finite_state(named: Any, step: int) -> None:
+    """Refuse to checkpoint a state that holds NaN or infinite values."""
+    bad = first_nonfinite(named)
+    if bad is not None:
+        raise NonFiniteState(
+            f"{bad} holds NaN or infinite values at step {step}: not checkpointed, the run "
+            "stops (likely the learning rate: lower updater.lr or set updater.clip_norm)"
+        )
+
+
+def _finite_or_null(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite_or_null(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_finite_or_null(x) for x in v]
+    return v
 
 
 def _resolve_device(want: str) -> str:

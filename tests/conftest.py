@@ -114,3 +114,32 @@ def run_cli(*args: str, cwd=None, timeout: float = 300) -> subprocess.CompletedP
         text=True,
         timeout=timeout,
     )
+
+
+def cli_error(*args: str, named: str | list[str] = (), status: int | None = None) -> str:
+    """``raysinga ARGS`` run in this process (fast: no interpreter start; distributed runs join
+    the session's Ray) for an input mistake: asserts a non-zero exit with exactly one
+    ``raysinga: error:`` line naming each of ``named``, and no traceback. Returns that line."""
+    import contextlib  # noqa: PLC0415
+    import io  # noqa: PLC0415
+
+    from raysinga import cli  # noqa: PLC0415
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as e:  # argparse's own usage errors
+            code = e.code
+    text = err.getvalue()
+    assert "Traceback" not in text + out.getvalue(), text
+    assert code not in (0, None), f"exit {code}; stderr: {text}; stdout: {out.getvalue()}"
+    if status is not None:
+        assert code == status, (code, text)
+    errors = [line for line in text.splitlines() if line.startswith("raysinga: error:")]
+    if code != 2 or errors:  # argparse prints "usage: ..." and its own error line
+        assert len(errors) == 1, text
+    line = errors[0] if errors else text
+    for n in [named] if isinstance(named, str) else named:
+        assert n in line, f"{n!r} not named in: {line}"
+    return line

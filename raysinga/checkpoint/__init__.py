@@ -8,9 +8,10 @@ stranger cannot run code.
 from .export import export
 from .finetune import MatchReport, match
 from .format import FORMAT_VERSION, CheckpointError, TensorInfo
+from .lock import RunLock
 from .manage import Latest, latest, prune, save, steps, tensors_of
 from .reader import Checkpoint
-from .storage import Location, RunLock, resolve
+from .storage import Location, resolve
 from .writer import begin, commit, write_shard
 
 __all__ = [

@@ -10,8 +10,10 @@ from typing import Any
 
 from . import storage, writer
 from .format import MANIFEST, STEP_DIR, CheckpointError, TensorInfo
+from .lock import RunLock
+from .placement import commit_dir, move_dir
 from .reader import Checkpoint
-from .storage import Location, RunLock
+from .storage import Location
 
 
 def tensors_of(arrays: dict[str, Any], kind: str = "param") -> list[tuple[TensorInfo, Any]]:
@@ -171,7 +173,7 @@ def recover(root: str | Location) -> list[str]:
         if storage.exists(final):
             storage.remove_dir(root.join(d))
         else:
-            storage.move_dir(root.join(d), final)
+            move_dir(root.join(d), final)
             done.append(f"{final}: restored from {d}, left by a replace cut short")
     if root.local:
         return done
@@ -187,6 +189,6 @@ def recover(root: str | Location) -> list[str]:
         if base not in staged or ck.manifest["created"] > staged[base].manifest["created"]:
             staged[base] = ck
     for base, ck in sorted(staged.items()):
-        storage.commit_dir(ck.location, root.join(base), replace=True)
+        commit_dir(ck.location, root.join(base), replace=True)
         done.append(f"{root.join(base)}: finished its replace by {ck.location}, cut short")
     return done

@@ -22,7 +22,8 @@ import xxhash
 
 from . import storage
 from .format import MANIFEST, CheckpointError
-from .reader import Checkpoint, unseal
+from .manifest import unseal
+from .reader import Checkpoint
 from .storage import Location
 
 MAGIC = b"RSCKPT01"

@@ -13,128 +13,23 @@ from concurrent.futures import ThreadPoolExecutor
 from itertools import repeat
 from typing import Any
 
-import msgpack
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import xxhash
 
-from . import storage
-from .format import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    MANIFEST,
-    CheckpointError,
-    TensorInfo,
-    check_layout,
-    decompressed_limit,
-    decompressed_sizes,
-)
+from . import filehash, storage
+from .format import MANIFEST, CheckpointError, TensorInfo
+from .ipc_limits import decompressed_limit, decompressed_sizes
+from .manifest import MAX_MANIFEST, to_info, unseal
 from .storage import Location
 from .writer import SCHEMA
 
-MAX_MANIFEST = 256 << 20
-_HASH_CHUNK = 16 << 20
 VERIFY = ("full", "fast")
 
 
 def _fail(loc: Location, why: str) -> CheckpointError:
     return CheckpointError(f"{loc}: {why}")
-
-
-def unseal(loc: Location, blob: bytes) -> dict[str, Any]:
-    try:
-        outer = msgpack.unpackb(blob, raw=False, max_bin_len=MAX_MANIFEST, strict_map_key=True)
-        body, digest = outer["body"], outer["xxh3"]
-        if not isinstance(body, bytes) or not isinstance(digest, str):
-            raise TypeError("bad types")
-    except Exception as e:  # noqa: BLE001 - any malformed input is the same verdict
-        raise _fail(loc, f"not a raysinga manifest ({type(e).__name__})") from None
-    if xxhash.xxh3_64_hexdigest(body) != digest:
-        raise _fail(loc, "checksum mismatch: the manifest is corrupt")
-    try:
-        m = msgpack.unpackb(body, raw=False, strict_map_key=True)
-    except Exception as e:  # noqa: BLE001
-        raise _fail(loc, f"manifest body does not decode ({type(e).__name__})") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
-        raise _fail(loc, "not a raysinga checkpoint manifest")
-    v = m.get("version")
-    if not isinstance(v, int) or v < 1:
-        raise _fail(loc, f"bad format version {v!r}")
-    if v > FORMAT_VERSION:
-        raise _fail(
-            loc,
-            f"written in format version {v}, newer than this reader "
-            f"({FORMAT_VERSION}); upgrade raysinga to read it",
-        )
-    _check_structure(loc, m)
-    return m
-
-
-def _check_structure(loc: Location, m: dict[str, Any]) -> None:
-    def bad(what: str) -> CheckpointError:
-        return _fail(loc, f"malformed manifest: {what}")
-
-    if not isinstance(m.get("step"), int) or m["step"] < 0:
-        raise bad("step")
-    if not isinstance(m.get("meta"), dict):
-        raise bad("meta")
-    files = m.get("files")
-    if not isinstance(files, list) or not all(
-        isinstance(f, dict)
-        and isinstance(f.get("file"), str)
-        and "/" not in f["file"]
-        and isinstance(f.get("size"), int)
-        and isinstance(f.get("xxh3"), str)
-        for f in files
-    ):
-        raise bad("files")
-    tensors = m.get("tensors")
-    if not isinstance(tensors, list):
-        raise bad("tensors")
-    shard_files = {f["file"] for f in files}
-    for t in tensors:
-        try:
-            info = to_info(t)
-            info.check()
-        except (KeyError, TypeError, ValueError, CheckpointError) as e:
-            raise bad(f"tensor entry {t!r:.80} ({e})") from None
-        if f"shard-{info.shard}.arrow" not in shard_files:
-            raise bad(f"tensor {info.name!r} points to a missing shard {info.shard}")
-    try:
-        check_layout(to_info(t) for t in tensors)
-    except CheckpointError as e:
-        raise bad(str(e)) from None
-
-
-def to_info(t: dict[str, Any]) -> TensorInfo:
-    ints = ("start", "stop", "version", "shard")
-    if (
-        not all(isinstance(t[k], int) for k in ints)
-        or not isinstance(t["shape"], list)
-        or not all(isinstance(d, int) for d in t["shape"])
-    ):
-        raise TypeError("integer fields expected")
-    return TensorInfo(
-        str(t["name"]),
-        str(t["kind"]),
-        tuple(t["shape"]),
-        str(t["dtype"]),
-        t["start"],
-        t["stop"],
-        t["version"],
-        t["shard"],
-    )
-
-
-def _hash_file(loc: Location, readers: int = 4) -> str:
-    if loc.local:
-        return storage.hash_local_file(loc.path, readers)[1]
-    h = xxhash.xxh3_64()
-    with loc.fs.open_input_stream(loc.path) as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class Checkpoint:
@@ -180,11 +75,11 @@ class Checkpoint:
                 )
         if verify == "full":  # shards hashed side by side: xxhash lets go of the GIL
             side = min(4, len(m["files"]) or 1)
-            big = sum(f["size"] >= storage.READ_AHEAD_MIN for f in m["files"])
+            big = sum(f["size"] >= filehash.READ_AHEAD_MIN for f in m["files"])
             readers = max(1, 4 // min(side, max(1, big)))  # about 4 reads in flight in all
             with ThreadPoolExecutor(side) as pool:
                 digests = pool.map(
-                    _hash_file, [loc.join(f["file"]) for f in m["files"]], repeat(readers)
+                    filehash.hash_file, [loc.join(f["file"]) for f in m["files"]], repeat(readers)
                 )
                 for f, digest in zip(m["files"], digests, strict=True):
                     if digest != f["xxh3"]:

@@ -5,7 +5,7 @@ hashed as it is written; :func:`commit` writes ``params.meta`` and, last, the ma
 file's size and checksum, then renames the directory into place. A crash at any point leaves at
 most a ``.tmp-`` directory, which readers ignore and the next writer removes. Object stores have
 no directory rename: there the shards go straight into ``step-N`` and the manifest, written last,
-is the commit (see :func:`storage.staging_dir`). Replacing a committed checkpoint is an explicit
+is the commit (see :func:`.placement.staging_dir`). Replacing a committed checkpoint is an explicit
 choice (``replace=True``), staged in ``step-N.tmp-<id>`` everywhere.
 """
 
@@ -19,7 +19,6 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import msgpack
 import numpy as np
 import pyarrow as pa
 import xxhash
@@ -34,6 +33,8 @@ from .format import (
     TensorInfo,
     as_array,
 )
+from .manifest import seal
+from .placement import commit_dir, staging_dir
 from .sink import BLOCK, ShardSink, address
 from .storage import Location
 
@@ -79,7 +80,7 @@ def begin(root: str | Location, step: int, replace: bool = False) -> Location:
     root = storage.resolve(root)
     if not isinstance(step, int) or step < 0:
         raise CheckpointError(f"step must be a non-negative integer, got {step!r}")
-    tmp = storage.staging_dir(root, f"step-{step}", uuid.uuid4().hex[:12], replace=replace)
+    tmp = staging_dir(root, f"step-{step}", uuid.uuid4().hex[:12], replace=replace)
     with _writing(tmp):
         tmp.fs.create_dir(tmp.path, recursive=True)
     return tmp
@@ -275,7 +276,7 @@ def commit(
 
     A committed ``step-<step>`` is refused unless ``replace``; then it is replaced so that a
     crash at any point leaves a whole checkpoint of the step, old or new, for the next writer
-    to open (:func:`storage.commit_dir`, :func:`manage.recover`)."""
+    to open (:func:`.placement.commit_dir`, :func:`manage.recover`)."""
     tmp = storage.resolve(tmp)
     ids = sorted(_shard_id(s) for s in shards)
     if ids != list(range(len(shards))):
@@ -322,7 +323,7 @@ def commit(
         storage.write_bytes(tmp.join(MANIFEST), sealed)
     final = Location(tmp.fs, tmp.path.rsplit(".tmp-", 1)[0])
     with _writing(final):
-        storage.commit_dir(tmp, final, replace=replace)
+        commit_dir(tmp, final, replace=replace)
     return final
 
 
@@ -339,16 +340,6 @@ def _writing(loc: Location) -> Iterator[None]:
         yield
     except OSError as e:
         raise CheckpointError(f"{loc}: could not write: {e}") from e
-
-
-def seal(manifest: dict[str, Any]) -> bytes:
-    """The manifest file: a msgpack map ``{"body": <msgpack of the manifest>, "xxh3": hex}``, so
-    that a flipped byte in the manifest itself is caught like one anywhere else."""
-    try:
-        body = msgpack.packb(manifest, use_bin_type=True)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint metadata must be plain data (msgpack): {e}") from None
-    return msgpack.packb({"body": body, "xxh3": xxhash.xxh3_64_hexdigest(body)}, use_bin_type=True)
 
 
 def _check_unique(shards: list[dict[str, Any]]) -> None:

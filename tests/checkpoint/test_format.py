@@ -27,18 +27,18 @@ from raysinga.checkpoint import (
     TensorInfo,
     begin,
     commit,
+    filehash,
     latest,
     prune,
     resolve,
     save,
     sink,
     steps,
-    storage,
     write_shard,
     writer,
 )
 from raysinga.checkpoint.format import DTYPES, MANIFEST
-from raysinga.checkpoint.writer import seal
+from raysinga.checkpoint.manifest import seal
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -243,14 +243,14 @@ def _evict(path: Path) -> bool:
     finally:
         os.close(fd)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
-        return bool(storage._absent_pieces(m, path.stat().st_size))
+        return bool(filehash._absent_pieces(m, path.stat().st_size))
 
 
 @pytest.fixture
 def small_pieces(monkeypatch):
     """Read-ahead in 64 KiB pieces from 128 KiB on, so that small files exercise it."""
-    monkeypatch.setattr(storage, "READ_PIECE", 64 << 10)
-    monkeypatch.setattr(storage, "READ_AHEAD_MIN", 128 << 10)
+    monkeypatch.setattr(filehash, "READ_PIECE", 64 << 10)
+    monkeypatch.setattr(filehash, "READ_AHEAD_MIN", 128 << 10)
 
 
 @pytest.mark.parametrize("readers", [0, 1, 4])
@@ -259,12 +259,12 @@ def test_read_ahead_hash_equals_the_plain_hash(tmp_path, small_pieces, readers):
     f = tmp_path / "blob"
     f.write_bytes(data)
     with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as m:
-        assert storage._absent_pieces(m, len(data)) == []  # just written: all cached
+        assert filehash._absent_pieces(m, len(data)) == []  # just written: all cached
     cold = _evict(f)
-    assert storage.hash_local_file(str(f), readers) == (len(data), xxhash.xxh3_64_hexdigest(data))
+    assert filehash.hash_local_file(str(f), readers) == (len(data), xxhash.xxh3_64_hexdigest(data))
     if cold:
         with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as m:
-            assert storage._absent_pieces(m, len(data)) == []  # read back in whole
+            assert filehash._absent_pieces(m, len(data)) == []  # read back in whole
 
 
 @pytest.mark.parametrize("where", [0, 0.37, 0.999])

@@ -27,7 +27,7 @@ from raysinga.checkpoint import (
     writer,
 )
 from raysinga.checkpoint.format import MANIFEST
-from raysinga.checkpoint.writer import seal
+from raysinga.checkpoint.manifest import seal
 
 
 def _sliced(root: Path, slices: list[tuple[int, int, str]], size: int = 10):

@@ -20,6 +20,7 @@ from raysinga.checkpoint import (
     begin,
     commit,
     latest,
+    placement,
     prune,
     save,
     steps,
@@ -52,9 +53,9 @@ def _failing(err: int):
 )
 def how(request, monkeypatch):
     if request.param == "no_renameat2":
-        monkeypatch.setattr(storage, "_RENAMEAT2", None)
+        monkeypatch.setattr(placement, "_RENAMEAT2", None)
     elif request.param != "exchange":
-        monkeypatch.setattr(storage, "_RENAMEAT2", _failing(getattr(errno, request.param)))
+        monkeypatch.setattr(placement, "_RENAMEAT2", _failing(getattr(errno, request.param)))
     return request.param
 
 
@@ -80,7 +81,7 @@ def test_without_replace_a_checkpoint_is_never_overwritten(tmp_path):
 
 
 def test_an_exchange_that_fails_otherwise_is_an_error_and_changes_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(storage, "_RENAMEAT2", _failing(errno.EACCES))
+    monkeypatch.setattr(placement, "_RENAMEAT2", _failing(errno.EACCES))
     save(tmp_path, 4, {"w": OLD})
     with pytest.raises(CheckpointError, match="could not write"):
         save(tmp_path, 4, {"w": NEW}, replace=True)
@@ -177,7 +178,7 @@ def test_exchange_swaps_two_directories(tmp_path):
     for d, f in ((a, "1"), (b, "2")):
         d.mkdir()
         (d / f).touch()
-    if not storage.exchange(str(a), str(b)):
+    if not placement.exchange(str(a), str(b)):
         pytest.skip("no renameat2(RENAME_EXCHANGE) on this kernel or filesystem")
     assert (os.listdir(a), os.listdir(b)) == (["2"], ["1"])
 
@@ -185,8 +186,8 @@ def test_exchange_swaps_two_directories(tmp_path):
 def test_move_dir(tmp_path):
     ck = save(tmp_path, 4, {"w": OLD})
     dst = storage.resolve(tmp_path / "step-4.invalid-x")
-    storage.move_dir(ck, dst)
+    placement.move_dir(ck, dst)
     assert os.listdir(tmp_path) == ["step-4.invalid-x"] and _w(Path(dst.path)) == OLD.tobytes()
     save(tmp_path, 4, {"w": NEW})
     with pytest.raises(CheckpointError, match="already exists"):
-        storage.move_dir(storage.resolve(tmp_path / "step-4"), dst)
+        placement.move_dir(storage.resolve(tmp_path / "step-4"), dst)

@@ -30,6 +30,7 @@ from raysinga.checkpoint import (  # noqa: E402
     begin,
     commit,
     latest,
+    placement,
     prune,
     save,
     steps,
@@ -370,7 +371,7 @@ def _staged(fs: pafs.FileSystem, run: Location, step: int, w: np.ndarray) -> Loc
     other = _run(fs, "other")
     save(other, step, {"w": w})
     tmp = Location(fs, f"{run.path}/step-{step}.tmp-x")
-    storage.copy_dir(other.join(f"step-{step}"), tmp)
+    placement.copy_dir(other.join(f"step-{step}"), tmp)
     return tmp
 
 
@@ -392,9 +393,9 @@ CRASHES = {
         ),
         NEW,
     ),
-    "copied": (lambda fs, ck, tmp: storage.copy_dir(tmp, ck), NEW),
+    "copied": (lambda fs, ck, tmp: placement.copy_dir(tmp, ck), NEW),
     "cleaning": (
-        lambda fs, ck, tmp: (storage.copy_dir(tmp, ck), _delete(fs, tmp, "manifest.msgpack")),
+        lambda fs, ck, tmp: (placement.copy_dir(tmp, ck), _delete(fs, tmp, "manifest.msgpack")),
         NEW,
     ),
 }
@@ -425,7 +426,7 @@ def test_a_leftover_staging_directory_goes_with_its_step(s3):
     fs, _ = s3
     run = _run(fs, "leftover")
     ck = save(run, 4, {"w": OLD})
-    storage.copy_dir(_staged(fs, run, 4, NEW), ck)
+    placement.copy_dir(_staged(fs, run, 4, NEW), ck)
     save(run, 5, {"w": NEW})
     assert prune(run, keep_last=1) == [4]
     assert recover(run) == [] and _names(fs, run) == {"step-5"}
@@ -436,9 +437,9 @@ def test_copy_dir_streams_what_copy_object_refuses(s3, monkeypatch):
     fs, _ = s3
     run = _run(fs, "stream")
     ck = save(run, 4, {"w": NEW})
-    monkeypatch.setattr(storage, "COPY_OBJECT_MAX", 100)
-    monkeypatch.setattr(storage, "_COPY_PIECE", 7)
-    storage.move_dir(ck, run.join("step-6"))
+    monkeypatch.setattr(placement, "COPY_OBJECT_MAX", 100)
+    monkeypatch.setattr(placement, "_COPY_PIECE", 7)
+    placement.move_dir(ck, run.join("step-6"))
     assert _w(run.join("step-6")) == NEW.tobytes() and _names(fs, run) == {"step-6"}
 
 
@@ -547,7 +548,7 @@ def test_resume_finishes_a_replace_cut_short(s3, tmp_path):
     run, other = _run(fs, "rep"), _run(fs, "rep-other")
     _train(port, run, tmp_path / "a", "train_steps=20")
     _train(port, other, tmp_path / "b", "train_steps=20", "seed=5")
-    storage.copy_dir(other.join("step-20"), run.join("step-20.tmp-x"))
+    placement.copy_dir(other.join("step-20"), run.join("step-20.tmp-x"))
     fs.delete_file(f"{run.path}/step-20/manifest.msgpack")
     lines: list[str] = []
     _train(port, run, tmp_path / "a", lines=lines, resume=True)
