@@ -6,6 +6,9 @@ Everything a trainer or worker needs is importable from here::
     plan = BatchPlan(len(ds), batch_size=256, seed=0)
     x, y = ds.get(plan.indices(step, part=rank, parts=world))
 
+Before step 0 a trainer runs ``check_splits(train, test, ...)``: both splits against the model
+(shapes, labels, finite values), so a data mistake is one line naming the file, not a lost run.
+
 A worker never receives data from the driver: from the data set spec, the seed and the global step
 it computes its own sub-batch, which is what makes a resumed run see exactly the same samples.
 The implementation lives in the flat ``data_*`` modules (no Ray, no kernels: plain NumPy/Arrow).
@@ -18,20 +21,24 @@ from typing import Any
 
 from raysinga.data_arrow import ArrowDataset, ParquetDataset
 from raysinga.data_builtin import SPLITS, TeacherDataset, digits
+from raysinga.data_check import DEFAULT_SCAN_BYTES, DataError, check_splits
 from raysinga.data_order import FEISTEL_THRESHOLD, BatchPlan, FeistelPermutation
 from raysinga.data_sources import ArrayDataset, Dataset, NpyDataset, NpzDataset
 
 __all__ = [
+    "DEFAULT_SCAN_BYTES",
     "FEISTEL_THRESHOLD",
     "ArrayDataset",
     "ArrowDataset",
     "BatchPlan",
+    "DataError",
     "Dataset",
     "FeistelPermutation",
     "NpyDataset",
     "NpzDataset",
     "ParquetDataset",
     "TeacherDataset",
+    "check_splits",
     "digits",
     "has_split",
     "load_dataset",
@@ -79,7 +86,7 @@ def _file_spec(spec: Mapping[str, Any], split: str) -> dict[str, Any]:
             'split; add e.g. "test": {"x": ..., "y": ...} with the held-out files'
         )
     if not isinstance(test, Mapping):
-        raise TypeError(f"'test' must be a mapping of keys, got {type(test).__name__}")
+        raise ValueError(f"'test' must be a mapping of keys, got {type(test).__name__}")
     merged = {**base, **test}
     _check_keys(spec["kind"], merged, "data set spec 'test' entry")
     return merged
@@ -101,7 +108,7 @@ def load_dataset(spec: Mapping[str, Any], split: str = "train") -> Dataset:
     Errors name the offending kind or key and what is allowed, because specs come from YAML.
     """
     if not isinstance(spec, Mapping):
-        raise TypeError(f"a data set spec is a mapping, got {type(spec).__name__}")
+        raise ValueError(f"a data set spec is a mapping, got {type(spec).__name__}")
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     kind = spec.get("kind")
@@ -109,7 +116,15 @@ def load_dataset(spec: Mapping[str, Any], split: str = "train") -> Dataset:
         what = "has no 'kind'" if kind is None else f"has unknown kind {kind!r}"
         raise ValueError(f"data set spec {what}; allowed kinds: {sorted(_KINDS)}")
     _check_keys(kind, spec, "data set spec")
+    try:
+        return _open(kind, spec, split)
+    except DataError as e:  # the file does not know which split it was opened for
+        raise e.at(split=split) from None
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{split} split, {e}") from None
 
+
+def _open(kind: str, spec: Mapping[str, Any], split: str) -> Dataset:
     if kind == "digits":
         return digits(
             split,

@@ -100,6 +100,8 @@ class TeacherDataset(Dataset):
         self.n, self.dim, self.hidden, self.noise = int(n), int(dim), int(hidden), float(noise)
         self.offset, self.seed = int(offset), int(seed)
         self.num_classes = int(num_classes)
+        self.label_dtype = np.dtype(np.int64)
+        self.generated = True  # rows cost a hash and two matmuls each: not worth a scan
         self.sample_shape = resolve_sample_shape((self.dim,), sample_shape)
         self._x_key, self._flip_key, self._label_key = derive_keys(seed, _TEACHER_TAG, count=3)
         rng = np.random.default_rng(np.random.SeedSequence([seed, _TEACHER_TAG]))

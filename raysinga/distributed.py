@@ -32,10 +32,9 @@ from .checkpoint.lock import RunLock
 from .checkpoint.manage import prune
 from .config import JobConfig
 from .cursor import DataCursor
-from .data import load_dataset
 from .model import Net
 from .optim import make_optimizer
-from .trainer import MetricsLog, NonFiniteLoss, TrainResult, _check_fits, _format
+from .trainer import MetricsLog, NonFiniteLoss, TrainResult, _format, open_data
 
 ROLE_CLASSES = {"server": ParamServer, "worker": Worker, "stub": Stub}
 
@@ -93,8 +92,7 @@ class DistributedTrainer:
         self.full_topo = self.topo = cfg.topology  # as configured; as running (elastic)
         self.classes = {**ROLE_CLASSES, **(classes or {})}
         self.net = Net(cfg.model, dtype=cfg.dtype)
-        train = load_dataset(cfg.data.source, split="train")
-        _check_fits(self.net, train)
+        train, _ = open_data(cfg, self.net, log)  # the workers load their own copies
         self.n_train = len(train)
         self.data = data_identity.identity(train, cfg.data.batch_size, cfg.data.shuffle)
         if cfg.data.batch_size < self.topo.workers_per_group:

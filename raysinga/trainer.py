@@ -19,7 +19,8 @@ import numpy as np
 
 from . import kernels as K
 from .config import JobConfig
-from .data import BatchPlan, Dataset, has_split, load_dataset
+from .data import DEFAULT_SCAN_BYTES, BatchPlan, Dataset, has_split, load_dataset
+from .data_check import check_splits
 from .layers import StepContext
 from .model import Net
 from .optim import clip_grad_norm, make_optimizer
@@ -112,13 +113,7 @@ class Trainer:
         self.device = _resolve_device(cfg.device)
         self.xp = K.xp_for(self.device)
         self.net = Net(cfg.model, dtype=cfg.dtype)
-        self.train_data = load_dataset(cfg.data.source, split="train")
-        self.test_data = (
-            load_dataset(cfg.data.source, split="test")
-            if has_split(cfg.data.source, "test")
-            else None
-        )
-        _check_fits(self.net, self.train_data)
+        self.train_data, self.test_data = open_data(cfg, self.net, log)
         self.plan = BatchPlan(len(self.train_data), cfg.data.batch_size, cfg.seed, cfg.data.shuffle)
         self.optimizer = make_optimizer({k: v for k, v in cfg.updater.items() if k != "clip_norm"})
         self.run_dir = Path(cfg.run_path)
@@ -278,6 +273,29 @@ def _resolve_device(want: str) -> str:
             f"device: gpu requested but no GPU is usable: {K.gpu_unavailable_reason()}"
         )
     return want
+
+
+def open_data(cfg: JobConfig, net: Net, log: Callable[[str], None]) -> tuple[Dataset, Any]:
+    """The training and test splits, checked against the model and each other before step 0:
+    a mistake in the data is refused now, not after minutes of training (or at the final
+    evaluation). Splits too large to scan whole are sampled, and the log says so."""
+    source = cfg.data.source
+    train = load_dataset(source, split="train")
+    test = load_dataset(source, split="test") if has_split(source, "test") else None
+    notes = check_splits(
+        train,
+        test,
+        input_shape=net.spec.input_shape,
+        output_shape=net.output_shape,
+        loss=net.spec.loss,
+        batch_size=cfg.data.batch_size,
+        scan_bytes=getattr(cfg.data, "scan_bytes", DEFAULT_SCAN_BYTES),
+        source=source,
+    )
+    for note in notes:
+        log(f"raysinga: {note}")
+    _check_fits(net, train)
+    return train, test
 
 
 def _check_fits(net: Net, data: Dataset) -> None:

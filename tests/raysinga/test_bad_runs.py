@@ -33,11 +33,6 @@ test_freq: 0
 checkpoint_frequency: 5
 {topology}
 """
-# Until the trainers run the data check (raysinga.data_check) before step 0.
-needs_data_check = pytest.mark.skipif(
-    not hasattr(__import__("raysinga.trainer").trainer, "DATA_CHECKED"),
-    reason="the data check is not wired into the trainers yet",
-)
 TOPOLOGY = "topology: {preset: sandblaster, n_servers: 1, workers_per_group: 2}"
 
 
@@ -70,7 +65,6 @@ def strict_json_lines(path: Path) -> list[dict]:
     return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
 
 
-@needs_data_check
 @pytest.mark.parametrize("distributed", [False, True], ids=["local", "distributed"])
 def test_nan_in_the_features_is_refused_before_step_0(ray_session, tmp_path, distributed):
     """The review's worst case: a distributed run trained on NaN features, logged ``loss nan``
@@ -82,7 +76,6 @@ def test_nan_in_the_features_is_refused_before_step_0(ray_session, tmp_path, dis
     assert steps(tmp_path / "checkpoints") == []
 
 
-@needs_data_check
 @pytest.mark.parametrize(
     "bad, named",
     [

@@ -78,7 +78,9 @@ def test_any_partition_of_a_batch_gives_the_same_gradient():
 
 
 def test_model_and_data_mismatch_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match=r"input_shape \[64\] does not match .* \[1, 8, 8\]"):
+    with pytest.raises(
+        ValueError, match=r"samples have shape \[1, 8, 8\], model.input_shape is \[64\]"
+    ):
         run("digits_mlp.yaml", tmp_path, "data.source.sample_shape=[1, 8, 8]")
 
 
