@@ -7,14 +7,66 @@ exit with status 2; nothing else of the library imports this module.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from pathlib import Path
 
 from . import config as config_mod
-from .checkpoint.format import CheckpointError
+from .checkpoint.format import MANIFEST, CheckpointError
+
+EXPORT_SUFFIX = {"npz": ".npz", "safetensors": ".safetensors"}
+
+
+def _warn(message: str) -> None:
+    print(f"raysinga: warning: {message}", file=sys.stderr)
+
+
+def _dir_usable(path: Path, name: str) -> None:
+    """``path`` is, or can be made, a directory: refuse one that is a file or lies below one."""
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                below = "" if p == path else f" lies below {p}, which"
+                raise ValueError(f"{name}: {path}{below} is a file, not a directory")
+            return
+
+
+def _checkpoint_arg(where: str) -> str:
+    """A local checkpoint argument that plainly is not one gets a message saying what it is."""
+    p = Path(where)
+    if "://" in where or (p / MANIFEST).exists():
+        return where
+    if p.is_file():
+        raise CheckpointError(f"{where}: a file, not a checkpoint (a step-N directory)")
+    steps = [q for q in (*p.glob("step-*"), *p.glob("checkpoints/step-*")) if q.is_dir()]
+    steps = [q for q in steps if re.fullmatch(r"step-\d+", q.name)]
+    if steps:
+        newest = max(steps, key=lambda q: int(q.name[5:]))
+        raise CheckpointError(f"{where}: not a checkpoint but holds some; give one, e.g. {newest}")
+    return where
+
+
+def _check_train(cfg: config_mod.JobConfig, args: argparse.Namespace) -> None:
+    """Settings this run cannot use are warned about; paths it cannot write are refused."""
+    from .data import has_split  # noqa: PLC0415
+
+    if (cfg.topology is None or args.local) and cfg.raw.get("fault"):
+        _warn("fault.* applies to distributed runs; ignored")
+    if cfg.topology is None and args.address:
+        _warn("--address applies to distributed runs and this job has no topology; ignored")
+    if cfg.test_freq and not has_split(cfg.data.source, "test"):
+        _warn(
+            f"test_freq: data.source (kind {cfg.data.source['kind']}) has no 'test' entry, so "
+            "there is no test split and nothing is evaluated"
+        )
+    _dir_usable(Path(cfg.run_path), "run_dir")
+    if cfg.checkpoint.dir is not None and "://" not in cfg.checkpoint.dir:
+        _dir_usable(Path(cfg.checkpoint.dir), "checkpoint.dir")
 
 
 def _train(args: argparse.Namespace) -> int:
-    cfg = config_mod.load(args.config, args.set)
+    if args.address and args.local:
+        raise ValueError("--address and --local exclude one another (--local trains without Ray)")
     start = {
         "resume": "auto" if args.auto_resume else args.resume,
         "init_from": args.init_from,
@@ -22,6 +74,10 @@ def _train(args: argparse.Namespace) -> int:
     }
     if sum(map(bool, start.values())) > 1:
         raise ValueError("--resume, --auto-resume, --init-from and --fresh exclude one another")
+    cfg = config_mod.load(args.config, args.set)
+    _check_train(cfg, args)
+    if args.init_from:
+        _checkpoint_arg(args.init_from)
     from .progress import Progress  # noqa: PLC0415
     from .run_state import Preempted  # noqa: PLC0415
 
@@ -54,7 +110,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     from .checkpoint import Checkpoint  # noqa: PLC0415
 
-    ck = Checkpoint.open(args.checkpoint, verify="fast")
+    ck = Checkpoint.open(_checkpoint_arg(args.checkpoint), verify="fast")
     rows: dict[str, dict] = {}
     for i in ck.infos:
         r = rows.setdefault(
@@ -110,7 +166,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from .checkpoint import Checkpoint  # noqa: PLC0415
 
-    ck = Checkpoint.open(args.checkpoint, verify="fast" if args.fast else "full")
+    ck = Checkpoint.open(_checkpoint_arg(args.checkpoint), verify="fast" if args.fast else "full")
     n = 0 if args.fast else ck.verify_tensors()
     how = "sizes checked" if args.fast else f"{n:,} tensor bytes and every file hash checked"
     print(f"ok: {ck.location}: step {ck.step}, {len(ck.infos)} tensor slices, {how}")
@@ -120,7 +176,16 @@ def _verify(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from .checkpoint import Checkpoint, export  # noqa: PLC0415
 
-    ck = Checkpoint.open(args.checkpoint)
+    out, suffix = Path(args.output), EXPORT_SUFFIX[args.format]
+    if out.is_dir():
+        raise ValueError(
+            f"{out}: a directory; -o names the file to write, e.g. {out / 'model'}{suffix}"
+        )
+    if out.suffix != suffix:
+        raise ValueError(f"{out}: --format {args.format} writes a {suffix} file; name it so")
+    if not out.parent.is_dir():
+        raise ValueError(f"{out.parent}: no such directory (for -o {out})")
+    ck = Checkpoint.open(_checkpoint_arg(args.checkpoint))
     names = export(ck, args.output, args.format, None if args.kind == "all" else args.kind)
     print(f"wrote {len(names)} tensors of step {ck.step} to {args.output} ({args.format})")
     return 0
@@ -129,6 +194,8 @@ def _export(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     from .plots import plot_run  # noqa: PLC0415
 
+    if args.output is not None:
+        _dir_usable(Path(args.output), "-o")
     for path in plot_run(args.run, args.output):
         print(f"wrote {path}")
     return 0
@@ -137,6 +204,8 @@ def _plot(args: argparse.Namespace) -> int:
 def _graph(args: argparse.Namespace) -> int:
     from .graph import write_graph  # noqa: PLC0415
 
+    if args.output is not None:
+        _dir_usable(Path(args.output).parent, "-o")
     for path in write_graph(config_mod.load(args.config, args.set), args.output):
         print(f"wrote {path}")
     return 0
@@ -273,8 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (config_mod.ConfigError, ValueError, FileNotFoundError) as e:
+    except (config_mod.ConfigError, ValueError) as e:
         print(f"raysinga: error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+        # a path the user gave (or the run's directories) that cannot be read or written
+        where = f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
+        print(f"raysinga: error: {where}", file=sys.stderr)
         return 2
     except CheckpointError as e:
         print(f"raysinga: error: {e}", file=sys.stderr)

@@ -16,11 +16,35 @@ from typing import Any
 import yaml
 
 from .actors.topology import Topology, TopologyError
+from .config_checks import ConfigError, check_sizes, check_source, storable
+from .config_checks import integer as _int
+from .config_checks import mapping as _mapping
+from .data_check import DEFAULT_SCAN_BYTES
 from .model import ModelSpec
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads ``1e-3`` as a string; learning rates are written that way, so accept it."""
+    """YAML 1.1 reads ``1e-3`` as a string; learning rates are written that way, so accept it.
+    A key given twice in one mapping is refused: plain YAML lets the second silently win."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(
+                key_node, yaml.ScalarNode
+            ):
+                continue  # `<<: *defaults` may be overridden, as YAML intends
+            key = self.construct_object(key_node)
+            if key in first:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"duplicate key {key!r} (first at {first[key].line + 1}:"
+                    f"{first[key].column + 1})",
+                    key_node.start_mark,
+                )
+            first[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -41,8 +65,10 @@ def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
-class ConfigError(ValueError):
-    """A job file that cannot run; the message starts with the offending key path."""
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """What the parser found, on one line."""
+    what = [str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x]
+    return "; ".join(what) or str(e).splitlines()[0]
 
 
 TOP_KEYS = {
@@ -86,7 +112,14 @@ CHECKPOINT_KEYS = {
     "compression": "null | zstd | lz4 (default null)",
     "final": "checkpoint at the end and on SIGTERM/Ctrl-C (default true)",
 }
-DATA_KEYS = {"source", "batch_size", "shuffle", "eval_batch_size"}
+DATA_KEYS = {
+    "source": "a data set, by kind; its held-out split is the test set",
+    "batch_size": "the batch of one step (default 64)",
+    "shuffle": "a new sample order every epoch (default true)",
+    "eval_batch_size": "batch size of evaluation (default 1024)",
+    "scan_bytes": "the data check scans every row of a split up to this many bytes, an even "
+    "sample of rows beyond (default 134217728: 128 MiB)",
+}
 
 
 @dataclass(frozen=True)
@@ -97,6 +130,7 @@ class DataConfig:
     batch_size: int = 64
     shuffle: bool = True
     eval_batch_size: int = 1024
+    scan_bytes: int = DEFAULT_SCAN_BYTES
 
 
 @dataclass(frozen=True)
@@ -167,12 +201,6 @@ class JobConfig:
         return a + ((step - a) // f + 1) * f
 
 
-def _int(path: str, v: Any, minimum: int) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise ConfigError(f"{path}: expected an integer >= {minimum}, got {v!r}")
-    return v
-
-
 def _optional_int(path: str, v: Any, minimum: int) -> int | None:
     return None if v is None else _int(path, v, minimum)
 
@@ -183,15 +211,9 @@ def _choice(path: str, v: Any, allowed: tuple[str, ...]) -> str:
     return v
 
 
-def _mapping(path: str, v: Any) -> dict[str, Any]:
-    if not isinstance(v, dict):
-        raise ConfigError(f"{path}: expected a mapping, got {type(v).__name__} {v!r}")
-    return v
-
-
 def _data(d: Any) -> DataConfig:
     d = _mapping("data", d)
-    unknown = set(d) - DATA_KEYS
+    unknown = set(d) - set(DATA_KEYS)
     if unknown:
         raise ConfigError(f"data: unknown key(s) {sorted(unknown)}; allowed: {sorted(DATA_KEYS)}")
     if "source" not in d:
@@ -199,10 +221,11 @@ def _data(d: Any) -> DataConfig:
     if not isinstance(d.get("shuffle", True), bool):
         raise ConfigError(f"data.shuffle: expected true or false, got {d['shuffle']!r}")
     return DataConfig(
-        source=_mapping("data.source", d["source"]),
+        source=check_source(_mapping("data.source", d["source"])),
         batch_size=_int("data.batch_size", d.get("batch_size", 64), 1),
         shuffle=d.get("shuffle", True),
         eval_batch_size=_int("data.eval_batch_size", d.get("eval_batch_size", 1024), 1),
+        scan_bytes=_int("data.scan_bytes", d.get("scan_bytes", DEFAULT_SCAN_BYTES), 0),
     )
 
 
@@ -297,6 +320,7 @@ def _updater(d: Any) -> dict[str, Any]:
 
 def from_dict(d: Any) -> JobConfig:
     d = _mapping("(top level)", d)
+    storable("", d)
     unknown = set(d) - set(TOP_KEYS)
     if unknown:
         raise ConfigError(f"{sorted(unknown)[0]}: unknown key; allowed: {', '.join(TOP_KEYS)}")
@@ -336,18 +360,23 @@ def from_dict(d: Any) -> JobConfig:
         raise ConfigError(f"tensorboard: expected true or false, got {tensorboard!r}")
     fault = _fault(d.get("fault"))
     _check_elastic(fault, topology)
+    dtype = _choice("dtype", d.get("dtype", "float32"), ("float32", "float64"))
+    check_sizes(model, data, dtype, topology)
+    run_dir = d.get("run_dir")
+    if run_dir is not None and (not isinstance(run_dir, str) or not run_dir):
+        raise ConfigError(f"run_dir: expected a path, got {run_dir!r}")
     return JobConfig(
         model=model,
         data=data,
         updater=_updater(d["updater"]),
         train_steps=_int("train_steps", d["train_steps"], 1),
         name=name,
-        seed=_int("seed", d.get("seed", 0), 0),
-        dtype=_choice("dtype", d.get("dtype", "float32"), ("float32", "float64")),
+        seed=_int("seed", d.get("seed", 0), 0, 2**64 - 1),
+        dtype=dtype,
         device=device,
         test_freq=_int("test_freq", d.get("test_freq", 0), 0),
         disp_freq=_int("disp_freq", d.get("disp_freq", 100), 1),
-        run_dir=d.get("run_dir"),
+        run_dir=run_dir,
         tensorboard=tensorboard,
         topology=topology,
         checkpoint_after=_int("checkpoint_after", d.get("checkpoint_after", 0), 0),
@@ -374,22 +403,28 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{'.'.join(keys[: i + 1])}: is not a mapping, cannot set {path}")
-        node[keys[-1]] = parse_yaml(text)
+        try:
+            node[keys[-1]] = parse_yaml(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: not a YAML value: {_yaml_problem(e)}") from None
     return d
 
 
 def load(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
     """Read and validate a YAML job file."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{path}: a directory, not a job file")
     if not p.is_file():
         raise ConfigError(f"{path}: no such job file")
     try:
-        d = parse_yaml(p.read_text())
+        d = parse_yaml(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the job file: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     except yaml.YAMLError as e:  # one line: where, and what the parser found
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        what = [str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x]
-        raise ConfigError(
-            f"{where}: not valid YAML: {'; '.join(what) or str(e).splitlines()[0]}"
-        ) from None
+        raise ConfigError(f"{where}: not valid YAML: {_yaml_problem(e)}") from None
     return from_dict(apply_overrides(d or {}, overrides or []))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,6 +158,15 @@ class Net:
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Non-trainable state (batch-norm running statistics)."""
         return {ly.key(k): s for ly in self.layers for k, s in ly.state_shapes().items()}
+
+    def layer_sizes(self) -> list[tuple[int, int]]:
+        """Per layer, from shapes alone (nothing is allocated): the elements of its parameters
+        and state, and the elements of one sample leaving it."""
+        sizes = []
+        for ly, out in zip(self.layers, self.out_shapes, strict=True):
+            shapes = (*ly.param_shapes().values(), *ly.state_shapes().values())
+            sizes.append((sum(math.prod(s) for s in shapes), math.prod(out)))
+        return sizes
 
     def init_params(self, seed: int) -> dict[str, np.ndarray]:
         """Initial parameters as NumPy arrays; each depends only on (seed, its name)."""

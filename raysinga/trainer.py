@@ -19,7 +19,7 @@ import numpy as np
 
 from . import kernels as K
 from .config import JobConfig
-from .data import DEFAULT_SCAN_BYTES, BatchPlan, Dataset, has_split, load_dataset
+from .data import BatchPlan, Dataset, has_split, load_dataset
 from .data_check import check_splits
 from .layers import StepContext
 from .model import Net
@@ -289,7 +289,7 @@ def open_data(cfg: JobConfig, net: Net, log: Callable[[str], None]) -> tuple[Dat
         output_shape=net.output_shape,
         loss=net.spec.loss,
         batch_size=cfg.data.batch_size,
-        scan_bytes=getattr(cfg.data, "scan_bytes", DEFAULT_SCAN_BYTES),
+        scan_bytes=cfg.data.scan_bytes,
         source=source,
     )
     for note in notes:
@@ -307,8 +307,8 @@ def _check_fits(net: Net, data: Dataset) -> None:
     classes = getattr(data, "num_classes", None)
     if net.spec.loss == "softmax_cross_entropy" and classes and net.output_shape != (classes,):
         raise ValueError(
-            f"the net's output shape {list(net.output_shape)} does not match the "
-            f"{classes} classes of the data"
+            f"model.layers[{len(net.spec.layers) - 1}]: the net's output shape "
+            f"{list(net.output_shape)} does not match the {classes} classes of data.source"
         )
 
 
