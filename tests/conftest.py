@@ -143,3 +143,22 @@ def cli_error(*args: str, named: str | list[str] = (), status: int | None = None
     for n in [named] if isinstance(named, str) else named:
         assert n in line, f"{n!r} not named in: {line}"
     return line
+
+
+# A single-process digits run with a checkpoint every 10 of its 30 steps (Adam: slots and counts),
+# for tests of where and how checkpoints are written; "{name}" is the run's name.
+TINY_JOB = """
+name: {name}
+seed: 3
+model:
+  input_shape: [64]
+  layers:
+    - {{kind: dense, name: fc1, units: 16, activation: relu}}
+    - {{kind: dense, name: out, units: 10}}
+data: {{source: {{kind: digits}}, batch_size: 32}}
+updater: {{name: adam, lr: 0.01}}
+train_steps: 30
+disp_freq: 10
+test_freq: 0
+checkpoint_frequency: 10
+"""

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import TINY_JOB
 
 from raysinga import config
 from raysinga.checkpoint import (
@@ -133,21 +134,7 @@ def test_prune_recovers_before_it_counts(tmp_path):
     assert os.listdir(root) == ["step-4"]
 
 
-JOB = """
-name: replace
-seed: 3
-model:
-  input_shape: [64]
-  layers:
-    - {kind: dense, name: fc1, units: 16, activation: relu}
-    - {kind: dense, name: out, units: 10}
-data: {source: {kind: digits}, batch_size: 32}
-updater: {name: adam, lr: 0.01}
-train_steps: 30
-disp_freq: 10
-test_freq: 0
-checkpoint_frequency: 10
-"""
+JOB = TINY_JOB.format(name="replace")
 
 
 def _train(d: Path, *more: str, lines: list | None = None, **kw):

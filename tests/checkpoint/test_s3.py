@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import TINY_JOB
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -243,21 +244,7 @@ def test_run_lock_refuses_second_writer(s3):
 
 # --------------------------------------------------------------------------- resuming a run on S3
 
-JOB = """
-name: s3run
-seed: 3
-model:
-  input_shape: [64]
-  layers:
-    - {kind: dense, name: fc1, units: 16, activation: relu}
-    - {kind: dense, name: out, units: 10}
-data: {source: {kind: digits}, batch_size: 32}
-updater: {name: adam, lr: 0.01}
-train_steps: 30
-disp_freq: 10
-test_freq: 0
-checkpoint_frequency: 10
-"""
+JOB = TINY_JOB.format(name="s3run")
 
 
 def _train(port: int, run: Location, d, *more: str, lines: list | None = None, **kw):

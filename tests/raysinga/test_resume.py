@@ -391,29 +391,25 @@ def test_a_failed_background_write_reaches_the_driver_and_commits_nothing(
 # --- the driver SIGKILLed, resumed from the command line ----------------------------------------
 
 
-@pytest.mark.slow
-def test_sigkilled_driver_resumes_bit_exact(ray_session, tmp_path):
+def _long_run(ray_session, tmp_path: Path, checkpoint_frequency: int) -> tuple:
+    """The job at 200 steps in ``ref`` and ``run``, ``ref`` trained uninterrupted: returns
+    (ref, run, ref's result, the command line that trains ``run`` on the session's Ray)."""
     text = JOB.replace("train_steps: 40", "train_steps: 200").replace("steps: 60", "steps: 200")
-    text = text.replace("checkpoint_frequency: 10", "checkpoint_frequency: 20")
+    text = text.replace("checkpoint_frequency: 10", f"checkpoint_frequency: {checkpoint_frequency}")
     text = text.replace("disp_freq: 5", "disp_freq: 10").replace("test_freq: 20", "test_freq: 0")
     ref, run = tmp_path / "ref", tmp_path / "run"
     for d in (ref, run):
         d.mkdir()
         (d / "job.yaml").write_text(text)
     want = DistributedTrainer(job(ref), **QUIET).fit()
-
     address = ray_session.get_runtime_context().gcs_address
-    cmd = [
-        sys.executable,
-        "-m",
-        "raysinga.cli",
-        "train",
-        str(run / "job.yaml"),
-        "--address",
-        address,
-        "--set",
-        f"run_dir={run}",
-    ]
+    cmd = [sys.executable, "-m", "raysinga.cli", "train", str(run / "job.yaml")]
+    return ref, run, want, [*cmd, "--address", address, "--set", f"run_dir={run}"]
+
+
+@pytest.mark.slow
+def test_sigkilled_driver_resumes_bit_exact(ray_session, tmp_path):
+    ref, run, want, cmd = _long_run(ray_session, tmp_path, checkpoint_frequency=20)
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
     try:
@@ -440,17 +436,7 @@ def test_sigterm_checkpoints_the_step_reached_and_resumes_bit_exact(ray_session,
     """SIGTERM (preemption, ``ray job stop``) to a distributed run: it finishes the steps under
     way, checkpoints that step, exits 128 + 15, and ``--resume`` ends bit-identical to a run
     never stopped."""
-    text = JOB.replace("train_steps: 40", "train_steps: 200").replace("steps: 60", "steps: 200")
-    text = text.replace("checkpoint_frequency: 10", "checkpoint_frequency: 0")
-    text = text.replace("disp_freq: 5", "disp_freq: 10").replace("test_freq: 20", "test_freq: 0")
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    for d in (ref, run):
-        d.mkdir()
-        (d / "job.yaml").write_text(text)
-    DistributedTrainer(job(ref), **QUIET).fit()
-    address = ray_session.get_runtime_context().gcs_address
-    cmd = [sys.executable, "-m", "raysinga.cli", "train", str(run / "job.yaml")]
-    cmd += ["--address", address, "--set", f"run_dir={run}"]
+    ref, run, _, cmd = _long_run(ray_session, tmp_path, checkpoint_frequency=0)
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
