@@ -24,8 +24,8 @@ def pytest_collection_modifyitems(config, items):
 
 def _ray_stop_last(items):
     """Multi-node tests replace the session's embedded Ray with a ``Cluster``, and ``ray_stop``
-    tests end every Ray on the machine: run them after everything else, in that order, so the
-    embedded Ray starts once."""
+    tests shut it down for a ``ray start`` head of their own: run them after everything else, in
+    that order, so the embedded Ray starts once."""
     items.sort(
         key=lambda item: (
             2 if "ray_stop" in item.keywords else 1 if "cluster" in item.keywords else 0
