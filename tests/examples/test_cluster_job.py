@@ -6,10 +6,12 @@ group is stopped."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -72,7 +74,10 @@ def test_ray_job_submit_of_the_example_succeeds_and_logs_the_accuracy():
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
     port, dash = free_port(), free_port()
-    # `ray start` leads a new session: every daemon it starts stays in its process group.
+    # `ray start` leads a new session: every daemon it starts stays in its process group. Its
+    # own temp dir keeps its address file out of /tmp/ray, where a later ray.init() would find
+    # the stopped head (`ray stop` removed that file; stopping the group does not).
+    temp = tempfile.mkdtemp(prefix="rs-", dir="/tmp")  # short: Ray's socket paths must fit
     start = subprocess.Popen(
         [
             str(BIN / "ray"),
@@ -85,6 +90,7 @@ def test_ray_job_submit_of_the_example_succeeds_and_logs_the_accuracy():
             f"--ray-client-server-port={free_port()}",
             "--num-cpus=2",
             "--disable-usage-stats",
+            f"--temp-dir={temp}",
         ],
         cwd=ROOT,
         env=env,
@@ -119,6 +125,7 @@ def test_ray_job_submit_of_the_example_succeeds_and_logs_the_accuracy():
         assert acc >= 0.9, log
     finally:
         stop_group(start.pid)
+        shutil.rmtree(temp, ignore_errors=True)
     assert not group_of(start.pid), "the head's processes outlived the stop"
 
 
