@@ -14,17 +14,23 @@ import select
 import struct
 import time
 from collections.abc import Callable
+from typing import Generic, TypeVar
+
+# A message class of :mod:`.protocol`: a NamedTuple whose ``FORMAT`` is its struct format.
+Message = TypeVar("Message", bound=tuple)
 
 
 class DoorbellTimeout(TimeoutError):
     pass
 
 
-class Doorbell:
-    """One FIFO carrying messages of ``fmt`` (a struct format); many writers, one reader."""
+class Doorbell(Generic[Message]):
+    """One FIFO carrying messages of one class (e.g. :class:`.protocol.WorkerDone`); many
+    writers, one reader."""
 
-    def __init__(self, path: str, fmt: str) -> None:
-        self.path, self.struct = path, struct.Struct(fmt)
+    def __init__(self, path: str, message: type[Message]) -> None:
+        self.path, self.message = path, message
+        self.struct = struct.Struct(message.FORMAT)  # type: ignore[attr-defined]
         if self.struct.size > select.PIPE_BUF:
             raise ValueError("a doorbell message must fit PIPE_BUF to be written atomically")
         # O_RDWR on a FIFO never blocks at open and never sees end-of-file (Linux).
@@ -37,10 +43,10 @@ class Doorbell:
         os.mkfifo(path, 0o600)
         return path
 
-    def ring(self, *values) -> None:
-        os.write(self.fd, self.struct.pack(*values))  # <= PIPE_BUF bytes: one atomic write
+    def ring(self, msg: Message) -> None:
+        os.write(self.fd, self.struct.pack(*msg))  # <= PIPE_BUF bytes: one atomic write
 
-    def wait(self, check: Callable[[], None] | None = None, poll_s: float = 0.2) -> tuple:
+    def wait(self, check: Callable[[], None] | None = None, poll_s: float = 0.2) -> Message:
         """The next message; ``check`` runs every ``poll_s`` while none comes (it raises to
         give up, e.g. when the peer's Ray call has failed)."""
         need, buf = self.struct.size, b""
@@ -51,7 +57,7 @@ class Doorbell:
                     check()
                 continue
             buf += os.read(self.fd, need - len(buf))
-        return self.struct.unpack(buf)
+        return self.message(*self.struct.unpack(buf))
 
     def close(self) -> None:
         try:
@@ -61,8 +67,11 @@ class Doorbell:
 
 
 def wait_all(
-    bell: Doorbell, count: int, check: Callable[[], None], timeout_s: float | None = None
-) -> list[tuple]:
+    bell: Doorbell[Message],
+    count: int,
+    check: Callable[[], None],
+    timeout_s: float | None = None,
+) -> list[Message]:
     """``count`` messages from one doorbell, in arrival order."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
 

@@ -19,11 +19,9 @@ import numpy as np
 from raysinga.optim import PARALLEL_CHUNK, clip_grad_norm
 
 from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
-from .doorbell import Doorbell, wait_all
+from .doorbell import Doorbell, Message, wait_all
 from .errors import get_all, reports_role
-from .server import node_id
-from .slicing import Slice
-from .worker import GO, SERVER_DONE, WORKER_DONE, server_layouts
+from .protocol import Go, ServerDone, StepStats, StubSpec, WorkerDone, node_id, server_layouts
 
 ENDED_GRACE_S = 5.0  # how long a doorbell may stay silent after a serve call ended normally
 
@@ -33,33 +31,33 @@ class Stub:
 
     def __init__(
         self,
-        index: int,
+        spec: StubSpec,
         workers: list[Any],
         servers: list[Any],
         worker_infos: list[dict[str, Any]],
         server_infos: list[dict[str, Any]],
-        shapes: dict[str, tuple[int, ...]],
-        slices: list[Slice],
-        dtype: str,
-        clip_norm: float | None,
-        n_groups: int,
-        tag: str,
     ) -> None:
-        self.index = self.group = index
+        """``workers``: this group's worker handles, ``servers``: all servers' handles, and
+        beside each list the roles' ``describe()`` answers (a server's with its snapshot
+        ``ref``, where it publishes one)."""
+        self.index = self.group = spec.index
         self.workers, self.servers = workers, servers
-        self.clip_norm, self.n_groups = clip_norm, n_groups
+        self.clip_norm, self.n_groups = spec.clip_norm, spec.n_groups
         self.node = node_id()
+        dtype = spec.dtype
         self.avg = SharedBuffer(
-            f"{tag}-stub{index}", Layout.of({p: (s, dtype) for p, s in shapes.items()}), self.node
+            f"{spec.tag}-stub{spec.index}",
+            Layout.of({p: (s, dtype) for p, s in spec.shapes.items()}),
+            self.node,
         )
         self.count = self.avg.layout.nbytes // np.dtype(dtype).itemsize
         self.avg_flat = self.avg.flat.view(dtype)[: self.count]
-        self.slices = slices
+        self.slices = spec.slices
         # Summing is element-wise: contiguous ranges on several threads give the same bits.
         self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
         k = max(1, min(self.pool._max_workers, self.count // PARALLEL_CHUNK))
         self.ranges = [(self.count * i // k, self.count * (i + 1) // k) for i in range(k)]
-        self.server_layouts = server_layouts(slices, len(servers), dtype)
+        self.server_layouts = server_layouts(spec.slices, len(servers), dtype)
         self._att = Attachments()
         self.worker_handles = [w["handle"] for w in worker_infos]
         self.snapshot = [w["node"] != self.node for w in worker_infos]
@@ -78,17 +76,17 @@ class Stub:
         )
         self.bells: dict[str, Any] = {}
         self._ended_since: float | None = None  # when a serve call was first seen ended
-        if n_groups == 1 and same_node:
+        if spec.n_groups == 1 and same_node:
             base = self.avg.path
 
-            def bell(suffix: str, fmt: str) -> Doorbell:
-                return Doorbell(Doorbell.create(f"{base}-{suffix}"), fmt)
+            def bell(suffix: str, message: type[Message]) -> Doorbell[Message]:
+                return Doorbell(Doorbell.create(f"{base}-{suffix}"), message)
 
             self.bells = {
-                "go_w": [bell(f"go-w{i}", GO) for i in range(len(workers))],
-                "go_s": [bell(f"go-s{k}", GO) for k in range(len(servers))],
-                "done_w": bell("done-w", WORKER_DONE),
-                "done_s": bell("done-s", SERVER_DONE),
+                "go_w": [bell(f"go-w{i}", Go) for i in range(len(workers))],
+                "go_s": [bell(f"go-s{k}", Go) for k in range(len(servers))],
+                "done_w": bell("done-w", WorkerDone),
+                "done_s": bell("done-s", ServerDone),
             }
 
     @reports_role
@@ -104,8 +102,8 @@ class Stub:
         return raw.view(self.avg_flat.dtype)[: self.count]
 
     @reports_role
-    def run(self, start: int, stop: int) -> list[dict[str, float]]:
-        """Run steps ``start .. stop-1`` of this group; per-step losses and timings."""
+    def run(self, start: int, stop: int) -> list[StepStats]:
+        """Run steps ``start .. stop-1`` of this group: each step's loss and timings."""
         records = []
         serving = self._start_serving(start, stop) if self.bells else []
         for step in range(start, stop):
@@ -118,25 +116,26 @@ class Stub:
             t2 = time.perf_counter()
             seconds = self._ring_servers(step, serving) if serving else self._call_servers(step)
             t3 = time.perf_counter()
-            fetch = max(st["fetch"] for st, _ in outs)
-            compute = max(st["compute"] for st, _ in outs)
-            rec = {
-                "step": step,
-                "loss": sum(st["loss"] for st, _ in outs),
-                "fetch": fetch,
-                "compute": compute,
-                "gather": t1 - t0 - fetch - compute,
-                "average": t2 - t1,
-                "update": t3 - t2,
-                "total": t3 - t0,
-                # where "gather" goes: reaching the last worker, and hearing back from it
-                "dispatch": max(st["start"] for st, _ in outs) - wall0,
-                "collect": wall1 - max(st["end"] for st, _ in outs),
-                "server": max(seconds),
-            }
-            if norm is not None:
-                rec["grad_norm"] = norm
-            records.append(rec)
+            stats = [st for st, _ in outs]
+            fetch = max(st["fetch"] for st in stats)
+            compute = max(st["compute"] for st in stats)
+            records.append(
+                StepStats(
+                    step=step,
+                    loss=sum(st["loss"] for st in stats),
+                    fetch=fetch,
+                    compute=compute,
+                    gather=t1 - t0 - fetch - compute,
+                    # where "gather" goes: reaching the last worker, and hearing back from it
+                    dispatch=max(st["start"] for st in stats) - wall0,
+                    collect=wall1 - max(st["end"] for st in stats),
+                    average=t2 - t1,
+                    update=t3 - t2,
+                    server=max(seconds),
+                    total=t3 - t0,
+                    grad_norm=norm,
+                )
+            )
         if serving:  # every serve call returns once its last step is done
             get_all(serving[: len(self.workers)], "worker", self.group)
             get_all(serving[len(self.workers) :], "server")
@@ -233,24 +232,23 @@ class Stub:
 
     def _ring_workers(self, step: int, serving: list[Any]) -> list[tuple[dict, None]]:
         for bell in self.bells["go_w"]:
-            bell.ring(step)
+            bell.ring(Go(step))
         k = len(self.workers)
         self._ended_since = None
         msgs = wait_all(self.bells["done_w"], k, lambda: self._check(serving))
-        if any(m[2] for m in msgs):
+        if any(m.failed for m in msgs):
             self._failed(serving)
-        keys = ("loss", "fetch", "compute", "start", "end")
-        stats = sorted(msgs)  # by part: worker order, whatever the arrival order
-        return [(dict(zip(keys, m[3:], strict=True)), None) for m in stats]
+        in_order = sorted(msgs, key=lambda m: m.part)  # worker order, whatever the arrival order
+        return [({f: getattr(m, f) for f in WorkerDone.STATS}, None) for m in in_order]
 
     def _ring_servers(self, step: int, serving: list[Any]) -> list[float]:
         for bell in self.bells["go_s"]:
-            bell.ring(step)
+            bell.ring(Go(step))
         self._ended_since = None
         msgs = wait_all(self.bells["done_s"], len(self.servers), lambda: self._check(serving, True))
-        if any(m[2] for m in msgs):
+        if any(m.failed for m in msgs):
             self._failed(serving, servers_only=True)
-        return [m[3] for m in msgs]
+        return [m.seconds for m in msgs]
 
     def _sum(self, grads: list[np.ndarray], ab: tuple[int, int]) -> None:
         """``avg[a:b] = g0 + g1 + ...``, added in worker order whatever the arrival order."""

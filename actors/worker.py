@@ -8,6 +8,7 @@ gradient into a persistent buffer that the stub reads in place.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -23,19 +24,8 @@ from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, stable_c
 from .device import WorkerDevice
 from .doorbell import Doorbell
 from .errors import reports_role
-from .server import node_id
+from .protocol import Go, WorkerDone, WorkerSpec, node_id, server_layouts
 from .slicing import Slice
-
-GO = "<q"  # step (stub -> worker or server)
-WORKER_DONE = "<qqqddddd"  # part, step, failed, loss, fetch, compute, start, end
-SERVER_DONE = "<qqqd"  # server, step, failed, seconds
-
-
-def server_layouts(slices: list[Slice], n_servers: int, dtype: str) -> list[Layout]:
-    return [
-        Layout.of({s.name: ((s.size,), dtype) for s in slices if s.server == k})
-        for k in range(n_servers)
-    ]
 
 
 class ParamReader:
@@ -48,7 +38,7 @@ class ParamReader:
     def __init__(
         self,
         shapes: dict[str, tuple[int, ...]],
-        slices: list[Slice],
+        slices: Sequence[Slice],
         n_servers: int,
         dtype: str,
         consistent: bool = False,
@@ -97,44 +87,32 @@ class ParamReader:
 class Worker:
     role = "worker"
 
-    def __init__(
-        self,
-        index: int,
-        group: int,
-        model: dict[str, Any],
-        dtype: str,
-        seed: int,
-        data: dict[str, Any],
-        group_batch: int,
-        shuffle: bool,
-        slices: list[Slice],
-        n_servers: int,
-        n_groups: int,
-        tag: str,
-        device: str = "cpu",
-    ) -> None:
-        self.index, self.group, self.seed = index, group, seed
-        self.n_groups, self.group_batch = n_groups, group_batch
-        self.net = Net(ModelSpec.from_dict(model), dtype=dtype)
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.index, self.group, self.seed = spec.index, spec.group, spec.seed
+        self.n_groups, self.group_batch = spec.n_groups, spec.group_batch
+        self.net = Net(ModelSpec.from_dict(spec.model), dtype=spec.dtype)
         self.state = self.net.init_state()
         self.cursor = DataCursor()  # a resumed run's, else from the start
+        data = spec.data
         self.train = load_dataset(data, split="train")
         self.test = load_dataset(data, split="test") if has_split(data, "test") else None
-        self.plan = BatchPlan(len(self.train), group_batch, seed, shuffle)
+        self.plan = BatchPlan(len(self.train), spec.group_batch, spec.seed, spec.shuffle)
         shapes = self.net.param_shapes()
-        self.reader = ParamReader(shapes, slices, n_servers, dtype, consistent=n_groups > 1)
+        self.reader = ParamReader(
+            shapes, spec.slices, spec.n_servers, spec.dtype, consistent=spec.n_groups > 1
+        )
         self.node = node_id()
         self.grads = SharedBuffer(
-            f"{tag}-g{group}w{index}",
-            Layout.of({p: (s, dtype) for p, s in shapes.items()}),
+            f"{spec.tag}-g{spec.group}w{spec.index}",
+            Layout.of({p: (s, spec.dtype) for p, s in shapes.items()}),
             self.node,
         )
         self.gpu: WorkerDevice | None = None  # device: "gpu" (a worker given GPUs)
-        if device == "gpu":
-            self.gpu = WorkerDevice(shapes, dtype, self.grads)
+        if spec.device == "gpu":
+            self.gpu = WorkerDevice(shapes, spec.dtype, self.grads)
             self.state = {k: self.gpu.asarray(v) for k, v in self.state.items()}
-        elif device != "cpu":
-            raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
+        elif spec.device != "cpu":
+            raise ValueError(f"device must be 'cpu' or 'gpu', got {spec.device!r}")
 
     @reports_role
     def describe(self) -> dict[str, Any]:
@@ -176,18 +154,16 @@ class Worker:
         self, start: int, stop: int, part: int, parts: int, go: str, done: str, *sources: ShmHandle
     ) -> int:
         """Compute steps ``start .. stop-1`` as the stub rings for them (same node only)."""
-        go_bell, done_bell = Doorbell(go, GO), Doorbell(done, WORKER_DONE)
+        go_bell, done_bell = Doorbell(go, Go), Doorbell(done, WorkerDone)
         try:
             for step in range(start, stop):
-                (asked,) = go_bell.wait()
+                asked = go_bell.wait().step
                 if asked != step:
                     raise RuntimeError(f"stub rang for step {asked}, expected {step}")
                 st = self._compute(step, part, parts, sources)
-                done_bell.ring(
-                    part, step, 0, st["loss"], st["fetch"], st["compute"], st["start"], st["end"]
-                )
+                done_bell.ring(WorkerDone(part, step, 0, **{k: st[k] for k in WorkerDone.STATS}))
         except BaseException:
-            done_bell.ring(part, -1, 1, 0.0, 0.0, 0.0, 0.0, 0.0)  # wake the stub at once
+            done_bell.ring(WorkerDone(part, -1, 1, 0.0, 0.0, 0.0, 0.0, 0.0))  # wake the stub now
             raise
         finally:
             go_bell.close()

@@ -1,16 +1,19 @@
 """CuPy twins of the ops in ``cpu.py``: same names, signatures, semantics, shapes and dtypes.
 
 This module mirrors ``cpu.py`` op for op, returning CuPy arrays. GEMMs go to cuBLAS through CuPy;
-everything else runs in the raw CUDA kernels of the ``*.cu`` files shipped with this package. Raw
-kernels check nothing, so each op validates with ``common`` and makes its inputs C-contiguous before
-launch. No kernel uses atomics: every reduction runs in a fixed order, so two runs give the same
-bits.
+everything else runs in the raw CUDA kernels of the ``*.cu`` files shipped with this package,
+loaded and launched through ``gpu_launch``. Raw kernels check nothing, so each op validates with
+``common`` and makes its inputs C-contiguous before launch. No kernel uses atomics: every reduction
+runs in a fixed order, so two runs give the same bits.
+
+The optimizer updates and the stub's gradient sum live in ``gpu_optim`` (they are not twins of
+``cpu.py`` ops) and are re-exported here, as are the kernel tables, so callers that know only this
+module keep working.
 """
 
 from __future__ import annotations
 
 import math
-from importlib import resources
 
 import cupy
 import numpy as np
@@ -18,63 +21,18 @@ import numpy as np
 from . import common
 from .common import check_float, check_same_dtype, conv_out_size, dropout_threshold
 
-BLOCK = 256  # threads per block; the block reductions in the .cu files assume exactly this
-MAX_GRID = 65535  # blocks per launch; grid-stride loops cover the rest
+# The redundant aliases re-export: callers that know only this module keep finding the kernel
+# tables and the fused updates (sgd_update, adam_update, weighted_sum) here.
+from .gpu_launch import BLOCK as BLOCK
+from .gpu_launch import KERNELS as KERNELS
+from .gpu_launch import MAX_GRID as MAX_GRID
+from .gpu_launch import NVRTC_OPTIONS as NVRTC_OPTIONS
+from .gpu_launch import contiguous, get_kernel, launch, launch_blocks
+from .gpu_optim import adam_update as adam_update
+from .gpu_optim import sgd_update as sgd_update
+from .gpu_optim import weighted_sum as weighted_sum
+
 SUM_CHUNK = 256  # rows one thread adds in order per pass of the column sum
-
-# Entry points per kernel file; each exists as NAME_f32 and NAME_f64. A plain literal:
-# tests/kernels/test_cuda_compile.py reads it without importing this module.
-KERNELS = {
-    "activation.cu": ("act_fwd", "bias_act_fwd", "act_bwd", "col_sum"),
-    "softmax_xent.cu": ("xent_fwd", "xent_bwd"),
-    "im2col.cu": ("im2col", "col2im"),
-    "pool.cu": ("maxpool_fwd", "maxpool_bwd", "avgpool_fwd", "avgpool_bwd"),
-    "dropout.cu": ("dropout_mask",),
-    "batchnorm.cu": ("bn_stats", "bn_apply", "bn_bwd_reduce", "bn_bwd_dx"),
-    "optim.cu": ("sgd_update", "adam_update", "weighted_sum"),
-}
-# NVRTC options per file beyond the default; a plain literal too. Without fused multiply-adds,
-# the optimizer updates and the gradient sum round exactly as NumPy does: bit-identical results.
-NVRTC_OPTIONS = {"optim.cu": ("--fmad=false",)}
-_SUFFIX = {"float32": "f32", "float64": "f64"}
-
-
-@cupy.memoize(for_each_device=True)
-def _compile(filename: str) -> dict:
-    """All entry points of one .cu file, compiled once per device by NVRTC."""
-    src = resources.files("raysinga.kernels").joinpath(filename).read_text()
-    module = cupy.RawModule(code=src, options=("-std=c++14", *NVRTC_OPTIONS.get(filename, ())))
-    return {
-        f"{name}_{suf}": module.get_function(f"{name}_{suf}")
-        for name in KERNELS[filename]
-        for suf in _SUFFIX.values()
-    }
-
-
-def _kernel(filename: str, name: str, dtype) -> cupy.RawKernel:
-    return _compile(filename)[f"{name}_{_SUFFIX[str(dtype)]}"]
-
-
-def _args(args: tuple) -> tuple:
-    # Kernel integers are long long (uint64 where wrapping matters); an int32 passed as is would
-    # hand the kernel 4 bytes where it reads 8.
-    return tuple(np.int64(a) if isinstance(a, (int, np.signedinteger)) else a for a in args)
-
-
-def _launch(kernel, n: int, *args) -> None:
-    """A grid-stride launch over ``n`` items (nothing to launch for an empty array)."""
-    if n > 0:
-        kernel((min(-(-n // BLOCK), MAX_GRID),), (BLOCK,), _args(args))
-
-
-def _launch_blocks(kernel, nblocks: int, *args) -> None:
-    """One block per row or channel (kernels loop over the rest beyond ``MAX_GRID``)."""
-    if nblocks > 0:
-        kernel((min(nblocks, MAX_GRID),), (BLOCK,), _args(args))
-
-
-def _c(a, dtype=None) -> cupy.ndarray:
-    return cupy.ascontiguousarray(cupy.asarray(a), dtype=dtype)
 
 
 def _check_like(ref_name: str, ref, **arrays) -> None:
@@ -103,9 +61,9 @@ def _act_code(act: str) -> int:
 def activation_forward(z: cupy.ndarray, act: str) -> cupy.ndarray:
     code = _act_code(act)
     check_float("z", z)
-    z = _c(z)
+    z = contiguous(z)
     y = cupy.empty_like(z)
-    _launch(_kernel("activation.cu", "act_fwd", z.dtype), z.size, z, y, z.size, code)
+    launch(get_kernel("activation.cu", "act_fwd", z.dtype), z.size, z, y, z.size, code)
     return y
 
 
@@ -113,9 +71,9 @@ def activation_backward(dy: cupy.ndarray, y: cupy.ndarray, act: str) -> cupy.nda
     """Gradient through an activation, written in terms of its output ``y``."""
     code = _act_code(act)
     _check_like("dy", dy, y=y)
-    dy, y = _c(dy), _c(y)
+    dy, y = contiguous(dy), contiguous(y)
     dz = cupy.empty_like(dy)
-    _launch(_kernel("activation.cu", "act_bwd", dy.dtype), dy.size, dy, y, dz, dy.size, code)
+    launch(get_kernel("activation.cu", "act_bwd", dy.dtype), dy.size, dy, y, dz, dy.size, code)
     return dz
 
 
@@ -123,10 +81,10 @@ def bias_act_forward(z: cupy.ndarray, b: cupy.ndarray, act: str) -> cupy.ndarray
     """``act(z + b)`` for ``z`` of shape ``(M, F)`` and ``b`` of shape ``(F,)``, in one kernel."""
     common.check_bias(z, b)
     code = _act_code(act)
-    z, b = _c(z), _c(b)
+    z, b = contiguous(z), contiguous(b)
     y = cupy.empty_like(z)
-    kernel = _kernel("activation.cu", "bias_act_fwd", z.dtype)
-    _launch(kernel, z.size, z, b, y, z.size, z.shape[1], code)
+    kernel = get_kernel("activation.cu", "bias_act_fwd", z.dtype)
+    launch(kernel, z.size, z, b, y, z.size, z.shape[1], code)
     return y
 
 
@@ -135,12 +93,12 @@ def _col_sum(a: cupy.ndarray) -> cupy.ndarray:
     m, f = a.shape[0], math.prod(a.shape[1:])
     if m == 0:
         return cupy.zeros(a.shape[1:], a.dtype)
-    part = _c(a).reshape(m, f)
-    kernel = _kernel("activation.cu", "col_sum", a.dtype)
+    part = contiguous(a).reshape(m, f)
+    kernel = get_kernel("activation.cu", "col_sum", a.dtype)
     while True:
         chunks = -(-m // SUM_CHUNK)
         out = cupy.empty((chunks, f), a.dtype)
-        _launch(kernel, chunks * f, part, out, m, f, SUM_CHUNK)
+        launch(kernel, chunks * f, part, out, m, f, SUM_CHUNK)
         part, m = out, chunks
         if m == 1:
             return part.reshape(a.shape[1:])
@@ -181,22 +139,22 @@ def softmax_xent_forward(
 ) -> tuple[cupy.ndarray, cupy.ndarray]:
     """Softmax cross-entropy: ``(loss, probs)``, loss summed over rows and divided by ``denom``."""
     common.check_labels(logits, labels)
-    logits, labels = _c(logits), _c(labels, cupy.int64)
+    logits, labels = contiguous(logits), contiguous(labels, cupy.int64)
     n, c = logits.shape
     probs = cupy.empty_like(logits)
     per_row = cupy.empty((n, 1), logits.dtype)
-    kernel = _kernel("softmax_xent.cu", "xent_fwd", logits.dtype)
-    _launch_blocks(kernel, n, logits, labels, probs, per_row, n, c)
+    kernel = get_kernel("softmax_xent.cu", "xent_fwd", logits.dtype)
+    launch_blocks(kernel, n, logits, labels, probs, per_row, n, c)
     loss = _col_sum(per_row)[0] / cupy.asarray(denom, dtype=logits.dtype)
     return cupy.asarray(loss, dtype=logits.dtype), probs
 
 
 def softmax_xent_backward(probs: cupy.ndarray, labels: cupy.ndarray, denom: float) -> cupy.ndarray:
     common.check_labels(probs, labels)  # the kernel indexes rows by label
-    probs, labels = _c(probs), _c(labels, cupy.int64)
+    probs, labels = contiguous(probs), contiguous(labels, cupy.int64)
     d = cupy.empty_like(probs)
-    kernel = _kernel("softmax_xent.cu", "xent_bwd", probs.dtype)
-    _launch(kernel, d.size, probs, labels, d, *probs.shape, probs.dtype.type(denom))
+    kernel = get_kernel("softmax_xent.cu", "xent_bwd", probs.dtype)
+    launch(kernel, d.size, probs, labels, d, *probs.shape, probs.dtype.type(denom))
     return d
 
 
@@ -220,10 +178,10 @@ def im2col(x: cupy.ndarray, kh: int, kw: int, stride: int, pad: int) -> cupy.nda
     """Patches of an NCHW batch as rows: ``(N*OH*OW, C*KH*KW)``, channel-major within a row."""
     check_float("x", x)
     n, c, h, w, oh, ow = _window_geometry(x.shape, kh, kw, stride, pad)
-    x = _c(x)
+    x = contiguous(x)
     cols = cupy.empty((n * oh * ow, c * kh * kw), x.dtype)
-    kernel = _kernel("im2col.cu", "im2col", x.dtype)
-    _launch(kernel, cols.size, x, cols, n, c, h, w, kh, kw, stride, pad, oh, ow)
+    kernel = get_kernel("im2col.cu", "im2col", x.dtype)
+    launch(kernel, cols.size, x, cols, n, c, h, w, kh, kw, stride, pad, oh, ow)
     return cols
 
 
@@ -235,10 +193,10 @@ def col2im(
     n, c, h, w, oh, ow = _window_geometry(x_shape, kh, kw, stride, pad)
     if cols.shape != (n * oh * ow, c * kh * kw):
         raise ValueError(f"cols of shape {cols.shape} do not match input {tuple(x_shape)}")
-    cols = _c(cols)
+    cols = contiguous(cols)
     x = cupy.empty((n, c, h, w), cols.dtype)
-    kernel = _kernel("im2col.cu", "col2im", cols.dtype)
-    _launch(kernel, x.size, cols, x, n, c, h, w, kh, kw, stride, pad, oh, ow)
+    kernel = get_kernel("im2col.cu", "col2im", cols.dtype)
+    launch(kernel, x.size, cols, x, n, c, h, w, kh, kw, stride, pad, oh, ow)
     return x
 
 
@@ -295,11 +253,11 @@ def maxpool_forward(
     """``(y, argmax)``; ``argmax`` is the int32 position in the window (first maximum wins)."""
     common.check_pool(x, k, stride, pad)
     n, c, h, w, oh, ow = _window_geometry(x.shape, k, k, stride, pad)
-    x = _c(x)
+    x = contiguous(x)
     y = cupy.empty((n, c, oh, ow), x.dtype)
     arg = cupy.empty((n, c, oh, ow), cupy.int32)
-    kernel = _kernel("pool.cu", "maxpool_fwd", x.dtype)
-    _launch(kernel, y.size, x, y, arg, n * c, h, w, k, stride, pad, oh, ow)
+    kernel = get_kernel("pool.cu", "maxpool_fwd", x.dtype)
+    launch(kernel, y.size, x, y, arg, n * c, h, w, k, stride, pad, oh, ow)
     return y, arg
 
 
@@ -309,10 +267,10 @@ def maxpool_backward(
     nc, h, w, oh, ow = _pool_grad_geometry(dy, x_shape, k, stride, pad)
     if argmax.shape != dy.shape:
         raise ValueError(f"argmax of shape {argmax.shape} does not match dy {dy.shape}")
-    dy, argmax = _c(dy), _c(argmax, cupy.int32)
+    dy, argmax = contiguous(dy), contiguous(argmax, cupy.int32)
     dx = cupy.empty(tuple(x_shape), dy.dtype)
-    kernel = _kernel("pool.cu", "maxpool_bwd", dy.dtype)
-    _launch(kernel, dx.size, dy, argmax, dx, nc, h, w, k, stride, pad, oh, ow)
+    kernel = get_kernel("pool.cu", "maxpool_bwd", dy.dtype)
+    launch(kernel, dx.size, dy, argmax, dx, nc, h, w, k, stride, pad, oh, ow)
     return dx
 
 
@@ -320,10 +278,10 @@ def avgpool_forward(x: cupy.ndarray, k: int, stride: int, pad: int) -> cupy.ndar
     """Average pooling; padded zeros count in the divisor (``count_include_pad``)."""
     common.check_pool(x, k, stride, pad)
     n, c, h, w, oh, ow = _window_geometry(x.shape, k, k, stride, pad)
-    x = _c(x)
+    x = contiguous(x)
     y = cupy.empty((n, c, oh, ow), x.dtype)
-    kernel = _kernel("pool.cu", "avgpool_fwd", x.dtype)
-    _launch(kernel, y.size, x, y, n * c, h, w, k, stride, pad, oh, ow)
+    kernel = get_kernel("pool.cu", "avgpool_fwd", x.dtype)
+    launch(kernel, y.size, x, y, n * c, h, w, k, stride, pad, oh, ow)
     return y
 
 
@@ -331,10 +289,10 @@ def avgpool_backward(
     dy: cupy.ndarray, x_shape: tuple, k: int, stride: int, pad: int
 ) -> cupy.ndarray:
     nc, h, w, oh, ow = _pool_grad_geometry(dy, x_shape, k, stride, pad)
-    dy = _c(dy)
+    dy = contiguous(dy)
     dx = cupy.empty(tuple(x_shape), dy.dtype)
-    kernel = _kernel("pool.cu", "avgpool_bwd", dy.dtype)
-    _launch(kernel, dx.size, dy, dx, nc, h, w, k, stride, pad, oh, ow)
+    kernel = get_kernel("pool.cu", "avgpool_bwd", dy.dtype)
+    launch(kernel, dx.size, dy, dx, nc, h, w, k, stride, pad, oh, ow)
     return dx
 
 
@@ -350,8 +308,8 @@ def dropout_mask(x: cupy.ndarray, rate: float, key: int, sample_offset: int) -> 
     out = cupy.empty(x.shape, x.dtype)
     scale = x.dtype.type(1.0 / (1.0 - rate))  # rounded from float64, as cpu.py does
     counter0 = np.uint64(sample_offset * per)
-    kernel = _kernel("dropout.cu", "dropout_mask", x.dtype)
-    _launch(kernel, out.size, out, out.size, np.uint64(key), counter0, np.uint64(thresh), scale)
+    kernel = get_kernel("dropout.cu", "dropout_mask", x.dtype)
+    launch(kernel, out.size, out, out.size, np.uint64(key), counter0, np.uint64(thresh), scale)
     return out
 
 
@@ -368,14 +326,14 @@ def batchnorm_forward_train(
 ) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray, cupy.ndarray]:
     """``(y, mean, var, inv_std)`` using the batch's statistics (``var`` is the biased one)."""
     common.check_bn(x, gamma, beta)
-    x, gamma, beta = _c(x), _c(gamma), _c(beta)
+    x, gamma, beta = contiguous(x), contiguous(gamma), contiguous(beta)
     n, c, s = _bn_dims(x)
     mean, var, inv_std = (cupy.empty(c, x.dtype) for _ in range(3))
-    stats = _kernel("batchnorm.cu", "bn_stats", x.dtype)
-    _launch_blocks(stats, c, x, mean, var, inv_std, n, c, s, x.dtype.type(eps))
+    stats = get_kernel("batchnorm.cu", "bn_stats", x.dtype)
+    launch_blocks(stats, c, x, mean, var, inv_std, n, c, s, x.dtype.type(eps))
     y = cupy.empty_like(x)
-    apply = _kernel("batchnorm.cu", "bn_apply", x.dtype)
-    _launch(apply, x.size, x, mean, inv_std, gamma, beta, y, x.size, c, s)
+    apply = get_kernel("batchnorm.cu", "bn_apply", x.dtype)
+    launch(apply, x.size, x, mean, inv_std, gamma, beta, y, x.size, c, s)
     return y, mean, var, inv_std
 
 
@@ -390,12 +348,17 @@ def batchnorm_forward_infer(
     common.check_bn(x, gamma, beta)
     n, c, s = _bn_dims(x)
     _check_vectors(c, mean=mean, var=var)
-    x, beta, mean, var = _c(x), _c(beta), _c(mean, x.dtype), _c(var, x.dtype)
+    x, beta, mean, var = (
+        contiguous(x),
+        contiguous(beta),
+        contiguous(mean, x.dtype),
+        contiguous(var, x.dtype),
+    )
     inv_std = 1 / cupy.sqrt(var + cupy.asarray(eps, dtype=x.dtype))
-    scale = _c(gamma * inv_std, x.dtype)
+    scale = contiguous(gamma * inv_std, x.dtype)
     y = cupy.empty_like(x)
-    apply = _kernel("batchnorm.cu", "bn_apply", x.dtype)
-    _launch(apply, x.size, x, mean, scale, cupy.ones(c, x.dtype), beta, y, x.size, c, s)
+    apply = get_kernel("batchnorm.cu", "bn_apply", x.dtype)
+    launch(apply, x.size, x, mean, scale, cupy.ones(c, x.dtype), beta, y, x.size, c, s)
     return y
 
 
@@ -412,99 +375,13 @@ def batchnorm_backward(
     n, c, s = _bn_dims(x)
     _check_vectors(c, mean=mean, inv_std=inv_std)
     check_same_dtype(x=x, mean=mean, inv_std=inv_std)
-    dy, x, mean, inv_std = _c(dy), _c(x), _c(mean), _c(inv_std)
+    dy, x, mean, inv_std = contiguous(dy), contiguous(x), contiguous(mean), contiguous(inv_std)
     m = n * s
     dgamma, dbeta = cupy.empty(c, x.dtype), cupy.empty(c, x.dtype)
-    reduce = _kernel("batchnorm.cu", "bn_bwd_reduce", x.dtype)
-    _launch_blocks(reduce, c, dy, x, mean, inv_std, dgamma, dbeta, n, c, s)
-    k = _c(gamma * inv_std / m)
+    reduce = get_kernel("batchnorm.cu", "bn_bwd_reduce", x.dtype)
+    launch_blocks(reduce, c, dy, x, mean, inv_std, dgamma, dbeta, n, c, s)
+    k = contiguous(gamma * inv_std / m)
     dx = cupy.empty_like(x)
-    grad = _kernel("batchnorm.cu", "bn_bwd_dx", x.dtype)
-    _launch(grad, x.size, dy, x, mean, inv_std, k, dgamma, dbeta, dx, x.size, c, s, x.dtype.type(m))
+    grad = get_kernel("batchnorm.cu", "bn_bwd_dx", x.dtype)
+    launch(grad, x.size, dy, x, mean, inv_std, k, dgamma, dbeta, dx, x.size, c, s, x.dtype.type(m))
     return dx, dgamma, dbeta
-
-
-# ---------------------------------------------------------------- optimizers and the stub's sum
-# Not twins of cpu.py ops: their references are raysinga.optim's NumPy updates and the stub's
-# NumPy sum, which these match bit for bit (see optim.cu).
-
-
-def _check_flat(name: str, a, **others) -> None:
-    """Arrays updated in place by one launch: C-contiguous, same size and dtype as ``a``."""
-    check_float(name, a)
-    for n, x in {name: a, **others}.items():
-        if not x.flags.c_contiguous:
-            raise ValueError(f"{n} must be C-contiguous to be updated in place")
-        if x.size != a.size or x.dtype != a.dtype:
-            raise ValueError(
-                f"{n} ({x.size} x {x.dtype}) does not match {name} ({a.size} x {a.dtype})"
-            )
-
-
-def sgd_update(param, grad, buf, lr: float, momentum: float, weight_decay: float, nesterov: bool):
-    """One SGD step on ``param`` (and its momentum ``buf``, or None) in place, in one launch."""
-    grad = _c(grad, param.dtype)
-    _check_flat("param", param, grad=grad, **({} if buf is None else {"buf": buf}))
-    t = param.dtype.type
-    k = _kernel("optim.cu", "sgd_update", param.dtype)
-    args = (param, grad, 0 if buf is None else buf, param.size, t(lr), t(momentum))
-    _launch(k, param.size, *args, t(weight_decay), int(buf is not None), int(nesterov))
-
-
-def adam_update(
-    param,
-    grad,
-    m,
-    v,
-    lr: float,
-    t: int,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-) -> None:
-    """One Adam (``decoupled``: AdamW) step ``t`` on ``param``, ``m`` and ``v`` in place, in one
-    launch. Scalars are computed in double and rounded to the dtype, as NumPy does."""
-    grad = _c(grad, param.dtype)
-    _check_flat("param", param, grad=grad, m=m, v=v)
-    beta1, beta2 = betas
-    T = param.dtype.type  # noqa: N806 - the kernel's T
-    w = 1 - beta1
-    decay = 1 - lr * weight_decay
-    k = _kernel("optim.cu", "adam_update", param.dtype)
-    _launch(
-        k,
-        param.size,
-        param,
-        grad,
-        m,
-        v,
-        param.size,
-        T(decay),
-        int(bool(weight_decay) and decoupled),
-        T(weight_decay),
-        T(w),
-        T(1.0 - w),
-        int(abs(w) >= 0.5),
-        T(beta2),
-        T(1 - beta2),
-        T(-(lr / (1 - beta1**t))),
-        T((1 - beta2**t) ** 0.5),
-        T(eps),
-    )
-
-
-def weighted_sum(out, buffers: list, weights=None):
-    """``out`` = the sum, in list order, of ``weights[j] * buffers[j]`` (None: plain sum, as the
-    stub's NumPy sum), in one pass over the buffers."""
-    if not buffers:
-        raise ValueError("weighted_sum needs at least one buffer")
-    _check_flat("out", out, **{f"buffers[{j}]": b for j, b in enumerate(buffers)})
-    if weights is not None:
-        weights = _c(weights, out.dtype)
-        if weights.shape != (len(buffers),):
-            raise ValueError(f"weights must have shape ({len(buffers)},), got {weights.shape}")
-    ptrs = cupy.asarray(np.array([b.data.ptr for b in buffers], dtype=np.uint64))
-    k = _kernel("optim.cu", "weighted_sum", out.dtype)
-    _launch(k, out.size, out, ptrs, 0 if weights is None else weights, len(buffers), out.size)
-    return out

@@ -79,19 +79,19 @@ def _train(args: argparse.Namespace) -> int:
     if args.init_from:
         _checkpoint_arg(args.init_from)
     from .progress import Progress  # noqa: PLC0415
-    from .run_state import Preempted  # noqa: PLC0415
+    from .session import Preempted  # noqa: PLC0415
 
-    log = Progress()  # a bar on a terminal, plain lines elsewhere
+    log = Progress()  # a bar on a terminal, plain lines elsewhere: the run's events as text
     try:
         if cfg.topology is None or args.local:
             from .trainer import Trainer  # noqa: PLC0415 - keeps `raysinga --help` fast
 
-            result = Trainer(cfg, log=log, **start).fit()
+            result = Trainer(cfg, log=None, on_event=log, **start).fit()
         else:
             from .distributed import DistributedTrainer  # noqa: PLC0415 - imports Ray
 
             result = DistributedTrainer(
-                cfg, log=log, address=args.address, gather=False, **start
+                cfg, log=None, on_event=log, address=args.address, gather=False, **start
             ).fit()
     except Preempted as e:
         log.close()

@@ -1,20 +1,24 @@
 """Progress as a user sees it: a bar redrawn in place on a terminal, plain lines elsewhere (a file,
 a pipe, ``ray job submit`` logs).
 
-The trainers report through a ``log(line)`` callback. :class:`Progress` is that callback for the
-CLI: on a terminal, training lines (``step N/T  epoch ...``) update one bar line, with the time
-left estimated from the steps done since the bar (re)started; every other line (evaluations,
-checkpoints, failures) is printed above the bar and stays.
+:class:`Progress` subscribes to a run's events (:mod:`raysinga.events`): on a terminal, training
+events (:class:`~raysinga.events.TrainStep`) update one bar line, with the time left estimated
+from the steps done since the bar (re)started; every other event with a console line
+(evaluations, checkpoints, failures) is printed above the bar and stays.
+
+A progress library (tqdm) was weighed: it would draw the same bar, but the lines printed above
+it, the restart of the estimate after a recovery and the plain output off a terminal would still
+be ours to write, so it would save little code for a new dependency.
 """
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from typing import TextIO
 
-TRAIN_LINE = re.compile(r"step\s+(\d+)/(\d+)\s+epoch")
+from .console import render
+from .events import Event, RunStarted, TrainStep
 
 
 class Progress:
@@ -25,28 +29,31 @@ class Progress:
         self.tty = self.stream.isatty() if tty is None else tty
         self.bar = ""  # the bar now on screen ("" while none is)
         self._since: tuple[float, int] | None = None  # (time, step) the rate is measured from
-        self._last = -1
 
-    def __call__(self, line: str) -> None:
+    def __call__(self, ev: Event) -> None:
+        line = render(ev)
+        if isinstance(ev, RunStarted):  # a start or a restart: the estimate starts again
+            self._since = None
+        if line is None:
+            return
         if not self.tty:
             print(line, file=self.stream, flush=True)
-            return
-        m = TRAIN_LINE.match(line)
-        if m is None:
+        elif isinstance(ev, TrainStep):
+            self._update(ev, line)
+        else:
             self._erase()
             print(line, file=self.stream)
             self._draw()
-            return
-        step, total = int(m.group(1)), int(m.group(2))
+
+    def _update(self, ev: TrainStep, line: str) -> None:
         now = time.monotonic()
-        if self._since is None or step < self._last:  # the start, or a restart from a checkpoint
-            self._since = (now, step)
-        self._last = step
-        filled = min(self.WIDTH, self.WIDTH * step // max(total, 1))
+        if self._since is None:
+            self._since = (now, ev.step)
+        filled = min(self.WIDTH, self.WIDTH * ev.step // max(ev.total, 1))
         t0, s0 = self._since
         left = ""
-        if step > s0 and step < total:
-            left = f"  {_duration((total - step) * (now - t0) / (step - s0))} left"
+        if s0 < ev.step < ev.total:
+            left = f"  {_duration((ev.total - ev.step) * (now - t0) / (ev.step - s0))} left"
         self.bar = f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {line}{left}"
         self._draw()
 

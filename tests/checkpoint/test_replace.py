@@ -109,7 +109,7 @@ def _cut_short(root: Path, after: str) -> None:
 @pytest.mark.parametrize(("after", "want"), [("first", OLD), ("second", NEW), ("exchange", NEW)])
 def test_a_replace_cut_short_is_recovered(tmp_path, after, want):
     """Killed between the two renames, step 4 is missing and the old one waits under
-    ``step-4.replaced-x``: the writer's ``recover`` (``run_state.open_run`` calls it) renames
+    ``step-4.replaced-x``: the writer's ``recover`` (``run_sources.open_run`` calls it) renames
     it back. After the second rename, or after an exchange, only leftovers remain."""
     root = tmp_path / "run"
     save(root, 3, {"w": OLD})

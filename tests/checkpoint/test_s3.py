@@ -391,7 +391,7 @@ CRASHES = {
 @pytest.mark.parametrize("state", list(CRASHES))
 def test_a_replace_cut_short_on_s3_is_recovered(s3, state):
     """Each state a crash can leave (made by hand) is recovered by the writer's ``recover``
-    (``run_state.open_run`` calls it) to a whole checkpoint of step 4, old or new."""
+    (``run_sources.open_run`` calls it) to a whole checkpoint of step 4, old or new."""
     fs, _ = s3
     run = _run(fs, "cut")
     save(run, 3, {"w": OLD})

@@ -1,7 +1,8 @@
-"""The CUDA sources compile, ship as package data, and define every kernel ``gpu.py`` asks for.
+"""The CUDA sources compile, ship as package data, and define every kernel the GPU ops ask for.
 
-Runs in the CPU suite: compiling needs ``nvcc`` but no GPU, and ``gpu.py`` is read as text, not
-imported (importing it imports CuPy).
+Runs in the CPU suite: compiling needs ``nvcc`` but no GPU, and ``gpu_launch.py`` (which holds the
+kernel tables for ``gpu.py`` and ``gpu_optim.py``) is read as text, not imported (importing it
+imports CuPy).
 """
 
 from __future__ import annotations
@@ -17,18 +18,19 @@ import pytest
 PACKAGE = resources.files("raysinga.kernels")
 CU_FILES = sorted(p.name for p in PACKAGE.iterdir() if p.name.endswith(".cu"))
 SUFFIXES = ("f32", "f64")
+TABLES = "gpu_launch.py"  # the module that compiles the .cu files and names their entry points
 
 
 def _literal(name: str):
-    """A literal assigned at the top of gpu.py (``KERNELS``: kernel file -> entry points without
-    the dtype suffix; ``NVRTC_OPTIONS``: kernel file -> extra compiler options)."""
-    tree = ast.parse(PACKAGE.joinpath("gpu.py").read_text())
+    """A literal assigned at the top of ``TABLES`` (``KERNELS``: kernel file -> entry points
+    without the dtype suffix; ``NVRTC_OPTIONS``: kernel file -> extra compiler options)."""
+    tree = ast.parse(PACKAGE.joinpath(TABLES).read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == name for t in node.targets
         ):
             return ast.literal_eval(node.value)
-    raise AssertionError(f"gpu.py defines no {name} table")
+    raise AssertionError(f"{TABLES} defines no {name} table")
 
 
 KERNELS = _literal("KERNELS")

@@ -57,9 +57,9 @@ class RecordingWorker(Worker):
     """Notes each step it computes: group, step, batch index, start and end (wall clock), in a
     file named after its run (the tag starts with the run's name)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        run = args[11].rsplit("-", 1)[0]
+    def __init__(self, spec):
+        super().__init__(spec)
+        run = spec.tag.rsplit("-", 1)[0]
         (LOGS / run).mkdir(parents=True, exist_ok=True)
         self._log = LOGS / run / f"g{self.group}w{self.index}-{uuid.uuid4().hex[:6]}.jsonl"
 

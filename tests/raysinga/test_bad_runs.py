@@ -13,7 +13,8 @@ from conftest import cli_error
 
 from raysinga import config
 from raysinga.checkpoint import Checkpoint, steps
-from raysinga.trainer import NonFiniteState, Trainer
+from raysinga.finite import NonFiniteState
+from raysinga.trainer import Trainer
 
 JOB = """
 name: bad
@@ -145,11 +146,14 @@ def test_a_non_finite_state_is_never_checkpointed(tmp_path):
     """Even where the loss was still finite (an update that overflowed after it)."""
     f = job_file(tmp_path, data(tmp_path))
     t = Trainer(config.load(f, [f"run_dir={tmp_path}"]), log=lambda line: None)
-    from raysinga.run_state import LocalCheckpoints
+    from raysinga import data_identity, local_checkpoint
+    from raysinga.cursor import DataCursor
+    from raysinga.session import RunSession
 
-    with LocalCheckpoints(t) as ck:
-        params = {k: np.array(v) for k, v in ck.params.items()}
+    ident = data_identity.identity(t.train_data, t.cfg.data.batch_size, t.cfg.data.shuffle)
+    with RunSession(t.cfg, t.net.param_shapes(), t.net.dtype, ident, t.hub) as session:
+        params, state = local_checkpoint.load_start(session.start, t.net, t.optimizer)
         params["out/b"][1] = np.inf
         with pytest.raises(NonFiniteState, match="out/b holds NaN or infinite values at step 5"):
-            ck.save(5, params, ck.state, [])
+            local_checkpoint.save(session, 5, t.net, t.optimizer, params, state, DataCursor(), [])
     assert not (tmp_path / "checkpoints").exists() or steps(tmp_path / "checkpoints") == []

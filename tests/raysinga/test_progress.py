@@ -4,44 +4,63 @@ from __future__ import annotations
 
 import io
 
+from raysinga.console import render
+from raysinga.events import CheckpointCommitted, Evaluated, RunStarted, TrainStep
 from raysinga.progress import Progress, _duration
 
-TRAIN = "step {:>3}/100  epoch 0  loss 0.5000  lr 0.01  1,000 samples/s"
+
+def train(step: int) -> TrainStep:
+    return TrainStep(step, 100, 0, 0.5, 0.01, 1000.0)
+
+
+def line(step: int) -> str:
+    return f"step {step:>3}/100  epoch 0  loss 0.5000  lr 0.01  1,000 samples/s"
+
+
+def test_events_render_as_the_lines_users_read():
+    assert render(train(10)) == line(10)
+    assert render(Evaluated(10, 100, {"test_loss": 0.4})) == "step  10/100  test_loss 0.4000"
+    ck = CheckpointCommitted(50, "/x/step-50", 0.0123, 0.5, in_background=True)
+    assert render(ck) == (
+        "raysinga: checkpoint step 50 -> /x/step-50 (training waited 12 ms; written in 0.50 s)"
+    )
 
 
 def test_plain_lines_when_not_a_terminal():
     out = io.StringIO()
     p = Progress(out)  # StringIO is no TTY
-    p(TRAIN.format(10))
-    p("step  10/100  test_loss 0.4000")
+    p(train(10))
+    p(Evaluated(10, 100, {"test_loss": 0.4}))
     p.close()
-    assert out.getvalue() == TRAIN.format(10) + "\nstep  10/100  test_loss 0.4000\n"
+    assert out.getvalue() == line(10) + "\nstep  10/100  test_loss 0.4000\n"
 
 
 def test_a_terminal_gets_one_bar_and_other_lines_above_it():
     out = io.StringIO()
     p = Progress(out, tty=True)
-    p(TRAIN.format(25))
-    p(TRAIN.format(50))
-    p("raysinga: checkpoint step 50 -> /x/step-50")
-    p(TRAIN.format(100))
+    p(train(25))
+    p(train(50))
+    p(CheckpointCommitted(50, "/x/step-50", 0.0, 0.1, in_background=False))
+    p(train(100))
     p.close()
     text = out.getvalue()
     assert "\n" not in text.split("raysinga: checkpoint")[0]  # bar updates stay on one line
-    assert "[######..................] " + TRAIN.format(25) in text
-    assert "[############............] " + TRAIN.format(50) in text
-    assert " left" in text.split(TRAIN.format(50))[1].split("\r")[0]  # a time left estimate
+    assert "[######..................] " + line(25) in text
+    assert "[############............] " + line(50) in text
+    assert " left" in text.split(line(50))[1].split("\r")[0]  # a time left estimate
     # the checkpoint line erased the bar, stayed on its own line, and the bar came back below
-    assert "\r\x1b[Kraysinga: checkpoint step 50 -> /x/step-50\n\r\x1b[K[####" in text
-    assert text.endswith("[" + "#" * 24 + "] " + TRAIN.format(100) + "\n")
+    assert "\r\x1b[Kraysinga: checkpoint step 50 -> /x/step-50 (" in text
+    assert "written in 0.10 s)\n\r\x1b[K[####" in text
+    assert text.endswith("[" + "#" * 24 + "] " + line(100) + "\n")
 
 
 def test_a_restart_from_a_checkpoint_resets_the_estimate():
     out = io.StringIO()
     p = Progress(out, tty=True)
-    p(TRAIN.format(60))
-    p(TRAIN.format(40))  # a recovery went back to step 40
-    assert p._since[1] == 40
+    p(train(60))
+    p(RunStarted("r", "Ray", 100, 40))  # a recovery went back to step 40
+    p(train(45))
+    assert p._since is not None and p._since[1] == 45
 
 
 def test_durations():

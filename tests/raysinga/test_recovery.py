@@ -21,7 +21,9 @@ from raysinga import config
 from raysinga.actors.cluster import ResourceError
 from raysinga.actors.server import ParamServer
 from raysinga.checkpoint import Checkpoint, CheckpointError, steps
+from raysinga.console import TextLog
 from raysinga.distributed import DistributedTrainer, FailuresExceeded
+from raysinga.events import Event, TrainStep
 
 JOB = """
 name: faults
@@ -54,16 +56,15 @@ def straight(tmp_path_factory):
     return DistributedTrainer(job(d), log=lambda line: None).fit()
 
 
-def kill_at(trainer: DistributedTrainer, role: str, at_step: int, lines: list[str]):
-    """A log callback that, once step ``at_step`` is reported, SIGKILLs the role's process from
-    another thread a moment later (while the next steps run)."""
+def kill_at(trainer: DistributedTrainer, role: str, at_step: int):
+    """An event hook that, once training reports step ``at_step``, SIGKILLs the role's process
+    from another thread a moment later (while the next steps run)."""
     import ray
 
     fired = []
 
-    def log(line: str) -> None:
-        lines.append(line)
-        if fired or f"step {at_step}/" not in line:
+    def hook(ev: Event) -> None:
+        if fired or not (isinstance(ev, TrainStep) and ev.step == at_step):
             return
         actor = {
             "worker": lambda: trainer.workers[0][1],
@@ -79,7 +80,7 @@ def kill_at(trainer: DistributedTrainer, role: str, at_step: int, lines: list[st
 
         threading.Thread(target=kill, daemon=True).start()
 
-    return log, fired
+    return hook, fired
 
 
 def events(run_dir: Path, kinds: tuple[str, ...] = ("failure",)) -> list[dict]:
@@ -90,8 +91,9 @@ def events(run_dir: Path, kinds: tuple[str, ...] = ("failure",)) -> list[dict]:
 @pytest.mark.parametrize("role", ["worker", "server", "stub"])
 def test_a_killed_role_is_recovered_from_the_last_checkpoint_bit_exact(straight, tmp_path, role):
     lines: list[str] = []
-    t = DistributedTrainer(job(tmp_path), log=print)
-    t.log, fired = kill_at(t, role, 15, lines)
+    t = DistributedTrainer(job(tmp_path), log=lines.append)
+    hook, fired = kill_at(t, role, 15)
+    t.hub.subscribe(hook)
     res = t.fit()
     assert fired, "the kill never fired"
     for k, a in straight.params.items():
@@ -177,13 +179,13 @@ def test_a_lost_registry_is_replaced_and_the_object_store_copies_go_on(straight,
 
     from raysinga.checkpoint import objstore
 
-    lines: list[str] = []
-    t = DistributedTrainer(job(tmp_path, "checkpoint.object_store=true"), log=print)
-    kill_worker, fired = kill_at(t, "worker", 30, lines)
+    t = DistributedTrainer(job(tmp_path, "checkpoint.object_store=true"), log=None)
+    kill_worker, fired = kill_at(t, "worker", 30)
     registry: list[int] = []
 
-    def log(line: str) -> None:
-        if not registry and "step 20/" in line:  # step 10 is in the store by now
+    def hook(ev: Event) -> None:
+        reached = isinstance(ev, TrainStep) and ev.step == 20  # step 10 is in the store by now
+        if not registry and reached:
             ray.get(objstore.registry(create=False).list.remote())  # up (it starts in the back)
             (pid,) = [
                 a["Pid"]
@@ -192,9 +194,9 @@ def test_a_lost_registry_is_replaced_and_the_object_store_copies_go_on(straight,
             ]
             os.kill(pid, signal.SIGKILL)
             registry.append(pid)
-        kill_worker(line)
+        kill_worker(ev)
 
-    t.log = log
+    t.hub.subscribe(hook)
     res = t.fit()
     assert registry and fired
     for k, a in straight.params.items():
@@ -204,10 +206,10 @@ def test_a_lost_registry_is_replaced_and_the_object_store_copies_go_on(straight,
 
 
 def test_more_failures_than_allowed_stop_the_run_with_a_summary(ray_session, tmp_path):
-    lines: list[str] = []
-    t = DistributedTrainer(job(tmp_path, "fault.max_failures=0"), log=print)
+    t = DistributedTrainer(job(tmp_path, "fault.max_failures=0"), log=None)
     # after step 20's checkpoint began, step 10's is committed (a write in flight may not be)
-    t.log, fired = kill_at(t, "worker", 25, lines)
+    hook, fired = kill_at(t, "worker", 25)
+    t.hub.subscribe(hook)
     with pytest.raises(FailuresExceeded) as e:
         t.fit()
     msg = str(e.value)
@@ -278,20 +280,22 @@ def remove_node_of(cluster, role) -> str:
 
 
 def lose_a_node_then_regain_one(cluster, trainer, role) -> tuple[list, list, list]:
-    """Log into ``trainer``: at step 15 remove the node of ``role()`` (the actor as running
-    then), ten steps later add a 1-CPU node. Returns the log lines and the nodes removed and
-    added, filled as the run goes."""
+    """Hook into ``trainer``: at step 15 remove the node of ``role()`` (the actor as running
+    then), ten steps later add a 1-CPU node. Returns the console lines and the nodes removed
+    and added, filled as the run goes."""
     lines: list[str] = []
     removed, added = [], []
 
-    def log(line: str) -> None:
-        lines.append(line)
-        if not removed and "step 15/" in line:
+    def hook(ev: Event) -> None:
+        if not isinstance(ev, TrainStep):
+            return
+        if not removed and ev.step == 15:
             removed.append(remove_node_of(cluster, role()))
-        elif removed and not added and "step 25/" in line:
+        elif removed and not added and ev.step == 25:
             added.append(cluster.add_node(num_cpus=1))  # the room comes back
 
-    trainer.log = log
+    trainer.hub.subscribe(TextLog(lines.append))
+    trainer.hub.subscribe(hook)
     return lines, removed, added
 
 
@@ -309,12 +313,11 @@ def test_a_lost_node_with_the_workers_and_the_server_is_recovered(spare_node_clu
     t = DistributedTrainer(job(tmp_path / "lost"), log=lambda line: None)
     removed = []
 
-    def log(line: str) -> None:
-        if removed or "step 15/" not in line:
-            return
-        removed.append(remove_node_of(cluster, t.servers[0]))
+    def hook(ev: Event) -> None:
+        if not removed and isinstance(ev, TrainStep) and ev.step == 15:
+            removed.append(remove_node_of(cluster, t.servers[0]))
 
-    t.log = log
+    t.hub.subscribe(hook)
     res = t.fit()
     assert removed
     for k, a in want.items():

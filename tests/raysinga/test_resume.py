@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import run_cli, start_ray, tensorboard_scalars
 
-from raysinga import config, run_state
+from raysinga import config, run_registry
 from raysinga.checkpoint import Checkpoint, CheckpointError, save, steps
 from raysinga.distributed import DistributedTrainer
 
@@ -243,7 +243,7 @@ def test_resume_from_the_object_store_after_the_disk_copy_is_gone(straight, tmp_
         job(tmp_path, "train_steps=20", *on, "checkpoint.keep_last=1"), **QUIET
     ).fit()
     reg = objstore.registry()
-    key = run_state.registry_key("resume-objstore", tmp_path / "checkpoints")
+    key = run_registry.key("resume-objstore", tmp_path / "checkpoints")
     kept = [e["step"] for e in ray.get(reg.list.remote(key))]
     assert kept == [20]  # pruned with the disk copies: the store does not fill up
     shutil.rmtree(tmp_path / "checkpoints")
@@ -265,11 +265,11 @@ def test_a_short_job_that_starts_the_registry_leaves_its_checkpoints_in_it(ray_m
 
     from raysinga.checkpoint import objstore
 
-    old = run_state._registry()
+    old = run_registry.actor()
     if old is not None:  # this job must start it
         ray.kill(old)
         deadline = time.monotonic() + 30
-        while run_state._registry() is not None:
+        while run_registry.actor() is not None:
             assert time.monotonic() < deadline, "the old registry never went away"
             time.sleep(0.1)
     (tmp_path / "job.yaml").write_text(JOB)
@@ -281,10 +281,10 @@ def test_a_short_job_that_starts_the_registry_leaves_its_checkpoints_in_it(ray_m
     r = run_cli("train", str(tmp_path / "job.yaml"), "--address", address, *overrides)
     assert r.returncode == 0, r.stderr
     reg = objstore.registry(create=False)
-    key = run_state.registry_key("resume", tmp_path / "checkpoints")
+    key = run_registry.key("resume", tmp_path / "checkpoints")
     try:
         assert [e["step"] for e in ray.get(reg.list.remote(key))] == [20]
-        assert run_state._registry_entry(key)["step"] == 20  # its object is there, not lost
+        assert run_registry.lookup(key)["step"] == 20  # its object is there, not lost
     finally:
         for e in ray.get(reg.list.remote(key)):
             ray.get(reg.delete.remote(key, e["step"]))

@@ -1,4 +1,4 @@
-"""Checkpoints of the single-process trainer (run_state.LocalCheckpoints): exact resume, a
+"""Checkpoints of the single-process trainer (raysinga.local_checkpoint): exact resume, a
 checkpoint damaged at rest set aside for the next older one, --init-from, bad input."""
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def test_object_store_copies_belong_to_their_run_directory(ray_session, tmp_path
     import ray
 
     from raysinga.checkpoint import objstore
-    from raysinga.run_state import registry_key
+    from raysinga.run_registry import key as registry_key
 
     on = ("checkpoint.object_store=true", "name=objstore-local")
     reg = objstore.registry()

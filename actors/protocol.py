@@ -1,0 +1,160 @@
+"""What crosses between the driver and the roles, and among the roles: one place for all of it.
+
+- **Role specs** (frozen): what a server, a worker or a stub is made from. The driver builds
+  them once per placement; a role replaced after a loss gets the same spec again.
+- **Doorbell messages** (named): the fixed-size records rung through FIFOs within a node
+  (:mod:`.doorbell`), each a ``NamedTuple`` whose ``FORMAT`` is the struct format it travels in
+  (a plain class attribute: an annotated one would be a field).
+- **Step statistics**: one synchronous step of a group, as the stub measured it.
+
+Nothing here imports the roles, so ``server``, ``worker`` and ``stub`` depend on this module and
+not on one another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, NamedTuple
+
+from .buffers import Layout
+from .slicing import Slice
+
+# --------------------------------------------------------------------------- role specs
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """Parameter server ``index``: it owns the slices with ``server == index``."""
+
+    index: int
+    model: dict[str, Any]
+    dtype: str
+    seed: int
+    slices: tuple[Slice, ...]
+    updater: dict[str, Any]
+    tag: str  # names the run's shared-memory files
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Worker ``index`` of group ``group``: it computes its part of the group's batch."""
+
+    index: int
+    group: int
+    model: dict[str, Any]
+    dtype: str
+    seed: int
+    data: dict[str, Any]
+    group_batch: int
+    shuffle: bool
+    slices: tuple[Slice, ...]
+    n_servers: int
+    n_groups: int
+    tag: str
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class StubSpec:
+    """The stub of group ``index``: it sums its workers' gradients and hands them to the
+    servers. The role handles and their ``describe()`` answers are given beside the spec."""
+
+    index: int
+    shapes: dict[str, tuple[int, ...]]
+    slices: tuple[Slice, ...]
+    dtype: str
+    clip_norm: float | None
+    n_groups: int
+    tag: str
+
+
+# --------------------------------------------------------------------------- doorbell messages
+
+
+class Go(NamedTuple):
+    """Stub -> worker or server: run ``step`` now."""
+
+    FORMAT = "<q"
+    step: int
+
+
+class WorkerDone(NamedTuple):
+    """Worker -> stub: its part of ``step`` is computed (``failed``: it raised; the Ray call
+    carries the error)."""
+
+    FORMAT = "<qqqddddd"
+    STATS = ("loss", "fetch", "compute", "start", "end")  # what the worker measured, by name
+    part: int
+    step: int
+    failed: int
+    loss: float
+    fetch: float
+    compute: float
+    start: float  # wall clock when the worker began the step
+    end: float  # and when it finished
+
+
+class ServerDone(NamedTuple):
+    """Server -> stub: its slices are updated for ``step``."""
+
+    FORMAT = "<qqqd"
+    server: int
+    step: int
+    failed: int
+    seconds: float
+
+
+# --------------------------------------------------------------------------- step statistics
+
+TIMINGS = ("fetch", "compute", "gather", "dispatch", "collect", "average", "update", "server")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One step of a group: the summed loss of its workers and where the time went (seconds).
+
+    ``fetch``/``compute``: the slowest worker's read of the parameters and its forward and
+    backward; ``gather``: the rest of the wait for the workers, split into ``dispatch`` (reaching
+    the last one) and ``collect`` (hearing back); ``average``: summing the gradients (and
+    clipping); ``update``: the servers' update, of which ``server`` is the slowest server's own
+    time; ``total``: the whole step. ``grad_norm`` is there where clipping computed it.
+    """
+
+    step: int
+    loss: float
+    fetch: float
+    compute: float
+    gather: float
+    dispatch: float
+    collect: float
+    average: float
+    update: float
+    server: float
+    total: float
+    grad_norm: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        if out["grad_norm"] is None:
+            del out["grad_norm"]
+        return out
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def node_id() -> str:
+    """The Ray node this role runs on."""
+    import ray  # noqa: PLC0415 - roles run under Ray; the module imports without it
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def server_layouts(slices: Sequence[Slice], n_servers: int, dtype: str) -> list[Layout]:
+    """Each server's buffer layout: its slices, flat, in slice order."""
+    return [
+        Layout.of({s.name: ((s.size,), dtype) for s in slices if s.server == k})
+        for k in range(n_servers)
+    ]

@@ -1,0 +1,130 @@
+"""A parameter server's checkpoint copies and their background writes.
+
+A checkpoint costs training only the copy of the server's state to memory: the copy is taken on
+a helper thread while the workers compute the next step, the next update waits for it if it is
+not done yet, and the copy is then written while training goes on. The memory copied into is
+kept from one checkpoint to the next (already paged in: a fresh allocation would cost page
+faults on every checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from raysinga.server_shard import ShardImage, Tensors, copy_in_chunks
+
+
+class Snapshots:
+    """One server's snapshots: at most one background write at a time.
+
+    ``pool``: the server's update threads, which copy large arrays in chunks (they are idle
+    while a snapshot is copied: the next update waits for the copy).
+    """
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.pool = pool
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._writer: Future[dict[str, Any]] | None = None
+        self._image: ShardImage | None = None  # the shard image copied into, reused
+        self._preparing: Future[None] | None = None
+        self._buffers: dict[tuple[str, int], np.ndarray] = {}  # plain copies, reused
+        self._copied: threading.Event | None = None  # set once a snapshot's copy is taken
+        self.copy_wait = 0.0  # seconds the update after the last snapshot waited for its copy
+
+    def prepare(self, placeholders: Tensors) -> None:
+        """Lay out and map the shard image for tensors like ``placeholders`` in the
+        background now, so that the first checkpoint costs no more than the later ones."""
+
+        def prepare() -> None:
+            with contextlib.suppress(ValueError):  # Arrow's layout cannot be used: plain copies
+                self._image = ShardImage(placeholders)
+
+        self._preparing = self._io.submit(prepare)
+
+    def start(self, write: Callable[[threading.Event], dict[str, Any]]) -> None:
+        """Run ``write(copied)`` in the background: it copies the state (see :meth:`copy`),
+        sets ``copied`` and writes the copy, returning the shard's record. The previous write
+        must have been joined (:meth:`join`) before the state was taken."""
+        assert self._writer is None, "one background write at a time"
+        self._copied = copied = threading.Event()
+        self.copy_wait = 0.0
+
+        def run() -> dict[str, Any]:
+            try:
+                return write(copied)
+            finally:
+                copied.set()  # whatever failed, the next update must not wait for ever
+
+        self._writer = self._io.submit(run)
+
+    def wait_for_copy(self) -> None:
+        """Before an update: the last snapshot's copy of the values must be taken first."""
+        if self._copied is None:
+            return
+        t0 = time.perf_counter()
+        self._copied.wait()
+        self._copied = None
+        self.copy_wait = time.perf_counter() - t0
+
+    def copy(self, live: Tensors, compression: str | None) -> tuple[Tensors, ShardImage | None]:
+        """Copies of ``live``, and the shard image they are in (None: plain buffers, as for
+        compressed shards, which are not written from an image)."""
+        image = self._image_for(live) if compression is None else None
+        if image is not None:
+            return image.place(live, self.pool), image
+        return self._copies(live), None
+
+    def _image_for(self, live: Tensors) -> ShardImage | None:
+        """The image kept from the last checkpoint (or prepared at start) when its layout
+        still fits ``live``, else a new one; None where Arrow's layout cannot be used."""
+        if self._preparing is not None:
+            self._preparing.exception()
+            self._preparing = None
+        if self._image is None or not self._image.fits(live):
+            self._image = None
+            try:
+                self._image = ShardImage(live)
+            except ValueError:
+                return None
+        return self._image
+
+    def _copies(self, live: Tensors) -> Tensors:
+        """Copies of ``live`` in the kept plain buffers, filled in chunks on the pool."""
+        keys = [(i.name, i.start) for i, _ in live]
+        if list(self._buffers) != keys or any(
+            self._buffers[k].shape != a.shape or self._buffers[k].dtype != a.dtype
+            for k, (_, a) in zip(keys, live, strict=True)
+        ):
+            self._buffers = {k: np.empty_like(a) for k, (_, a) in zip(keys, live, strict=True)}
+        copy_in_chunks(
+            [(self._buffers[k], a) for k, (_, a) in zip(keys, live, strict=True)], self.pool
+        )
+        return [(i, self._buffers[k]) for k, (i, _) in zip(keys, live, strict=True)]
+
+    def result(self, wait: bool = True) -> dict[str, Any] | None:
+        """The shard record of the background write (with ``update_waited``); None while it
+        runs (``wait=False``). A failed write raises here."""
+        if self._writer is None:
+            raise RuntimeError("no checkpoint write was started")
+        if not wait and not self._writer.done():
+            return None
+        fut, self._writer = self._writer, None
+        return {**fut.result(), "update_waited": self.copy_wait}
+
+    def join(self) -> None:
+        """Wait for the background write, if any; its failure is reported by :meth:`result`
+        (the driver asks for it), not here."""
+        if self._writer is not None:
+            fut, self._writer = self._writer, None
+            fut.exception()
+
+    def close(self) -> None:
+        self.join()
+        self._io.shutdown(wait=True)

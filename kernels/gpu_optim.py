@@ -1,0 +1,97 @@
+"""CuPy fused updates: the optimizers' steps and the parameter-server stub's gradient sum.
+
+Not twins of ``cpu.py`` ops, so they live apart from ``gpu.py``'s layer ops: their references are
+raysinga.optim's NumPy updates and the stub's NumPy sum, which these match bit for bit (see
+optim.cu, compiled without fused multiply-adds). Each updates its arrays in place in one launch.
+``gpu.py`` re-exports them, so ``from raysinga.kernels import gpu; gpu.sgd_update(...)`` still
+works.
+"""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from .common import check_float
+from .gpu_launch import contiguous, get_kernel, launch
+
+
+def _check_flat(name: str, a, **others) -> None:
+    """Arrays updated in place by one launch: C-contiguous, same size and dtype as ``a``."""
+    check_float(name, a)
+    for n, x in {name: a, **others}.items():
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{n} must be C-contiguous to be updated in place")
+        if x.size != a.size or x.dtype != a.dtype:
+            raise ValueError(
+                f"{n} ({x.size} x {x.dtype}) does not match {name} ({a.size} x {a.dtype})"
+            )
+
+
+def sgd_update(param, grad, buf, lr: float, momentum: float, weight_decay: float, nesterov: bool):
+    """One SGD step on ``param`` (and its momentum ``buf``, or None) in place, in one launch."""
+    grad = contiguous(grad, param.dtype)
+    _check_flat("param", param, grad=grad, **({} if buf is None else {"buf": buf}))
+    t = param.dtype.type
+    k = get_kernel("optim.cu", "sgd_update", param.dtype)
+    args = (param, grad, 0 if buf is None else buf, param.size, t(lr), t(momentum))
+    launch(k, param.size, *args, t(weight_decay), int(buf is not None), int(nesterov))
+
+
+def adam_update(
+    param,
+    grad,
+    m,
+    v,
+    lr: float,
+    t: int,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+) -> None:
+    """One Adam (``decoupled``: AdamW) step ``t`` on ``param``, ``m`` and ``v`` in place, in one
+    launch. Scalars are computed in double and rounded to the dtype, as NumPy does."""
+    grad = contiguous(grad, param.dtype)
+    _check_flat("param", param, grad=grad, m=m, v=v)
+    beta1, beta2 = betas
+    T = param.dtype.type  # noqa: N806 - the kernel's T
+    w = 1 - beta1
+    decay = 1 - lr * weight_decay
+    k = get_kernel("optim.cu", "adam_update", param.dtype)
+    launch(
+        k,
+        param.size,
+        param,
+        grad,
+        m,
+        v,
+        param.size,
+        T(decay),
+        int(bool(weight_decay) and decoupled),
+        T(weight_decay),
+        T(w),
+        T(1.0 - w),
+        int(abs(w) >= 0.5),
+        T(beta2),
+        T(1 - beta2),
+        T(-(lr / (1 - beta1**t))),
+        T((1 - beta2**t) ** 0.5),
+        T(eps),
+    )
+
+
+def weighted_sum(out, buffers: list, weights=None):
+    """``out`` = the sum, in list order, of ``weights[j] * buffers[j]`` (None: plain sum, as the
+    stub's NumPy sum), in one pass over the buffers."""
+    if not buffers:
+        raise ValueError("weighted_sum needs at least one buffer")
+    _check_flat("out", out, **{f"buffers[{j}]": b for j, b in enumerate(buffers)})
+    if weights is not None:
+        weights = contiguous(weights, out.dtype)
+        if weights.shape != (len(buffers),):
+            raise ValueError(f"weights must have shape ({len(buffers)},), got {weights.shape}")
+    ptrs = cupy.asarray(np.array([b.data.ptr for b in buffers], dtype=np.uint64))
+    k = get_kernel("optim.cu", "weighted_sum", out.dtype)
+    launch(k, out.size, out, ptrs, 0 if weights is None else weights, len(buffers), out.size)
+    return out

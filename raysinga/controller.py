@@ -1,0 +1,336 @@
+"""The distributed controller: a state machine whose states decide and whose loop executes.
+
+::
+
+    PLACING --> LAUNCHING --> RUNNING <--> CHECKPOINTING --> FINISHED
+       ^                                    |      |
+       |                                    |      +--> STOPPED (a stop signal)
+       +---------- RESIZING <---------------+  (room to grow)
+       |
+       +---------- RECOVERING <-- a role lost in any state but the last three
+
+- **placing**: reserve the topology (the largest that fits, for an elastic run).
+- **launching**: spawn the servers, verify and load the start checkpoint (the newest committed
+  one after a loss or a resize), spawn the workers and the stubs.
+- **running**: the groups run chunks of steps until every group stands at a step boundary.
+- **checkpointing**: begin a checkpoint of that boundary (the servers write it in the
+  background), or at the end or on a stop finish it; then run on, resize, finish or stop.
+- **recovering**: count the loss against ``fault.max_failures``, stop every role, abandon a
+  checkpoint in flight, and place again from the newest committed checkpoint.
+- **resizing**: stop every role at a committed boundary and place the larger topology.
+
+Each transition goes through :meth:`Controller._enter`, which emits a
+:class:`~raysinga.events.StateChanged` event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import time
+from typing import Any
+
+from ray.exceptions import ObjectLostError
+from ray.util.placement_group import remove_placement_group
+
+from .actors import cluster
+from .actors.errors import ActorLost
+from .coordinator import CheckpointCoordinator
+from .elastic import Elastic, sizes_record
+from .events import EventHub, Recovered, Resized, RoleLost, RunStarted, StateChanged
+from .metrics import TrainResult, recording
+from .role_group import RoleGroup
+from .session import RunSession
+from .stepping import StepRunner
+
+
+class State(enum.Enum):
+    PLACING = "placing"
+    LAUNCHING = "launching"
+    RUNNING = "running"
+    CHECKPOINTING = "checkpointing"
+    RECOVERING = "recovering"
+    RESIZING = "resizing"
+    FINISHED = "finished"
+    STOPPED = "stopped"
+
+
+LOSSES = (ActorLost, ObjectLostError)  # a role, its node or an object it held is gone
+
+
+class FailuresExceeded(RuntimeError):
+    """More roles were lost than ``fault.max_failures`` allows: every failure, and where the
+    run can be resumed from."""
+
+    def __init__(self, failures: list[dict[str, Any]], fault: Any, root: Any) -> None:
+        window = f" within {fault.window_s:g} s" if fault.window_s else ""
+        lines = [
+            f"{len(failures)} failure(s){window}, more than fault.max_failures "
+            f"({fault.max_failures}); the run stops:"
+        ]
+        for f in failures:
+            when = time.strftime("%H:%M:%S", time.localtime(f["time"]))
+            lines.append(f"  {when} at step {f['step']}: {f['error']}")
+        lines.append(f"continue from the newest valid checkpoint in {root} with --resume")
+        super().__init__("\n".join(lines))
+        self.failures = failures
+
+
+class Controller:
+    """Runs one distributed training run to its end, through the states above."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        plan: Any,
+        session: RunSession,
+        hub: EventHub,
+        classes: dict[str, type],
+        gather: bool,
+    ) -> None:
+        self.cfg, self.plan, self.session, self.hub = cfg, plan, session, hub
+        self.classes, self.gather = classes, gather
+        self.elastic = Elastic(cfg.topology, cfg.fault, hub.notice)
+        self.coordinator = CheckpointCoordinator(session)
+        self.topo = cfg.topology  # as running (an elastic run may run a smaller one)
+        self.placement: cluster.Placement | None = None
+        self.roles: RoleGroup | None = None
+        self.steps: StepRunner | None = None
+        self.result = TrainResult({}, {}, [])
+        self.progress = 0  # the most steps a group has done (as far as the driver knows)
+        self.restart = False  # the next launch starts from the newest committed checkpoint
+        self.failures: list[dict[str, Any]] = []  # lost roles recovered from, with their cost
+        self.notes: list[dict[str, Any]] = []  # those failures, and resizes (kept in history)
+        self.lost: BaseException | None = None  # the loss being recovered from
+        # Until the next launch succeeds: the failure records (with their start times), the
+        # roles lost, a resize under way, and the topology before them.
+        self.recovering: list[tuple[dict[str, Any], float]] = []
+        self.lost_actors: list[Any] = []
+        self.resize: tuple[int, float] | None = None
+        self.was: Any = None
+        self.cursor: Any = None  # the data cursor of the running launch
+        self.grow = False  # the cluster has room for more workers or groups than are running
+        self.t_grow = self.t_ckpt = time.perf_counter()
+        self._recording = contextlib.ExitStack()
+        self.tag = ""  # names the shared-memory files of the roles spawned last
+        self.state = State.PLACING
+        self.handlers = {
+            State.PLACING: self._placing,
+            State.LAUNCHING: self._launching,
+            State.RUNNING: self._running,
+            State.CHECKPOINTING: self._checkpointing,
+            State.RECOVERING: self._recovering,
+            State.RESIZING: self._resizing,
+        }
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> TrainResult:
+        """From placing to finished. A lost role in any state leads to recovering; a stop
+        signal ends in stopped (:class:`~raysinga.session.Preempted` is raised)."""
+        try:
+            while self.state not in (State.FINISHED, State.STOPPED):
+                try:
+                    self._enter(self.handlers[self.state]())
+                except LOSSES as e:
+                    self.lost = e
+                    self._enter(State.RECOVERING)
+            if self.state is State.STOPPED:
+                raise self.session.preempted(self.progress)
+            return self.result
+        finally:
+            self._teardown(graceful=True)
+
+    def _enter(self, state: State) -> None:
+        self.state = state
+        self.hub.emit(StateChanged(state.value, self.progress))
+
+    def _teardown(self, graceful: bool) -> None:
+        """Stop every role and free the placement; a checkpoint in flight is never committed."""
+        self._recording.close()
+        if self.roles is not None:
+            calls = list(self.steps.chunks) if self.steps is not None else []
+            self.tag = self.roles.tag
+            self.roles.shutdown(graceful, calls)
+        elif self.placement is not None:
+            remove_placement_group(self.placement.pg)
+        self.roles = self.steps = self.placement = None
+        self.coordinator.abandon()
+
+    # ------------------------------------------------------------------ the states
+    def _placing(self) -> State:
+        self.topo, self.placement = self.elastic.place()
+        return State.LAUNCHING
+
+    def _launching(self) -> State:
+        session, cfg = self.session, self.cfg
+        start = session.newest() if self.restart else session.start
+        assert self.placement is not None
+        roles = self.roles = RoleGroup(cfg, self.classes, self.topo, self.placement, self.plan)
+        self.tag = roles.tag
+        self.placement = None  # the role group frees it from now on
+        roles.spawn_servers(start.seed)
+        if start.source is not None:  # a resume falls back past a corrupt checkpoint here
+            start = session.verify(roles.verify)
+        roles.spawn_workers(start.seed)
+        roles.describe()
+        steps0, cursor = start.position(self.topo.n_groups)
+        if start.info is not None and len(start.info["steps"]) != self.topo.n_groups:
+            session.log(
+                f"raysinga: {len(start.info['steps'])} group(s) saved, {self.topo.n_groups} "
+                f"now: all start at step {steps0[0]}, skipping the batches the faster groups "
+                "had taken"
+            )
+        self.progress = max(steps0)
+        if start.source is not None:  # before the servers first publish their values
+            t0 = time.perf_counter()
+            roles.restore(start, cursor, self.plan.state_names)
+            dt = time.perf_counter() - t0
+            session.log(f"raysinga: loaded {start.source.label} in {dt:.2f} s")
+        periodic = bool(cfg.checkpoint_frequency or cfg.checkpoint_every_seconds)
+        roles.wire(prepare_snapshots=periodic and cfg.checkpoint.compression is None)
+        self._relaunched(start)
+        self._begin_steps(start, steps0, cursor)
+        return State.RUNNING
+
+    def _begin_steps(self, start: Any, steps0: list[int], cursor: Any) -> None:
+        """The loop of this launch: its history (the start's, then every failure and resize
+        so far) and its metrics files."""
+        seen = {(r["kind"], r["time"]) for r in start.history(max(steps0)) if "time" in r}
+        history = start.history(max(steps0))
+        history += [r for r in self.notes if (r["kind"], r["time"]) not in seen]
+        self.result = TrainResult({}, {}, history)
+        self.cursor = cursor
+        self.steps = StepRunner(self.cfg, self.topo, self.plan, self.hub, steps0)
+        self._recording.enter_context(
+            recording(self.hub, self.plan.run_dir, self.result, self.cfg.tensorboard)
+        )
+        t, cfg = self.topo, self.cfg
+        self.hub.emit(
+            RunStarted(
+                cfg.name,
+                f"Ray: {t.preset}, {t.n_servers} server(s), {t.n_groups} group(s) x "
+                f"{t.workers_per_group} worker(s), {len(self.plan.slices)} slices, "
+                f"{cfg.train_steps} steps per group, batch {cfg.data.batch_size}",
+                cfg.train_steps,
+                max(steps0),
+            )
+        )
+        self.t_grow = self.t_ckpt = time.perf_counter()
+
+    def _running(self) -> State:
+        assert self.steps is not None
+        self.steps.run(self.roles, self._hold)
+        self.progress = self.steps.progress
+        return State.CHECKPOINTING
+
+    def _hold(self) -> bool:
+        """Between chunks: commit a checkpoint whose shards are written, and say whether to
+        stop at the next step boundary (a stop signal, a checkpoint due by time, room to grow)."""
+        assert self.steps is not None and self.roles is not None
+        self.progress = self.steps.progress
+        self.coordinator.finish(self.roles, wait=False)
+        now, cfg = time.perf_counter(), self.cfg
+        every = cfg.checkpoint_every_seconds
+        hold = self.session.stop_signal is not None or bool(every and now - self.t_ckpt >= every)
+        if self.topo != self.elastic.full and now - self.t_grow >= cfg.fault.grow_check_s:
+            self.t_grow = now
+            self.grow = self.elastic.room_to_grow(self.topo)
+        return hold or self.grow
+
+    def _checkpointing(self) -> State:
+        steps, roles, co = self.steps, self.roles, self.coordinator
+        assert steps is not None and roles is not None
+        done, history = steps.done, self.result.history
+        if self.session.stop_signal is not None or steps.finished:
+            if self.cfg.checkpoint.final:
+                co.begin(roles, done, self.cursor, history)
+            co.finish(roles, wait=True)
+            if not steps.finished:
+                return State.STOPPED
+            if self.gather:
+                self.result.params = roles.gather_params()
+            return State.FINISHED
+        co.begin(roles, done, self.cursor, history)
+        if self.grow:
+            co.finish(roles, wait=True)
+            return State.RESIZING
+        steps.passed_boundary()
+        self.t_ckpt = time.perf_counter()
+        return State.RUNNING
+
+    def _recovering(self) -> State:
+        """Count the loss (more than ``fault.max_failures`` within ``fault.window_s`` stop the
+        run with a summary of all of them), stop every role and place again; the launch
+        starts from the newest committed checkpoint."""
+        e, t0, detected = self.lost, time.perf_counter(), time.time()
+        what = {
+            "role": getattr(e, "role", "object"),
+            "index": getattr(e, "index", None),
+            "group": getattr(e, "group", None),
+            "error": str(e).splitlines()[0] if str(e) else type(e).__name__,
+        }
+        fc = self.cfg.fault
+        known = self.failures + [r for r, _ in self.recovering]
+        recent = [f for f in known if not fc.window_s or detected - f["time"] <= fc.window_s]
+        if len(recent) + 1 > fc.max_failures:
+            raise FailuresExceeded(
+                known + [{"step": self.progress, "time": detected, **what}],
+                fc,
+                self.session.root,
+            ) from e
+        self.hub.emit(RoleLost(self.progress, **what, count=len(recent) + 1, limit=fc.max_failures))
+        if self.roles is not None:
+            self.lost_actors += self.roles.actors
+        self.was = self.was or self.topo
+        self._teardown(graceful=False)
+        rec = {"kind": "failure", "step": self.progress, **what, "time": detected}
+        self.recovering.append((rec, t0))
+        self.restart = True
+        return State.PLACING
+
+    def _resizing(self) -> State:
+        """At a step boundary with a committed checkpoint of it: stop every role and place
+        the largest topology the cluster now holds."""
+        self.resize = (self.progress, time.perf_counter())
+        self.was = self.was or self.topo
+        self._teardown(graceful=True)
+        self.restart, self.grow = True, False
+        return State.PLACING
+
+    def _relaunched(self, start: Any) -> None:
+        """A launch after a loss or a resize succeeded: complete their records (when Ray saw
+        the role die, where training resumed, the steps to redo, the seconds it took), which
+        the run's history keeps from now on."""
+        if self.was is None:
+            return
+        restored, sizes = self.progress, sizes_record(self.was, self.topo)
+        if self.recovering:
+            died = cluster.first_death(self.lost_actors)  # by now Ray has recorded the death
+            for rec, t0 in self.recovering:
+                rec.update(
+                    {
+                        "died": died,  # as Ray recorded it (None: not known)
+                        "detection_s": None if died is None else max(0.0, rec["time"] - died),
+                        "restored_from": restored,
+                        "source": start.source.label if start.source else "the start",
+                        "steps_redone": max(0, rec["step"] - restored),
+                        "restore_s": time.perf_counter() - t0,
+                        **sizes,
+                    }
+                )
+                self.failures.append(rec)
+                self.notes.append(rec)
+                self.hub.emit(Recovered(rec))
+        if self.resize is not None:
+            step, t0 = self.resize
+            rec = {
+                "kind": "resize",
+                "step": step,
+                "time": time.time(),
+                "restored_from": restored,
+                "resize_s": time.perf_counter() - t0,
+                **sizes,
+            }
+            self.notes.append(rec)
+            self.hub.emit(Resized(rec))
+        self.recovering, self.lost_actors, self.resize, self.was = [], [], None, None

@@ -1,0 +1,246 @@
+"""The roles of one placement: spawned, loaded, wired and torn down together.
+
+A :class:`RoleGroup` owns the parameter servers, the workers of every group and the groups'
+stubs of one placement group, and every Ray call that reaches all of them at once: describe,
+verify and load a checkpoint, snapshot, gather the parameters, shut down. The controller decides
+when; this object knows how.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+from ray.util.placement_group import remove_placement_group
+
+from . import run_sources
+from .actors import cluster
+from .actors.errors import get_all
+from .actors.protocol import ServerSpec, StubSpec, WorkerSpec
+from .checkpoint import Checkpoint, CheckpointError
+from .cursor import DataCursor
+from .run_sources import Source
+from .run_state import worker_state
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What every placement of a run shares: the parameters, their slicing over the servers,
+    the optimizer, the devices, and what progress reports need."""
+
+    shapes: dict[str, tuple[int, ...]]
+    slices: list[Any]
+    updater: dict[str, Any]
+    schedule: Callable[[int], float]  # the learning rate by step
+    worker_device: str
+    server_device: str
+    state_names: list[str]  # the workers' non-trainable state
+    n_train: int  # training samples
+    run_dir: Path
+
+
+class RoleGroup:
+    """Servers, workers and stubs of one placement of a run's topology."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        classes: dict[str, type],
+        topo: Any,
+        placement: cluster.Placement,
+        plan: RunPlan,
+    ) -> None:
+        """``plan``: what every placement of the run shares."""
+        self.cfg, self.classes, self.topo, self.placement, self.plan = (
+            cfg,
+            classes,
+            topo,
+            placement,
+            plan,
+        )
+        self.tag = f"{cfg.name}-{uuid.uuid4().hex[:8]}"  # names the roles' shared-memory files
+        self.servers: list[Any] = []
+        self.workers: list[list[Any]] = []
+        self.stubs: list[Any] = []
+        self.server_infos: list[dict[str, Any]] = []
+        self.worker_infos: list[list[dict[str, Any]]] = []
+
+    @property
+    def actors(self) -> list[Any]:
+        return [*self.stubs, *(w for row in self.workers for w in row), *self.servers]
+
+    def _spawn(self, role: str, bundle: int, spec: Any, *more: Any) -> Any:
+        res = getattr(self.topo, role)
+        return cluster.spawn(self.classes[role], self.placement, bundle, res, spec, *more)
+
+    # ------------------------------------------------------------------ spawning
+    def spawn_servers(self, seed: int) -> None:
+        p, plan, cfg = self.placement, self.plan, self.cfg
+        self.servers = [
+            self._spawn(
+                "server",
+                p.servers[k],
+                ServerSpec(
+                    k,
+                    cfg.model.to_dict(),
+                    cfg.dtype,
+                    seed,
+                    tuple(plan.slices),
+                    plan.updater,
+                    self.tag,
+                    plan.server_device,
+                ),
+            )
+            for k in range(self.topo.n_servers)
+        ]
+
+    def spawn_workers(self, seed: int) -> None:
+        p, plan, cfg, topo = self.placement, self.plan, self.cfg, self.topo
+        self.workers = [
+            [
+                self._spawn(
+                    "worker",
+                    p.workers[g][i],
+                    WorkerSpec(
+                        i,
+                        g,
+                        cfg.model.to_dict(),
+                        cfg.dtype,
+                        seed,
+                        cfg.data.source,
+                        cfg.data.batch_size,
+                        cfg.data.shuffle,
+                        tuple(plan.slices),
+                        topo.n_servers,
+                        topo.n_groups,
+                        self.tag,
+                        plan.worker_device,
+                    ),
+                )
+                for i in range(topo.workers_per_group)
+            ]
+            for g in range(topo.n_groups)
+        ]
+
+    def describe(self) -> None:
+        """Wait for servers and workers to be up; keep what they say of themselves."""
+        self.server_infos = get_all([s.describe.remote() for s in self.servers], "server")
+        self.worker_infos = [
+            get_all([w.describe.remote() for w in row], "worker", g)
+            for g, row in enumerate(self.workers)
+        ]
+
+    def wire(self, prepare_snapshots: bool) -> None:
+        """Tell each server whether readers on other nodes need its values published, and
+        spawn the stubs that connect each group's workers to the servers. With
+        ``prepare_snapshots``, the servers map their checkpoint images now, in the
+        background."""
+        if prepare_snapshots:
+            get_all([s.prepare_snapshots.remote() for s in self.servers], "server")
+        worker_nodes = {w["node"] for row in self.worker_infos for w in row}
+        for k, (s, info) in enumerate(zip(self.servers, self.server_infos, strict=True)):
+            remote = bool(worker_nodes - {info["node"]})
+            info["ref"] = get_all([s.set_remote_readers.remote(remote)], "server", k)[0]
+        plan, cfg, topo = self.plan, self.cfg, self.topo
+        self.stubs = [
+            self._spawn(
+                "stub",
+                self.placement.stubs[g],
+                StubSpec(
+                    g,
+                    plan.shapes,
+                    tuple(plan.slices),
+                    cfg.dtype,
+                    cfg.clip_norm,
+                    topo.n_groups,
+                    self.tag,
+                ),
+                self.workers[g],
+                self.servers,
+                self.worker_infos[g],
+                self.server_infos,
+            )
+            for g in range(topo.n_groups)
+        ]
+        get_all([s.describe.remote() for s in self.stubs], "stub")
+
+    # ------------------------------------------------------------------ checkpoints in
+    def verify(self, src: Source, ck: Checkpoint) -> None:
+        """Hash a checkpoint's files in full, the servers sharing the work."""
+        files = [f["file"] for f in ck.manifest["files"]]
+        plan = run_sources.plan_verification(files, len(self.servers))
+        errors = get_all(
+            [s.verify.remote(src, plan[k]) for k, s in enumerate(self.servers)], "server"
+        )
+        if any(errors):
+            raise CheckpointError("; ".join(e for e in errors if e))
+
+    def restore(self, start: Any, cursor: DataCursor, state_names: list[str]) -> None:
+        """Load a verified start checkpoint into the servers (parameters; on a resume also the
+        optimizer) and the workers (non-trainable state; on a resume also the data cursor)."""
+        names = None if start.resumed else {n: n for n in start.names}
+        get_all([s.load.remote(start.source, start.resumed, names) for s in self.servers], "server")
+        calls = []
+        for g, row in enumerate(self.workers):
+            for i, w in enumerate(row):
+                st = worker_state(start.checkpoint, g, i, state_names)
+                calls.append(w.restore.remote(st, cursor if start.resumed else DataCursor()))
+        get_all(calls, "worker")
+
+    # ------------------------------------------------------------------ checkpoints out
+    def snapshot(self, tmp: Any, compression: str | None) -> tuple[list[dict], dict]:
+        """Each server copies its shard at this step boundary and writes it in the background
+        (their infos); each worker hands its non-trainable state ((group, index) -> arrays)."""
+        infos = get_all(
+            [s.snapshot.remote(tmp, k, compression) for k, s in enumerate(self.servers)],
+            "server",
+        )
+        states = {}
+        for g, row in enumerate(self.workers):
+            for i, st in enumerate(get_all([w.get_state.remote() for w in row], "worker", g)):
+                states[(g, i)] = st
+        return infos, states
+
+    def snapshot_results(self, servers: list[int], wait: bool) -> list[dict[str, Any] | None]:
+        """The shard records of those servers' background writes (None: still writing)."""
+        return get_all([self.servers[k].snapshot_result.remote(wait) for k in servers], "server")
+
+    def gather_params(self) -> dict[str, np.ndarray]:
+        """Whole parameters assembled from the servers' slices (small models, tests)."""
+        values: dict[str, np.ndarray] = {}
+        for vals in get_all([s.values.remote() for s in self.servers], "server"):
+            values.update(vals)
+        out = {}
+        for p, shape in self.plan.shapes.items():
+            pieces = sorted((s for s in self.plan.slices if s.param == p), key=lambda s: s.start)
+            out[p] = np.concatenate([values[s.name] for s in pieces]).reshape(shape)
+        return out
+
+    # ------------------------------------------------------------------ the end
+    def shutdown(self, graceful: bool = True, calls: Any = ()) -> None:
+        """Stop every actor and free the placement group; safe to call twice and after
+        failures. ``graceful``: each actor first unlinks its shared memory itself (up to 5 s);
+        otherwise (after a lost role, when the others may hang on it) they are killed at once.
+        Files not unlinked by their actors are removed by tag. ``calls``: refs of calls still
+        running on them, fetched so that Ray does not report each as an unhandled error."""
+        actors = self.actors
+        done: list[Any] = []
+        if actors and graceful:
+            stops = [a.shutdown.remote() for a in actors]
+            done, _ = ray.wait(stops, num_returns=len(actors), timeout=5)
+        for a in actors:
+            ray.kill(a)
+        if actors and len(done) < len(actors):  # some could not unlink their files themselves
+            cluster.remove_shared_files(self.tag)
+        for ref in calls:
+            with contextlib.suppress(Exception):
+                ray.get(ref, timeout=5)
+        if self.placement is not None:
+            remove_placement_group(self.placement.pg)
+        self.servers, self.workers, self.stubs, self.placement = [], [], [], None

@@ -1,0 +1,258 @@
+"""One run session, shared by the single-process trainer and the distributed controller.
+
+A session holds what does not depend on how steps are run: the run's writer lock, the decision
+of what the run starts from (fresh, resume, auto-resume, ``--init-from``), the stop signals, and
+the bookkeeping of committed checkpoints (which steps hold which groups' state, pruning, the
+object-store copies). A trainer opens one, asks it where to start, runs steps, and tells it what
+it committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import data_identity, run_registry, run_sources
+from .checkpoint import Checkpoint, CheckpointError, storage
+from .checkpoint.lock import RunLock
+from .checkpoint.manage import prune
+from .cursor import DataCursor
+from .events import CheckpointCommitted, EventHub
+from .run_sources import Source
+from .run_state import check_fits, cursor_for, run_info
+
+
+class Preempted(Exception):
+    """Training stopped on a signal (SIGTERM, Ctrl-C) after checkpointing, so that it resumes."""
+
+    def __init__(self, signum: int, step: int, path: str | None) -> None:
+        self.signum, self.step, self.path = signum, step, path
+        where = f"checkpoint {path}" if path else "no checkpoint (checkpoint.final off)"
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} at step {step}; {where}; "
+            "continue with --resume"
+        )
+
+
+def check_start_options(resume: Any, init_from: Any, fresh: bool) -> None:
+    """``resume``: True, False or "auto"; it, ``init_from`` and ``fresh`` exclude one another."""
+    if resume not in (False, True, "auto"):
+        raise ValueError(f"resume must be True, False or 'auto', got {resume!r}")
+    if sum(map(bool, (resume, init_from is not None, fresh))) > 1:
+        raise ValueError("resume, init_from and fresh exclude one another")
+
+
+@dataclass
+class Start:
+    """What a run starts from: nothing (``fresh``), a checkpoint of this run (``resume``: its
+    run state in ``info``) or another checkpoint's parameters (``init``: those in ``names``)."""
+
+    kind: str
+    seed: int
+    source: Source | None = None
+    checkpoint: Checkpoint | None = None
+    info: dict[str, Any] | None = None
+    names: list[str] = field(default_factory=list)
+
+    @property
+    def resumed(self) -> bool:
+        return self.kind == "resume"
+
+    def position(self, n_groups: int) -> tuple[list[int], DataCursor]:
+        """Steps per group and the data cursor for ``n_groups`` groups."""
+        if self.info is None:
+            return [0] * n_groups, DataCursor()
+        return cursor_for(self.info, n_groups)
+
+    def history(self, upto: int) -> list[dict[str, Any]]:
+        """The saved metric records up to step ``upto`` (a resume's; else none)."""
+        if self.info is None:
+            return []
+        return [r for r in self.info["history"] if r.get("step", 0) <= upto]
+
+
+class RunSession:
+    """The lock, start decision, stop signals and commit bookkeeping of one run.
+
+    Use as a context manager: entering takes the run's lock and decides :attr:`start`; leaving
+    waits for the object-store copies handed over and releases the lock.
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        shapes: dict[str, tuple[int, ...]],
+        dtype: Any,
+        data: dict[str, Any],
+        hub: EventHub,
+        resume: bool | str = False,
+        init_from: Any = None,
+        fresh: bool = False,
+    ) -> None:
+        check_start_options(resume, init_from, fresh)
+        self.cfg, self.shapes, self.dtype, self.data, self.hub = cfg, shapes, dtype, data, hub
+        self.resume, self.init_from, self.fresh = resume, init_from, fresh
+        self.root = storage.resolve(cfg.checkpoint_dir)
+        self.lock: RunLock | None = None
+        self.start = Start("fresh", cfg.seed)
+        self.stop_signal: int | None = None
+        # Checkpointed steps (made or resumed from), each with its groups' steps: asynchronous
+        # groups at [T-2, T] are saved as step T, which the state [T, T] must later replace.
+        self.saved_at: dict[int, tuple[int, ...]] = {}
+        self.saved: list[dict[str, Any]] = []  # per commit: step, path, blocked, seconds
+        self.adopting: list[Any] = []  # the object-store registry's calls still running
+
+    def log(self, text: str) -> None:
+        self.hub.notice(text)
+
+    # ------------------------------------------------------------------ the start
+    def __enter__(self) -> RunSession:
+        self.lock = RunLock(self.root).acquire()
+        try:
+            self.start = self._decide()
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            run_registry.wait_adopted(self.adopting, self.log)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _decide(self) -> Start:
+        cfg = self.cfg
+        src, ck = run_sources.open_run(self.root, cfg, self.resume, self.fresh, self.log)
+        if src is not None and ck is not None:
+            return self.adopt(src, ck)
+        if self.init_from is not None:
+            src, ck, names = run_sources.open_init(self.init_from, self.shapes, self.log)
+            return Start("init", cfg.seed, src, ck, names=names)
+        return Start("fresh", cfg.seed)
+
+    def adopt(self, src: Source, ck: Checkpoint) -> Start:
+        """Start from ``ck``, a checkpoint of this run: it must fit the model, dtype and data."""
+        info = run_info(ck)
+        check_fits(ck, self.shapes, self.dtype)
+        data_identity.check_resume(ck, info, self.data)
+        self.saved_at = {ck.step: tuple(int(s) for s in info["steps"])}
+        start = Start("resume", int(info["rng"]["seed"]), src, ck, info)
+        self.log(
+            f"raysinga: resuming {self.cfg.name!r} at step {max(self.saved_at[ck.step])} "
+            f"from {src.label}"
+        )
+        return start
+
+    def verify(self, verifier: Callable[[Source, Checkpoint], None]) -> Start:
+        """Hash the start checkpoint's files in full (``verifier(src, ck)`` raises
+        CheckpointError). A resume from a corrupt checkpoint falls back to the next older
+        valid one; an ``--init-from`` checkpoint has no fallback."""
+        s = self.start
+        if s.source is None or s.checkpoint is None:
+            return s
+        if not s.resumed:
+            verifier(s.source, s.checkpoint)
+            return s
+        src, ck = run_sources.verify_start(
+            self.root, self.cfg, s.source, s.checkpoint, verifier, self.log
+        )
+        if ck is not s.checkpoint:
+            self.start = self.adopt(src, ck)
+        return self.start
+
+    def newest(self) -> Start:
+        """Where a restart (after a lost role, or to resize) begins: the newest committed
+        checkpoint (the object store's copy when it is at least as new as the newest on
+        disk), else the run's own start again."""
+        src, ck, _ = run_sources.find_resume(
+            self.root, self.cfg.name, self.cfg.checkpoint.object_store
+        )
+        if src is not None and ck is not None:
+            self.start = self.adopt(src, ck)
+        elif self.start.resumed:  # resumed, but its checkpoint is gone since
+            raise CheckpointError(f"{self.root}: the checkpoint this run resumed from is gone")
+        else:  # nothing committed yet: from the start (or the --init-from checkpoint) again
+            self.saved_at = {}
+        return self.start
+
+    # ------------------------------------------------------------------ stop signals
+    @contextlib.contextmanager
+    def stop_signals(self) -> Iterator[None]:
+        """SIGTERM (preemption, ``ray job stop``) or Ctrl-C: the trainer finishes the steps
+        under way, checkpoints and stops (:attr:`stop_signal` is set). A second signal stops at
+        once. Inside a Ray task or actor, or off the main thread, signals are not ours."""
+        if threading.current_thread() is not threading.main_thread() or _in_ray_worker():
+            yield
+            return
+
+        def on_signal(signum: int, frame: Any) -> None:
+            if self.stop_signal is not None:
+                for sig, h in old.items():
+                    signal.signal(sig, h)
+                raise KeyboardInterrupt
+            self.stop_signal = signum
+            self.log(
+                f"raysinga: {signal.Signals(signum).name}: stopping at the next step boundary"
+                + (" after a checkpoint" if self.cfg.checkpoint.final else "")
+                + "; signal again to stop at once"
+            )
+
+        old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, h in old.items():
+                signal.signal(sig, h)
+
+    def preempted(self, step: int) -> Preempted:
+        """The error that ends a run stopped by a signal at ``step``."""
+        last = self.saved[-1] if self.saved else None
+        path = last["path"] if last is not None and last["step"] == step else None
+        return Preempted(self.stop_signal or signal.SIGTERM, step, path)
+
+    # ------------------------------------------------------------------ commits
+    def replaces(self, step: int, steps: tuple[int, ...]) -> bool | None:
+        """Whether a checkpoint of ``step`` holding the groups at ``steps`` replaces one
+        already committed (True) or is new (False); None when that exact state is saved."""
+        if self.saved_at.get(step) == steps:
+            return None
+        return step in self.saved_at
+
+    def committed(
+        self,
+        step: int,
+        steps: tuple[int, ...],
+        path: str,
+        blocked_s: float,
+        seconds: float,
+        in_background: bool,
+    ) -> None:
+        """Book a committed checkpoint: report it, prune older ones by the keep rules, and
+        hand it to the object-store registry (``checkpoint.object_store``)."""
+        self.saved_at[step] = steps
+        self.saved.append({"step": step, "path": path, "blocked": blocked_s, "seconds": seconds})
+        self.hub.emit(CheckpointCommitted(step, path, blocked_s, seconds, in_background))
+        c = self.cfg.checkpoint
+        deleted = prune(self.root, c.keep_last, c.keep_every, lock=False, known_valid=step)
+        if c.object_store:
+            key = run_registry.key(self.cfg.name, self.root)
+            run_registry.keep_in_object_store(key, step, path, deleted, self.adopting)
+
+
+def _in_ray_worker() -> bool:
+    """Inside a Ray task or actor, where signals are Ray's to handle."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return False
+    return ray.get_runtime_context().worker.mode == ray.WORKER_MODE

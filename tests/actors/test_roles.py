@@ -1,0 +1,242 @@
+"""The roles as the driver makes them: from their specs, ringing named doorbell messages.
+
+The server's checkpoint path (snapshot, write, load) runs in this process, without Ray; one test
+wires servers, workers and a stub under Ray and checks that the doorbell path and the Ray-call
+path train the same bits.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from raysinga import run_state
+from raysinga.actors import server as server_module
+from raysinga.actors.doorbell import Doorbell, DoorbellTimeout, wait_all
+from raysinga.actors.protocol import Go, ServerDone, ServerSpec, StubSpec, WorkerDone, WorkerSpec
+from raysinga.actors.server import ParamServer
+from raysinga.actors.slicing import plan_slices
+from raysinga.checkpoint import Checkpoint, CheckpointError, writer
+from raysinga.model import ModelSpec, Net
+
+MODEL = {
+    "input_shape": [64],
+    "layers": [
+        {"kind": "dense", "name": "fc1", "units": 16, "activation": "relu"},
+        {"kind": "dense", "name": "out", "units": 10},
+    ],
+}
+SHAPES = Net(ModelSpec.from_dict(MODEL), dtype="float32").param_shapes()
+# fc1/W is cut over both servers, so loading reassembles a parameter from two shards.
+SLICES = tuple(plan_slices(SHAPES, 4, 2, 1024))
+ADAM = {"name": "adam", "lr": 0.01}
+
+
+# ---------------------------------------------------------------- doorbells
+
+
+@pytest.mark.parametrize(
+    "msg", [Go(7), WorkerDone(1, 7, 0, 0.5, 1e-3, 2e-3, 10.0, 11.0), ServerDone(2, 7, 1, 0.25)]
+)
+def test_a_doorbell_hands_back_the_message_rung(tmp_path, msg):
+    bell = Doorbell(Doorbell.create(str(tmp_path / "bell")), type(msg))
+    try:
+        bell.ring(msg)
+        got = bell.wait()
+    finally:
+        bell.close()
+    assert got == msg and type(got) is type(msg)
+
+
+def test_wait_all_takes_messages_in_arrival_order_and_gives_up_on_silence(tmp_path):
+    bell = Doorbell(Doorbell.create(str(tmp_path / "bell")), ServerDone)
+    try:
+        for k in (1, 0):
+            bell.ring(ServerDone(k, 3, 0, 0.1 * k))
+        assert [m.server for m in wait_all(bell, 2, lambda: None)] == [1, 0]
+        with pytest.raises(DoorbellTimeout):
+            wait_all(bell, 1, lambda: None, timeout_s=0.3)
+    finally:
+        bell.close()
+
+
+# ---------------------------------------------------------------- a server's checkpoints
+
+
+@pytest.fixture
+def make_server(monkeypatch):
+    """Servers built in this process (no Ray to ask for the node), shut down afterwards."""
+    monkeypatch.setattr(server_module, "node_id", lambda: "this-node")
+    made: list[ParamServer] = []
+
+    def make(index: int, tag: str) -> ParamServer:
+        spec = ServerSpec(index, MODEL, "float32", 0, SLICES, ADAM, tag)
+        made.append(ParamServer(spec))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.shutdown()
+
+
+def fresh_tag() -> str:
+    return f"test-roles-{uuid.uuid4().hex[:8]}"
+
+
+def train(servers: list[ParamServer], steps: range) -> None:
+    """Apply a fixed gradient per step, laid out as each server's slices arrive from afar."""
+    for step in steps:
+        rng = np.random.default_rng(step)
+        for s in servers:
+            buf = np.zeros(s.layout.nbytes, np.uint8)
+            for view in s.layout.views(buf).values():
+                view[...] = rng.standard_normal(view.shape)
+            s.update(step, buf)
+
+
+@dataclass
+class DirSource:
+    """A checkpoint directory, as the driver's sources answer for one."""
+
+    path: Path
+    corrupt: tuple[str, ...] = ()
+
+    def open(self, verify: str = "fast") -> Checkpoint:
+        return Checkpoint.open(self.path, verify=verify)
+
+    def verify_files(self, ck: Checkpoint, files: list[str]) -> None:
+        for f in files:
+            if f in self.corrupt:
+                raise CheckpointError(f"{f}: checksum mismatch: the file is corrupt")
+
+
+def checkpoint(servers: list[ParamServer], root: Path, step: int, prepared: bool) -> DirSource:
+    """What the driver does at a checkpoint: every server snapshots its shard, then commit."""
+    tmp = writer.begin(root, step)
+    if prepared:  # periodic checkpoints map their shard images at start
+        for s in servers:
+            s.prepare_snapshots()
+    parts = [s.snapshot(tmp, k, None if prepared else "zstd") for k, s in enumerate(servers)]
+    records = [s.snapshot_result() for s in servers]
+    assert all(r["update_waited"] >= 0 for r in records)
+    counts = {p: n for part in parts for p, n in part["optimizer"]["counts"].items()}
+    optimizer = {**parts[0]["optimizer"], "counts": counts}
+    run = {"format": run_state.RUN_FORMAT, "model": {}, "steps": [step], "cursor": {}}
+    meta = {"run": {**run, "rng": {}, "optimizer": optimizer, "history": []}}
+    return DirSource(Path(str(writer.commit(tmp, step, records, meta))))
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["image", "compressed"])
+def test_a_resumed_server_goes_on_bit_exact(make_server, tmp_path, prepared):
+    tag = fresh_tag()
+    old = [make_server(k, tag) for k in range(2)]
+    train(old, range(3))
+    source = checkpoint(old, tmp_path / "ck", 3, prepared)
+    train(old, range(3, 4))  # after the snapshot: not in the checkpoint
+
+    tag = fresh_tag()
+    new = [make_server(k, tag) for k in range(2)]
+    loaded = [s.load(source, resume=True) for s in new]
+    assert sum(loaded) == sum(s.size for s in SLICES)
+    assert [s.guard.version for s in new] == [3, 3]
+    train(new, range(3, 4))
+    for a, b in zip(old, new, strict=True):
+        assert a.guard.version == b.guard.version == 4
+        for name, v in a.values().items():
+            np.testing.assert_array_equal(v, b.values()[name], err_msg=name)
+
+
+def test_init_from_loads_only_the_named_parameters(make_server, tmp_path):
+    tag = fresh_tag()
+    old = [make_server(k, tag) for k in range(2)]
+    train(old, range(2))
+    source = checkpoint(old, tmp_path / "ck", 2, prepared=False)
+    trained = {n: v for s in old for n, v in s.values().items()}
+
+    tag = fresh_tag()
+    new = [make_server(k, tag) for k in range(2)]
+    initial = {n: v for s in new for n, v in s.values().items()}
+    loaded = [s.load(source, resume=False, names={"fc1/W": "fc1/W"}) for s in new]
+    assert sum(loaded) == 64 * 16
+    assert [s.guard.version for s in new] == [0, 0]  # no optimizer state comes along
+    for name, v in ((n, v) for s in new for n, v in s.values().items()):
+        want = trained[name] if name.startswith("fc1/W[") else initial[name]
+        np.testing.assert_array_equal(v, want, err_msg=name)
+
+
+def test_verify_names_what_is_wrong(make_server, tmp_path):
+    s = make_server(0, fresh_tag())
+    source = checkpoint([s, make_server(1, fresh_tag())], tmp_path / "ck", 1, prepared=False)
+    assert s.verify(source, ["shard-0.arrow"]) is None
+    bad = DirSource(source.path, corrupt=("shard-0.arrow",))
+    assert "shard-0.arrow: checksum mismatch" in s.verify(bad, ["shard-0.arrow"])
+
+
+# ---------------------------------------------------------------- the roles under Ray
+
+
+def run_group(ray, remote: bool, steps: int) -> tuple[list, dict[str, np.ndarray]]:
+    """One group of two workers and two servers for ``steps`` steps: through doorbells, or
+    (``remote``: told the workers sit on another node) through Ray calls and snapshots."""
+    from raysinga.actors.stub import Stub
+    from raysinga.actors.worker import Worker
+
+    tag = fresh_tag()
+    sgd = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+    data = {"kind": "digits"}
+    actor = {"num_cpus": 0, "max_concurrency": 1}
+    servers = [
+        ray.remote(ParamServer)
+        .options(**actor)
+        .remote(ServerSpec(k, MODEL, "float32", 0, SLICES, sgd, tag))
+        for k in range(2)
+    ]
+    workers = [
+        ray.remote(Worker)
+        .options(**actor)
+        .remote(WorkerSpec(i, 0, MODEL, "float32", 0, data, 32, True, SLICES, 2, 1, tag))
+        for i in range(2)
+    ]
+    actors = [*servers, *workers]
+    try:
+        server_infos = ray.get([s.describe.remote() for s in servers])
+        worker_infos = ray.get([w.describe.remote() for w in workers])
+        if remote:
+            worker_infos = [{**w, "node": "another-node"} for w in worker_infos]
+        for s, info in zip(servers, server_infos, strict=True):
+            info["ref"] = ray.get(s.set_remote_readers.remote(remote))
+        spec = StubSpec(0, SHAPES, SLICES, "float32", 1.0, 1, tag)
+        stub = (
+            ray.remote(Stub)
+            .options(**actor)
+            .remote(spec, workers, servers, worker_infos, server_infos)
+        )
+        actors.append(stub)
+        # The path under test: doorbells exactly when every role shares the stub's node.
+        assert ray.get(stub.__ray_call__.remote(lambda self: bool(self.bells))) is not remote
+        stats = ray.get(stub.run.remote(0, 2)) + ray.get(stub.run.remote(2, steps))
+        values = {
+            n: v for vals in ray.get([s.values.remote() for s in servers]) for n, v in vals.items()
+        }
+        return stats, values
+    finally:
+        ray.get([a.shutdown.remote() for a in actors])
+        for a in actors:
+            ray.kill(a)
+
+
+def test_doorbells_and_ray_calls_train_the_same_bits(ray_session):
+    rung, by_bell = run_group(ray_session, remote=False, steps=4)
+    called, by_call = run_group(ray_session, remote=True, steps=4)
+    assert [r.step for r in rung] == [r.step for r in called] == [0, 1, 2, 3]
+    assert [r.loss for r in rung] == [r.loss for r in called]
+    assert all(r.grad_norm is not None and r.grad_norm > 0 for r in rung)  # clip_norm is set
+    assert [r.grad_norm for r in rung] == [r.grad_norm for r in called]
+    assert all(r.total >= r.update >= 0 for r in rung + called)
+    assert by_bell.keys() == by_call.keys()
+    for name, v in by_bell.items():
+        np.testing.assert_array_equal(v, by_call[name], err_msg=name)

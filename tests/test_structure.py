@@ -1,0 +1,327 @@
+"""Structural rules of the source tree, checked from the source text alone (no Ray, no imports).
+
+Two rules the project keeps because they keep the code reviewable and refactorable:
+
+* no import cycles between the project's own modules, lazy (function-level) imports included: a
+  lazy import only hides a cycle until someone moves it to the top of the file;
+* no module over ``MAX_MODULE_LINES`` lines and no class over ``MAX_CLASS_LINES`` lines.
+
+Both tests list every offender at once, so one run tells the whole story.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Package name -> directory, as in pyproject.toml's [tool.setuptools.package-dir]; subpackages
+# such as raysinga.checkpoint (raysinga/checkpoint/) are found under their parent's directory.
+ROOTS = {"raysinga": "raysinga", "raysinga.actors": "actors", "raysinga.kernels": "kernels"}
+
+MAX_MODULE_LINES = 450
+MAX_CLASS_LINES = 300
+
+
+# ---------------------------------------------------------------- finding the modules
+
+
+def module_files(repo: Path, roots: dict[str, str]) -> dict[str, Path]:
+    """Dotted module name -> source file, for every ``.py`` file of every package root."""
+    modules = {}
+    for package, directory in roots.items():
+        base = repo / directory
+        for path in sorted(base.rglob("*.py")):
+            name = _dotted_name(package, path.relative_to(base))
+            # A directory that is its own root elsewhere (raysinga/actors/ if one appeared) is
+            # not what the installed package imports under that name.
+            if not _owned_by_other_root(name, package, roots):
+                modules[name] = path
+    return modules
+
+
+def _dotted_name(package: str, relative: Path) -> str:
+    parts = [p for p in relative.with_suffix("").parts if p != "__init__"]
+    return ".".join([package, *parts])
+
+
+def _owned_by_other_root(name: str, package: str, roots: dict[str, str]) -> bool:
+    return any(
+        other != package
+        and other.startswith(package + ".")
+        and (name == other or name.startswith(other + "."))
+        for other in roots
+    )
+
+
+# ---------------------------------------------------------------- the import graph
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement that makes ``source`` load ``target``, and where it is."""
+
+    source: str
+    target: str
+    path: Path
+    line: int
+    lazy: bool  # inside a function: runs on call, not on import
+
+    def where(self) -> str:
+        # Relative to the repository when it is in it (the checker's own tests use tmp dirs).
+        path = self.path.relative_to(REPO) if self.path.is_relative_to(REPO) else self.path
+        return f"{path}:{self.line} ({'lazy import' if self.lazy else 'import'})"
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    """``TYPE_CHECKING`` or ``typing.TYPE_CHECKING``: a block that never runs."""
+    if isinstance(test, ast.Name):
+        return test.id == "TYPE_CHECKING"
+    return isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+
+
+class _ImportCollector(ast.NodeVisitor):
+    """Every import statement that runs at some point: module level, in classes, in functions,
+    but not under ``if TYPE_CHECKING:`` (those exist for annotations only and cannot cycle)."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[ast.Import | ast.ImportFrom, bool]] = []
+        self._depth = 0  # functions we are inside of
+
+    def visit_If(self, node: ast.If) -> None:
+        if _is_type_checking(node.test):
+            for child in node.orelse:  # an ``else:`` does run
+                self.visit(child)
+        else:
+            self.generic_visit(node)
+
+    def _visit_function(self, node: ast.AST) -> None:
+        self._depth += 1
+        self.generic_visit(node)
+        self._depth -= 1
+
+    visit_FunctionDef = visit_AsyncFunctionDef = _visit_function
+
+    def visit_Import(self, node: ast.Import) -> None:
+        self.found.append((node, self._depth > 0))
+
+    visit_ImportFrom = visit_Import
+
+
+def _package_of(module: str, path: Path) -> str:
+    """The package a relative import in ``module`` starts from."""
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _from_base(node: ast.ImportFrom, module: str, path: Path) -> str:
+    """The absolute name of ``X`` in ``from X import ...``."""
+    if not node.level:
+        return node.module or ""
+    package = _package_of(module, path).split(".")
+    package = package[: len(package) - (node.level - 1)]
+    return ".".join(package + ([node.module] if node.module else []))
+
+
+def _longest_known_prefix(name: str, modules: dict[str, Path]) -> str | None:
+    # ``import raysinga.kernels.gpu`` names the module; an unknown tail would be an attribute.
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in modules:
+            return ".".join(parts[:end])
+    return None
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, path: Path, modules) -> set[str]:
+    """The project modules one statement loads: a submodule when ``from pkg import sub`` names
+    one, the package itself when it names an attribute of the package."""
+    if isinstance(node, ast.Import):
+        found = (_longest_known_prefix(alias.name, modules) for alias in node.names)
+    else:
+        base = _from_base(node, module, path)
+        found = (
+            f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+            for alias in node.names
+        )
+    # A set: ``from .common import a, b, c`` is one edge, reported once.
+    return {target for target in found if target in modules}
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, list[Import]]:
+    """Module -> the imports of project modules it runs (self-imports left out)."""
+    graph: dict[str, list[Import]] = {m: [] for m in modules}
+    for module, path in modules.items():
+        collector = _ImportCollector()
+        collector.visit(ast.parse(path.read_text(), filename=str(path)))
+        for node, lazy in collector.found:
+            for target in _targets(node, module, path, modules):
+                if target != module:
+                    graph[module].append(Import(module, target, path, node.lineno, lazy))
+    return graph
+
+
+# ---------------------------------------------------------------- cycles
+
+
+def _successors(graph: dict[str, list[Import]]) -> dict[str, set[str]]:
+    return {m: {i.target for i in imports} for m, imports in graph.items()}
+
+
+def _reachable(succ: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in succ[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def import_cycles(graph: dict[str, list[Import]]) -> list[list[str]]:
+    """Strongly connected components of more than one module, each sorted, in sorted order.
+
+    Quadratic (reachability from every module), which a hundred modules do not notice, and far
+    easier to trust than Tarjan's bookkeeping."""
+    succ = _successors(graph)
+    reach = {m: _reachable(succ, m) for m in succ}
+    components = {
+        tuple(sorted(n for n in reach[m] if m in reach[n])) for m in succ if m in reach[m]
+    }
+    return sorted(list(c) for c in components if len(c) > 1)
+
+
+def _shortest_cycle(succ: dict[str, set[str]], start: str, members: set[str]) -> list[str]:
+    """``[start, ..., start]``: the shortest way round from ``start`` inside its component."""
+    parent: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        for nxt in sorted(succ[node] & members):
+            if nxt == start:
+                path = [node]
+                while path[-1] != start:
+                    path.append(parent[path[-1]])
+                return [*reversed(path), start]
+            if nxt not in parent:
+                parent[nxt] = node
+                queue.append(nxt)
+    raise AssertionError(f"{start} is on no cycle")
+
+
+def describe_cycle(graph: dict[str, list[Import]], component: list[str]) -> str:
+    """One chain round the component, then every import inside it with file and line: the
+    chain says what loops, the list says which lines to move or delete to break it."""
+    succ = _successors(graph)
+    members = set(component)
+    lines = ["  " + " -> ".join(_shortest_cycle(succ, component[0], members))]
+    for module in component:
+        for imp in graph[module]:
+            if imp.target in members:
+                lines.append(f"      {imp.source} -> {imp.target}  at {imp.where()}")
+    return "\n".join(lines)
+
+
+def test_no_import_cycles():
+    modules = module_files(REPO, ROOTS)
+    assert {"raysinga", "raysinga.actors", "raysinga.kernels", "raysinga.checkpoint"} <= set(
+        modules
+    ), "package roots not found: is ROOTS still what pyproject.toml maps?"
+    graph = import_graph(modules)
+    cycles = import_cycles(graph)
+    report = "\n".join(describe_cycle(graph, c) for c in cycles)
+    assert not cycles, f"{len(cycles)} import cycle(s) among the project's modules:\n{report}"
+
+
+# ---------------------------------------------------------------- sizes
+
+
+def _source_files(repo: Path, roots: dict[str, str]) -> list[Path]:
+    return sorted({p for d in roots.values() for p in (repo / d).rglob("*.py")})
+
+
+def oversized(repo: Path, roots: dict[str, str]) -> list[str]:
+    """Every module over ``MAX_MODULE_LINES`` lines and every class (nested ones included) over
+    ``MAX_CLASS_LINES``, as ``path[:line]: what, size``."""
+    found = []
+    for path in _source_files(repo, roots):
+        text = path.read_text()
+        rel = path.relative_to(repo)
+        lines = len(text.splitlines())  # what ``wc -l`` says for a file ending in a newline
+        if lines > MAX_MODULE_LINES:
+            found.append(f"{rel}: module, {lines} lines (limit {MAX_MODULE_LINES})")
+        for node in ast.walk(ast.parse(text, filename=str(path))):
+            if isinstance(node, ast.ClassDef):
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_CLASS_LINES:
+                    found.append(
+                        f"{rel}:{node.lineno}: class {node.name}, {size} lines "
+                        f"(limit {MAX_CLASS_LINES})"
+                    )
+    return found
+
+
+def test_no_oversized_modules_or_classes():
+    found = oversized(REPO, ROOTS)
+    assert not found, f"{len(found)} over the size limits:\n  " + "\n  ".join(found)
+
+
+# ---------------------------------------------------------------- the checker checks itself
+# A checker that silently finds nothing passes forever; these pin down what it must see.
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+@pytest.fixture
+def toy(tmp_path) -> Path:
+    """Two packages mapped as raysinga's are: ``pkg`` in pkg/, ``pkg.sub`` in sub/."""
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from . import a\n",
+            "pkg/a.py": "def f():\n    from .b import g\n",  # lazy: still an edge
+            "pkg/b.py": "from pkg import a\n",  # a submodule: an edge to pkg.a, not to pkg
+            "pkg/c.py": "import typing\nif typing.TYPE_CHECKING:\n    from .d import x\n",
+            "pkg/d.py": "from . import c\nfrom pkg import VERSION\n",  # an attribute: edge to pkg
+            "sub/__init__.py": "",
+            "sub/e.py": "from .. import d\nimport pkg.sub.f\n",
+            "sub/f.py": "if TYPE_CHECKING:\n    pass\nelse:\n    from .e import y\n",
+        },
+    )
+    return tmp_path
+
+
+def test_checker_resolves_imports_as_python_does(toy):
+    modules = module_files(toy, {"pkg": "pkg", "pkg.sub": "sub"})
+    succ = _successors(import_graph(modules))
+    assert succ == {
+        "pkg": {"pkg.a"},
+        "pkg.a": {"pkg.b"},
+        "pkg.b": {"pkg.a"},
+        "pkg.c": set(),
+        "pkg.d": {"pkg.c", "pkg"},
+        "pkg.sub": set(),
+        "pkg.sub.e": {"pkg.d", "pkg.sub.f"},
+        "pkg.sub.f": {"pkg.sub.e"},
+    }
+
+
+def test_checker_reports_cycles_but_not_type_checking_ones(toy):
+    graph = import_graph(module_files(toy, {"pkg": "pkg", "pkg.sub": "sub"}))
+    cycles = import_cycles(graph)
+    assert cycles == [["pkg.a", "pkg.b"], ["pkg.sub.e", "pkg.sub.f"]]
+    assert describe_cycle(graph, cycles[0]).splitlines()[0].strip() == "pkg.a -> pkg.b -> pkg.a"
+
+
+def test_checker_measures_modules_and_classes(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_CLASS_LINES))  # class line + 300
+    _write(tmp_path, {"pkg/big.py": "class Big:\n" + body, "pkg/ok.py": "x = 1\n" * 450})
+    assert oversized(tmp_path, {"pkg": "pkg"}) == [
+        f"pkg/big.py:1: class Big, {MAX_CLASS_LINES + 1} lines (limit {MAX_CLASS_LINES})"
+    ]
