@@ -51,6 +51,7 @@ def one_run(cluster, kind: str, run_dir: Path) -> dict[str, float]:
     import ray
 
     from raysinga.distributed import DistributedTrainer
+    from raysinga.events import Event, Recovered, TrainStep
 
     t = DistributedTrainer(job(run_dir), log=lambda line: None, gather=False)
     marks: dict[str, float] = {}
@@ -67,15 +68,15 @@ def one_run(cluster, kind: str, run_dir: Path) -> dict[str, float]:
         marks["kill"] = time.time()
         os.kill(pid, signal.SIGKILL)
 
-    def log(line: str) -> None:
-        if f"step {KILL_AT}/" in line and "kill" not in marks:
+    def hook(ev: Event) -> None:
+        if isinstance(ev, TrainStep) and ev.step == KILL_AT and "kill" not in marks:
             threading.Thread(target=kill, daemon=True).start()
-        elif line.startswith("raysinga: recovered"):
+        elif isinstance(ev, Recovered):
             marks["recovered"] = time.time()
-        elif "recovered" in marks and "next" not in marks and line.startswith("step "):
+        elif "recovered" in marks and "next" not in marks and isinstance(ev, TrainStep):
             marks["next"] = time.time()
 
-    t.log = log
+    t.hub.subscribe(hook)
     t.fit()
     if len(t.failures) != 1:
         raise RuntimeError(f"expected one failure, the run had {t.failures}")

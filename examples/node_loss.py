@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import tempfile
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from ray.cluster_utils import Cluster
 
 from raysinga import config
 from raysinga.distributed import DistributedTrainer
+from raysinga.events import Event, TrainStep
 
 JOB = Path(__file__).resolve().parent / "digits_mlp.yaml"
 
@@ -58,13 +58,13 @@ def main(argv: list[str] | None = None) -> dict:
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     try:
-        trainer = DistributedTrainer(cfg)
+        trainer = DistributedTrainer(cfg, log=lambda line: print(line, flush=True))
         removed, added = [], []
 
-        def log(line: str) -> None:
-            print(line, flush=True)
-            m = re.match(r"step\s+(\d+)/", line)
-            step = int(m.group(1)) if m else -1
+        def hook(ev: Event) -> None:
+            if not isinstance(ev, TrainStep):
+                return
+            step = ev.step
             if not removed and step >= args.kill_at:
                 worker = trainer.workers[0][-1]  # the last worker: with --elastic, alone there
                 node_id = ray.get(worker.describe.remote())["node"]
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"--- adding a node with {cpus} CPU(s)", flush=True)
                 added.append(cluster.add_node(num_cpus=cpus))
 
-        trainer.log = log
+        trainer.hub.subscribe(hook)
         result = trainer.fit()
     finally:
         ray.shutdown()

@@ -1,7 +1,7 @@
 // Fused optimizer updates over flat parameter buffers, and the stub's weighted sum of N gradient
-// buffers in one pass, for gpu.py. Compiled by NVRTC at run time: no #include.
+// buffers in one pass, for gpu_optim.py. Compiled by NVRTC at run time: no #include.
 //
-// Every kernel is element-wise (no reduction, no atomics), and gpu.py compiles this file with
+// Every kernel is element-wise (no reduction, no atomics), and gpu_launch.py compiles this file with
 // --fmad=false: each operation below is one IEEE-rounded float operation in the order NumPy
 // performs it in raysinga/optim.py and actors/stub.py, so the results are bit-identical to the CPU
 // path. Scalars arrive already rounded to T, as NumPy rounds a Python float against a T array.

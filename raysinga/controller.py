@@ -128,6 +128,7 @@ class Controller:
         """From placing to finished. A lost role in any state leads to recovering; a stop
         signal ends in stopped (:class:`~raysinga.session.Preempted` is raised)."""
         try:
+            self._enter(State.PLACING)
             while self.state not in (State.FINISHED, State.STOPPED):
                 try:
                     self._enter(self.handlers[self.state]())
@@ -147,6 +148,8 @@ class Controller:
     def _teardown(self, graceful: bool) -> None:
         """Stop every role and free the placement; a checkpoint in flight is never committed."""
         self._recording.close()
+        if self.steps is not None:
+            self.progress = self.steps.progress
         if self.roles is not None:
             calls = list(self.steps.chunks) if self.steps is not None else []
             self.tag = self.roles.tag
@@ -263,6 +266,8 @@ class Controller:
         run with a summary of all of them), stop every role and place again; the launch
         starts from the newest committed checkpoint."""
         e, t0, detected = self.lost, time.perf_counter(), time.time()
+        if self.steps is not None:
+            self.progress = self.steps.progress
         what = {
             "role": getattr(e, "role", "object"),
             "index": getattr(e, "index", None),

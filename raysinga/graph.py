@@ -33,9 +33,9 @@ def _box_text(layer: dict[str, Any]) -> str:
 
 def draw(net: dict[str, Any], out: Path) -> None:
     """The layer chain top to bottom: input, one box per layer, the loss."""
-    from .plots import _pyplot  # noqa: PLC0415 - matplotlib, only here
+    from .plots import pyplot  # noqa: PLC0415 - matplotlib, only here
 
-    plt = _pyplot()
+    plt = pyplot()
     boxes = [f"input  {_shape(net['input_shape'])}"]
     boxes += [_box_text(ly) for ly in net["layers"]]
     boxes.append(f"loss: {net['loss']}   ({net['param_count']:,} parameters in all)")

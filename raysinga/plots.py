@@ -31,7 +31,7 @@ def load_records(run: str | Path) -> tuple[Path, list[dict[str, Any]]]:
     return path, records
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     try:
         import matplotlib  # noqa: PLC0415 - optional: only plots need it
     except ImportError:
@@ -75,7 +75,7 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
         raise ValueError(f"{path}: no train or eval records to plot")
     out_dir = Path(out) if out is not None else path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    plt = _pyplot()
+    plt = pyplot()
     name = path.parent.name
     written = []
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from . import run_registry
 from .checkpoint import Checkpoint, CheckpointError, Location, placement, storage
-from .checkpoint.filehash import hash_file as _hash_file
+from .checkpoint.filehash import hash_file
 from .checkpoint.finetune import match
 from .checkpoint.manage import latest, recover, remove_staged, steps
 from .run_state import run_info
@@ -41,7 +41,7 @@ class Source:
             return  # an object-store copy: verified when it was made, and held in memory
         sums = {f["file"]: f["xxh3"] for f in ck.manifest["files"]}
         for name in files:
-            if _hash_file(self.location.join(name)) != sums[name]:
+            if hash_file(self.location.join(name)) != sums[name]:
                 raise CheckpointError(
                     f"{self.location.join(name)}: checksum mismatch: the file is corrupt"
                 )

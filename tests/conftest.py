@@ -162,3 +162,20 @@ disp_freq: 10
 test_freq: 0
 checkpoint_frequency: 10
 """
+
+
+def trained_to(run_dir, step: int) -> bool:
+    """Whether a run in another process has reported training at ``step`` or beyond, read from
+    its records (``metrics.jsonl``), not from its console text."""
+    import json
+    from pathlib import Path
+
+    f = Path(run_dir) / "metrics.jsonl"
+    if not f.exists():
+        return False
+    for line in f.read_text().splitlines():
+        with contextlib.suppress(ValueError):  # a line being written
+            rec = json.loads(line)
+            if rec.get("kind") == "train" and rec["step"] >= step:
+                return True
+    return False

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import local_cluster
+from conftest import local_cluster, trained_to
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -154,7 +154,7 @@ def test_a_submitted_job_survives_the_loss_of_a_node(tmp_path):
             runtime_env={"working_dir": str(ROOT)},
         )
         deadline = time.monotonic() + 300
-        while "step 150/" not in client.get_job_logs(job):
+        while not trained_to(tmp_path, 150):
             assert time.monotonic() < deadline, client.get_job_logs(job)
             assert client.get_job_status(job) in ("PENDING", "RUNNING"), client.get_job_logs(job)
             time.sleep(0.2)

@@ -23,7 +23,7 @@ from raysinga.actors.server import ParamServer
 from raysinga.checkpoint import Checkpoint, CheckpointError, steps
 from raysinga.console import TextLog
 from raysinga.distributed import DistributedTrainer, FailuresExceeded
-from raysinga.events import Event, TrainStep
+from raysinga.events import Event, StateChanged, TrainStep
 
 JOB = """
 name: faults
@@ -114,6 +114,38 @@ def test_a_killed_role_is_recovered_from_the_last_checkpoint_bit_exact(straight,
 
 # The actors' processes cannot import this test module: ship its classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class StartKilledServer(ParamServer):
+    """The first server to be asked whether it is up SIGKILLs its own process instead of
+    answering: a real death at a known instant, while the driver launches the roles."""
+
+    marker = ""  # a file: once it exists, the kill has happened
+
+    def describe(self):
+        if not os.path.exists(self.marker):
+            Path(self.marker).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().describe()
+
+
+def test_a_server_killed_while_the_run_starts_is_recovered_bit_exact(straight, tmp_path):
+    """A server dies before the first step (the driver is launching the roles): one failure,
+    recovered like a loss during steps, and the run ends bit-identical."""
+
+    class Server(StartKilledServer):
+        marker = str(tmp_path / "killed")
+
+    t = DistributedTrainer(job(tmp_path), classes={"server": Server}, log=None)
+    states: list[str] = []
+    t.hub.subscribe(lambda ev: isinstance(ev, StateChanged) and states.append(ev.state))
+    res = t.fit()
+    assert (tmp_path / "killed").exists()
+    (ev,) = events(tmp_path)
+    assert ev["role"] == "server" and ev["step"] == 0 and ev["steps_redone"] == 0, ev
+    assert states[:5] == ["placing", "launching", "recovering", "placing", "launching"], states
+    for k, a in straight.params.items():
+        assert res.params[k].tobytes() == a.tobytes(), k
 
 
 class SlowCommitServer(ParamServer):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_cli, start_ray, tensorboard_scalars
+from conftest import run_cli, start_ray, tensorboard_scalars, trained_to
 
 from raysinga import config, run_registry
 from raysinga.checkpoint import Checkpoint, CheckpointError, save, steps
@@ -439,14 +439,13 @@ def test_sigterm_checkpoints_the_step_reached_and_resumes_bit_exact(ray_session,
     ref, run, _, cmd = _long_run(ray_session, tmp_path, checkpoint_frequency=0)
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        lines = []
-        for line in p.stdout:  # not a terminal: one line per record
-            lines.append(line)
-            if "step  50/200" in line:
-                p.send_signal(signal.SIGTERM)
-                break
-        out = "".join(lines) + p.stdout.read()
-        assert p.wait(timeout=120) == 128 + signal.SIGTERM, out
+        deadline = time.monotonic() + 300
+        while not trained_to(run, 50):
+            assert p.poll() is None and time.monotonic() < deadline, p.stdout.read()
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        out = p.communicate(timeout=120)[0]
+        assert p.returncode == 128 + signal.SIGTERM, out
     finally:
         p.kill()
     (stopped,) = steps(run / "checkpoints")
