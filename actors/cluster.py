@@ -204,6 +204,9 @@ def spawn(cls: type, placement: Placement, bundle: int, res: Resources, *args: A
         "scheduling_strategy": strategy,
         "max_restarts": 0,
         "max_concurrency": 1,
+        # Calls run one at a time, except Abortable.abort, which must reach a role while its
+        # serve loop waits for a stub that is gone.
+        "concurrency_groups": {"control": 1},
     }
     if res.gpus:
         opts["num_gpus"] = res.gpus

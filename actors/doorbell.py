@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import select
 import struct
+import threading
 import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -81,3 +82,34 @@ def wait_all(
             raise DoorbellTimeout(f"no answer on {bell.path} within {timeout_s} s")
 
     return [bell.wait(guarded) for _ in range(count)]
+
+
+class ServeAborted(RuntimeError):
+    """A serve loop was told to stop waiting: its stub, or a peer of its group, is gone."""
+
+
+class Abortable:
+    """A role whose serve loop can be stopped from outside while it waits for the stub.
+
+    A role runs its calls one at a time, so while ``serve`` waits on a doorbell nothing else
+    reaches it. :meth:`abort` runs in the actor's ``control`` concurrency group, beside that
+    call: the loop notices within one poll of its doorbell and ends with :class:`ServeAborted`.
+    :meth:`clear_abort` runs in the default group, so it returns only once the loop has ended.
+    """
+
+    def _abort_flag(self) -> threading.Event:
+        flag = self.__dict__.get("_abort")
+        if flag is None:
+            flag = self.__dict__.setdefault("_abort", threading.Event())
+        return flag
+
+    def abort(self) -> None:
+        self._abort_flag().set()
+
+    def clear_abort(self) -> None:
+        self._abort_flag().clear()
+
+    def check_abort(self) -> None:
+        """The ``check`` of a doorbell wait in a serve loop."""
+        if self._abort_flag().is_set():
+            raise ServeAborted("serving aborted: the stub or a peer of the group was lost")

@@ -25,13 +25,13 @@ from raysinga.optim import make_optimizer
 
 from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, UpdateGuard, with_seq
 from .device import ServerDevice
-from .doorbell import Doorbell
+from .doorbell import Abortable, Doorbell
 from .errors import reports_role
 from .protocol import Go, ServerDone, ServerSpec, node_id
 from .snapshots import Snapshots
 
 
-class ParamServer:
+class ParamServer(Abortable):
     role = "server"
 
     def __init__(self, spec: ServerSpec) -> None:
@@ -86,7 +86,7 @@ class ParamServer:
         go_bell, done_bell = Doorbell(go, Go), Doorbell(done, ServerDone)
         try:
             for step in range(start, stop):
-                asked = go_bell.wait().step
+                asked = go_bell.wait(self.check_abort).step
                 if asked != step:
                     raise RuntimeError(f"stub rang for step {asked}, expected {step}")
                 _, _, seconds = self._update(step, grads)

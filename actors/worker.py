@@ -22,7 +22,7 @@ from raysinga.trainer import evaluate
 
 from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, stable_copy
 from .device import WorkerDevice
-from .doorbell import Doorbell
+from .doorbell import Abortable, Doorbell
 from .errors import reports_role
 from .protocol import Go, WorkerDone, WorkerSpec, node_id, server_layouts
 from .slicing import Slice
@@ -84,7 +84,7 @@ class ParamReader:
         return lay.views(self._private[k])
 
 
-class Worker:
+class Worker(Abortable):
     role = "worker"
 
     def __init__(self, spec: WorkerSpec) -> None:
@@ -157,7 +157,7 @@ class Worker:
         go_bell, done_bell = Doorbell(go, Go), Doorbell(done, WorkerDone)
         try:
             for step in range(start, stop):
-                asked = go_bell.wait().step
+                asked = go_bell.wait(self.check_abort).step
                 if asked != step:
                     raise RuntimeError(f"stub rang for step {asked}, expected {step}")
                 st = self._compute(step, part, parts, sources)

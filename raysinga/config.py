@@ -90,7 +90,7 @@ TOP_KEYS = {
     "checkpoint_frequency": "checkpoint every N steps from checkpoint_after (0: none)",
     "checkpoint_every_seconds": "also checkpoint when this many seconds have passed (0: never)",
     "checkpoint": "dir (a path or URI), keep_last, keep_every, object_store, compression, final",
-    "fault": "max_failures, window_s, min_workers, min_groups, grow_check_s: how a "
+    "fault": "max_failures, window_s, min_workers, min_groups, grow_check_s, recovery: how a "
     "distributed run recovers from lost roles and nodes",
 }
 FAULT_KEYS = {
@@ -103,6 +103,8 @@ FAULT_KEYS = {
     "(default: topology.n_groups)",
     "grow_check_s": "while running smaller than configured, look this often for room to grow "
     "back (default 30)",
+    "recovery": "replace (default): a lost worker or stub is replaced alone and its group redoes "
+    "the interrupted step; restart: every loss restarts every role from the newest checkpoint",
 }
 CHECKPOINT_KEYS = {
     "dir": "where checkpoints go: a path or a pyarrow URI (default: <run_dir>/checkpoints)",
@@ -150,6 +152,7 @@ class FaultConfig:
     min_workers: int | None = None  # None: topology.workers_per_group
     min_groups: int | None = None  # None: topology.n_groups
     grow_check_s: float = 30.0
+    recovery: str = "replace"  # "restart": every loss restarts every role (for comparison)
 
 
 @dataclass(frozen=True)
@@ -265,6 +268,7 @@ def _fault(d: Any) -> FaultConfig:
         min_workers=_optional_int("fault.min_workers", d.get("min_workers"), 1),
         min_groups=_optional_int("fault.min_groups", d.get("min_groups"), 1),
         grow_check_s=_seconds("fault.grow_check_s", d.get("grow_check_s", 30)),
+        recovery=_choice("fault.recovery", d.get("recovery", "replace"), ("replace", "restart")),
     )
 
 

@@ -36,8 +36,9 @@ from ray.util.placement_group import remove_placement_group
 from .actors import cluster
 from .actors.errors import ActorLost
 from .coordinator import CheckpointCoordinator
-from .elastic import Elastic, sizes_record
-from .events import EventHub, Recovered, Resized, RoleLost, RunStarted, StateChanged
+from .elastic import Elastic
+from .events import EventHub, RunStarted, StateChanged
+from .failures import FailureBook
 from .metrics import TrainResult, recording
 from .role_group import RoleGroup
 from .session import RunSession
@@ -56,24 +57,6 @@ class State(enum.Enum):
 
 
 LOSSES = (ActorLost, ObjectLostError)  # a role, its node or an object it held is gone
-
-
-class FailuresExceeded(RuntimeError):
-    """More roles were lost than ``fault.max_failures`` allows: every failure, and where the
-    run can be resumed from."""
-
-    def __init__(self, failures: list[dict[str, Any]], fault: Any, root: Any) -> None:
-        window = f" within {fault.window_s:g} s" if fault.window_s else ""
-        lines = [
-            f"{len(failures)} failure(s){window}, more than fault.max_failures "
-            f"({fault.max_failures}); the run stops:"
-        ]
-        for f in failures:
-            when = time.strftime("%H:%M:%S", time.localtime(f["time"]))
-            lines.append(f"  {when} at step {f['step']}: {f['error']}")
-        lines.append(f"continue from the newest valid checkpoint in {root} with --resume")
-        super().__init__("\n".join(lines))
-        self.failures = failures
 
 
 class Controller:
@@ -99,15 +82,8 @@ class Controller:
         self.result = TrainResult({}, {}, [])
         self.progress = 0  # the most steps a group has done (as far as the driver knows)
         self.restart = False  # the next launch starts from the newest committed checkpoint
-        self.failures: list[dict[str, Any]] = []  # lost roles recovered from, with their cost
-        self.notes: list[dict[str, Any]] = []  # those failures, and resizes (kept in history)
+        self.book = FailureBook(cfg.fault, session.root, hub)
         self.lost: BaseException | None = None  # the loss being recovered from
-        # Until the next launch succeeds: the failure records (with their start times), the
-        # roles lost, a resize under way, and the topology before them.
-        self.recovering: list[tuple[dict[str, Any], float]] = []
-        self.lost_actors: list[Any] = []
-        self.resize: tuple[int, float] | None = None
-        self.was: Any = None
         self.cursor: Any = None  # the data cursor of the running launch
         self.grow = False  # the cluster has room for more workers or groups than are running
         self.t_grow = self.t_ckpt = time.perf_counter()
@@ -191,7 +167,8 @@ class Controller:
             session.log(f"raysinga: loaded {start.source.label} in {dt:.2f} s")
         periodic = bool(cfg.checkpoint_frequency or cfg.checkpoint_every_seconds)
         roles.wire(prepare_snapshots=periodic and cfg.checkpoint.compression is None)
-        self._relaunched(start)
+        source = start.source.label if start.source is not None else "the start"
+        self.book.relaunched(source, self.progress, self.topo)
         self._begin_steps(start, steps0, cursor)
         return State.RUNNING
 
@@ -200,7 +177,7 @@ class Controller:
         so far) and its metrics files."""
         seen = {(r["kind"], r["time"]) for r in start.history(max(steps0)) if "time" in r}
         history = start.history(max(steps0))
-        history += [r for r in self.notes if (r["kind"], r["time"]) not in seen]
+        history += [r for r in self.book.notes if (r["kind"], r["time"]) not in seen]
         self.result = TrainResult({}, {}, history)
         self.cursor = cursor
         self.steps = StepRunner(self.cfg, self.topo, self.plan, self.hub, steps0)
@@ -263,79 +240,54 @@ class Controller:
 
     def _recovering(self) -> State:
         """Count the loss (more than ``fault.max_failures`` within ``fault.window_s`` stop the
-        run with a summary of all of them), stop every role and place again; the launch
-        starts from the newest committed checkpoint."""
-        e, t0, detected = self.lost, time.perf_counter(), time.time()
+        run with a summary of all of them). A lost worker or stub is replaced in place where
+        it can be, and its group redoes the interrupted step; otherwise every role is stopped
+        and the next launch starts from the newest committed checkpoint."""
+        t0 = time.perf_counter()
         if self.steps is not None:
             self.progress = self.steps.progress
-        what = {
-            "role": getattr(e, "role", "object"),
-            "index": getattr(e, "index", None),
-            "group": getattr(e, "group", None),
-            "error": str(e).splitlines()[0] if str(e) else type(e).__name__,
-        }
-        fc = self.cfg.fault
-        known = self.failures + [r for r, _ in self.recovering]
-        recent = [f for f in known if not fc.window_s or detected - f["time"] <= fc.window_s]
-        if len(recent) + 1 > fc.max_failures:
-            raise FailuresExceeded(
-                known + [{"step": self.progress, "time": detected, **what}],
-                fc,
-                self.session.root,
-            ) from e
-        self.hub.emit(RoleLost(self.progress, **what, count=len(recent) + 1, limit=fc.max_failures))
-        if self.roles is not None:
-            self.lost_actors += self.roles.actors
-        self.was = self.was or self.topo
+        rec = self.book.count(self.lost, self.progress)
+        if self._replace(rec, t0):
+            return State.RUNNING
+        lost = self.roles.actors if self.roles is not None else []
+        self.book.restarting_from(rec, t0, lost, self.topo)
         self._teardown(graceful=False)
-        rec = {"kind": "failure", "step": self.progress, **what, "time": detected}
-        self.recovering.append((rec, t0))
         self.restart = True
         return State.PLACING
+
+    def _replace(self, rec: dict[str, Any], t0: float) -> bool:
+        """Replace a lost worker or stub of a synchronous group alone: the servers keep their
+        state, so nothing is rolled back. Not for a model whose workers hold state of their
+        own (batch-norm statistics), nor with ``fault.recovery: restart``."""
+        e, roles, steps = self.lost, self.roles, self.steps
+        if not (
+            self.cfg.fault.recovery == "replace"
+            and isinstance(e, ActorLost)
+            and e.role in ("worker", "stub")
+            and roles is not None
+            and steps is not None
+            and self.topo.n_groups == 1
+            and not self.plan.state_names
+        ):
+            return False
+        lost = roles.actors
+        try:
+            done = roles.replace_in_group(0, self.cursor)
+        except LOSSES:
+            done = None  # another role went too: every role restarts
+        if done is None:
+            return False
+        at, phases = done
+        redone = 1 if steps.interrupted is not None else 0
+        steps.interrupted = None
+        steps.done[0] = self.progress = at
+        self.book.replaced(rec, t0, lost, at, redone, phases, self.topo)
+        return True
 
     def _resizing(self) -> State:
         """At a step boundary with a committed checkpoint of it: stop every role and place
         the largest topology the cluster now holds."""
-        self.resize = (self.progress, time.perf_counter())
-        self.was = self.was or self.topo
+        self.book.resizing(self.progress, self.topo)
         self._teardown(graceful=True)
         self.restart, self.grow = True, False
         return State.PLACING
-
-    def _relaunched(self, start: Any) -> None:
-        """A launch after a loss or a resize succeeded: complete their records (when Ray saw
-        the role die, where training resumed, the steps to redo, the seconds it took), which
-        the run's history keeps from now on."""
-        if self.was is None:
-            return
-        restored, sizes = self.progress, sizes_record(self.was, self.topo)
-        if self.recovering:
-            died = cluster.first_death(self.lost_actors)  # by now Ray has recorded the death
-            for rec, t0 in self.recovering:
-                rec.update(
-                    {
-                        "died": died,  # as Ray recorded it (None: not known)
-                        "detection_s": None if died is None else max(0.0, rec["time"] - died),
-                        "restored_from": restored,
-                        "source": start.source.label if start.source else "the start",
-                        "steps_redone": max(0, rec["step"] - restored),
-                        "restore_s": time.perf_counter() - t0,
-                        **sizes,
-                    }
-                )
-                self.failures.append(rec)
-                self.notes.append(rec)
-                self.hub.emit(Recovered(rec))
-        if self.resize is not None:
-            step, t0 = self.resize
-            rec = {
-                "kind": "resize",
-                "step": step,
-                "time": time.time(),
-                "restored_from": restored,
-                "resize_s": time.perf_counter() - t0,
-                **sizes,
-            }
-            self.notes.append(rec)
-            self.hub.emit(Resized(rec))
-        self.recovering, self.lost_actors, self.resize, self.was = [], [], None, None

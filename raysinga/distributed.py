@@ -21,8 +21,9 @@ from .actors.stub import Stub
 from .actors.worker import Worker
 from .config import JobConfig
 from .console import hub_for
-from .controller import Controller, FailuresExceeded
+from .controller import Controller
 from .events import Subscriber
+from .failures import FailuresExceeded
 from .metrics import TrainResult
 from .model import Net
 from .optim import make_optimizer
@@ -142,7 +143,7 @@ class DistributedTrainer:
 
     @property
     def failures(self) -> list[dict[str, Any]]:
-        return self.controller.failures if self.controller else []
+        return self.controller.book.failures if self.controller else []
 
     @property
     def saved(self) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ when; this object knows how.
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,6 +71,8 @@ class RoleGroup:
         self.stubs: list[Any] = []
         self.server_infos: list[dict[str, Any]] = []
         self.worker_infos: list[list[dict[str, Any]]] = []
+        self.seed = 0  # the workers' (the start checkpoint's)
+        self.replaced = False  # a role was replaced: its shared files are left to remove
 
     @property
     def actors(self) -> list[Any]:
@@ -101,32 +104,30 @@ class RoleGroup:
         ]
 
     def spawn_workers(self, seed: int) -> None:
-        p, plan, cfg, topo = self.placement, self.plan, self.cfg, self.topo
+        self.seed = seed
         self.workers = [
-            [
-                self._spawn(
-                    "worker",
-                    p.workers[g][i],
-                    WorkerSpec(
-                        i,
-                        g,
-                        cfg.model.to_dict(),
-                        cfg.dtype,
-                        seed,
-                        cfg.data.source,
-                        cfg.data.batch_size,
-                        cfg.data.shuffle,
-                        tuple(plan.slices),
-                        topo.n_servers,
-                        topo.n_groups,
-                        self.tag,
-                        plan.worker_device,
-                    ),
-                )
-                for i in range(topo.workers_per_group)
-            ]
-            for g in range(topo.n_groups)
+            [self._spawn_worker(g, i) for i in range(self.topo.workers_per_group)]
+            for g in range(self.topo.n_groups)
         ]
+
+    def _spawn_worker(self, g: int, i: int) -> Any:
+        cfg, plan, topo = self.cfg, self.plan, self.topo
+        spec = WorkerSpec(
+            i,
+            g,
+            cfg.model.to_dict(),
+            cfg.dtype,
+            self.seed,
+            cfg.data.source,
+            cfg.data.batch_size,
+            cfg.data.shuffle,
+            tuple(plan.slices),
+            topo.n_servers,
+            topo.n_groups,
+            self.tag,
+            plan.worker_device,
+        )
+        return self._spawn("worker", self.placement.workers[g][i], spec)
 
     def describe(self) -> None:
         """Wait for servers and workers to be up; keep what they say of themselves."""
@@ -143,32 +144,106 @@ class RoleGroup:
         background."""
         if prepare_snapshots:
             get_all([s.prepare_snapshots.remote() for s in self.servers], "server")
+        self._publish_where_read()
+        self.stubs = [self._spawn_stub(g) for g in range(self.topo.n_groups)]
+        get_all([s.describe.remote() for s in self.stubs], "stub")
+
+    def _publish_where_read(self) -> None:
+        """Tell each server whether workers on other nodes read it (it then publishes a
+        snapshot of its values after each update); keep the snapshot's ref."""
         worker_nodes = {w["node"] for row in self.worker_infos for w in row}
         for k, (s, info) in enumerate(zip(self.servers, self.server_infos, strict=True)):
             remote = bool(worker_nodes - {info["node"]})
             info["ref"] = get_all([s.set_remote_readers.remote(remote)], "server", k)[0]
-        plan, cfg, topo = self.plan, self.cfg, self.topo
-        self.stubs = [
-            self._spawn(
-                "stub",
-                self.placement.stubs[g],
-                StubSpec(
-                    g,
-                    plan.shapes,
-                    tuple(plan.slices),
-                    cfg.dtype,
-                    cfg.clip_norm,
-                    topo.n_groups,
-                    self.tag,
-                ),
-                self.workers[g],
-                self.servers,
-                self.worker_infos[g],
-                self.server_infos,
+
+    def _spawn_stub(self, g: int) -> Any:
+        plan, cfg = self.plan, self.cfg
+        spec = StubSpec(
+            g,
+            plan.shapes,
+            tuple(plan.slices),
+            cfg.dtype,
+            cfg.clip_norm,
+            self.topo.n_groups,
+            self.tag,
+        )
+        return self._spawn(
+            "stub",
+            self.placement.stubs[g],
+            spec,
+            self.workers[g],
+            self.servers,
+            self.worker_infos[g],
+            self.server_infos,
+        )
+
+    # ------------------------------------------------------------------ replacing a role
+    def replace_in_group(
+        self, g: int, cursor: DataCursor, timeout_s: float = 20.0
+    ) -> tuple[int, dict[str, float]] | None:
+        """Replace the lost workers and the stub of group ``g`` in place; every other role
+        keeps its process and state. Returns the step the group stands at (the servers'
+        update count) and the seconds of each phase, or None where that cannot be done: a
+        server is lost too, a lost worker's node is gone, the servers disagree on the step
+        (a stub lost between two servers' updates of one step), or a role did not answer
+        within ``timeout_s`` (the caller then restarts every role)."""
+        t0 = time.perf_counter()
+        lost = self._stop_serving(g, timeout_s)
+        if lost is None:
+            return None
+        t1 = time.perf_counter()
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        if any(self.worker_infos[g][i]["node"] not in alive for i in lost):
+            return None  # its bundle must move to another node: a new placement's work
+        self.replaced = True  # the lost roles' shared files go at shutdown, by tag
+        old_stub = self.stubs[g]
+        with contextlib.suppress(Exception):  # it may be gone, or still up (a worker was lost)
+            ray.get(old_stub.shutdown.remote(), timeout=2)
+        ray.kill(old_stub)
+        for i in lost:
+            self.workers[g][i] = self._spawn_worker(g, i)
+        try:
+            infos = get_all(
+                [self.workers[g][i].describe.remote() for i in lost], "worker", g, timeout_s
             )
-            for g in range(topo.n_groups)
-        ]
-        get_all([s.describe.remote() for s in self.stubs], "stub")
+        except ray.exceptions.GetTimeoutError:
+            return None
+        for i, info in zip(lost, infos, strict=True):
+            self.worker_infos[g][i] = info
+        get_all([self.workers[g][i].restore.remote({}, cursor) for i in lost], "worker", g)
+        t2 = time.perf_counter()
+        versions = {v for v, _ in get_all([s.latest.remote() for s in self.servers], "server")}
+        if len(versions) != 1:
+            return None
+        self._publish_where_read()
+        self.stubs[g] = self._spawn_stub(g)
+        get_all([self.stubs[g].describe.remote()], "stub", g)
+        t3 = time.perf_counter()
+        phases = {"stop_s": t1 - t0, "respawn_s": t2 - t1, "rewire_s": t3 - t2}
+        return versions.pop(), phases
+
+    def _stop_serving(self, g: int, timeout_s: float) -> list[int] | None:
+        """Bring the group's workers and the servers out of their serve loops (they may wait
+        for a stub that is gone); returns the indices of the group's lost workers, or None if
+        a server is lost or a role does not answer."""
+        roles = [*self.workers[g], *self.servers]
+        aborts = [a.abort.options(concurrency_group="control").remote() for a in roles]
+        clears = [a.clear_abort.remote() for a in roles]  # once its serve loop has ended
+        ready, _ = ray.wait(clears, num_returns=len(clears), timeout=timeout_s)
+        for ref in aborts:  # fetched, so that Ray reports no unhandled error for the lost
+            with contextlib.suppress(Exception):
+                ray.get(ref, timeout=0)
+        if len(ready) < len(clears):
+            return None
+        lost = []
+        for k, ref in enumerate(clears):
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                if k >= len(self.workers[g]):
+                    return None  # a server: its state is gone with it
+                lost.append(k)
+        return lost
 
     # ------------------------------------------------------------------ checkpoints in
     def verify(self, src: Source, ck: Checkpoint) -> None:
@@ -236,7 +311,7 @@ class RoleGroup:
             done, _ = ray.wait(stops, num_returns=len(actors), timeout=5)
         for a in actors:
             ray.kill(a)
-        if actors and len(done) < len(actors):  # some could not unlink their files themselves
+        if actors and (len(done) < len(actors) or self.replaced):  # files nobody unlinked
             cluster.remove_shared_files(self.tag)
         for ref in calls:
             with contextlib.suppress(Exception):

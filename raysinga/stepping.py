@@ -30,6 +30,7 @@ class StepRunner:
         self.first = list(steps0)  # where each group started (for the non-finite message)
         self.done = list(steps0)
         self.chunks: dict[Any, tuple[int, int, int]] = {}  # ref -> (group, start, end)
+        self.interrupted: tuple[int, int, int] | None = None  # a chunk that ended with a loss
         self.window: list[StepStats] = []
         self.t_window = time.perf_counter()
         self.barrier = cfg.next_checkpoint(max(self.done))  # the next periodic checkpoint
@@ -60,8 +61,10 @@ class StepRunner:
             if not self.chunks:
                 return
             ready, _ = ray.wait(list(self.chunks), num_returns=1)
-            g, _, e = self.chunks.pop(ready[0])
+            self.interrupted = self.chunks.pop(ready[0])
+            g, _, e = self.interrupted
             stats: list[StepStats] = get_all(ready, "stub", g)[0]
+            self.interrupted = None
             self._check_finite(stats, g)  # before a checkpoint can take what follows
             self.window += stats
             self.done[g] = e

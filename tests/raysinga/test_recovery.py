@@ -88,10 +88,21 @@ def events(run_dir: Path, kinds: tuple[str, ...] = ("failure",)) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] in kinds]
 
 
-@pytest.mark.parametrize("role", ["worker", "server", "stub"])
-def test_a_killed_role_is_recovered_from_the_last_checkpoint_bit_exact(straight, tmp_path, role):
+@pytest.mark.parametrize(
+    "role, recovery",
+    [
+        ("worker", "replace"),
+        ("stub", "replace"),
+        ("server", "replace"),  # a server's state is gone with it: every role restarts
+        ("worker", "restart"),
+    ],
+)
+def test_a_killed_role_is_recovered_bit_exact(straight, tmp_path, role, recovery):
+    """SIGKILL of one role at step 15. A worker or a stub is replaced alone and its group
+    redoes at most the interrupted step, nothing rolled back; a server's loss (or
+    ``fault.recovery: restart``) restarts every role from the checkpoint of step 10."""
     lines: list[str] = []
-    t = DistributedTrainer(job(tmp_path), log=lines.append)
+    t = DistributedTrainer(job(tmp_path, f"fault.recovery={recovery}"), log=lines.append)
     hook, fired = kill_at(t, role, 15)
     t.hub.subscribe(hook)
     res = t.fit()
@@ -100,8 +111,14 @@ def test_a_killed_role_is_recovered_from_the_last_checkpoint_bit_exact(straight,
         assert res.params[k].tobytes() == a.tobytes(), k
     (ev,) = events(tmp_path)
     assert ev["role"] == role and ev["step"] >= 15
-    assert ev["restored_from"] in (0, 10) and ev["restored_from"] <= ev["step"]
-    assert ev["steps_redone"] == ev["step"] - ev["restored_from"]
+    if role != "server" and recovery == "replace":
+        assert ev["recovery"] == "replaced" and ev["rolled_back"] == 0, ev
+        assert ev["restored_from"] >= ev["step"] and ev["steps_redone"] <= 1, ev
+        assert {"stop_s", "respawn_s", "rewire_s"} <= set(ev), ev
+        assert t.tag == fired[0]  # the other roles kept their processes
+    else:
+        assert ev["recovery"] == "restarted" and ev["restored_from"] in (0, 10), ev
+        assert ev["steps_redone"] == ev["rolled_back"] == ev["step"] - ev["restored_from"]
     assert ev["restore_s"] > 0 and ev["source"]
     assert any("recovering (failure 1 of at most 3)" in line for line in lines), lines
     # the recovered run's own history keeps the event, and its checkpoints the whole history
@@ -211,7 +228,9 @@ def test_a_lost_registry_is_replaced_and_the_object_store_copies_go_on(straight,
 
     from raysinga.checkpoint import objstore
 
-    t = DistributedTrainer(job(tmp_path, "checkpoint.object_store=true"), log=None)
+    # the restart path: a worker alone would be replaced, with no checkpoint read
+    more = ("checkpoint.object_store=true", "fault.recovery=restart")
+    t = DistributedTrainer(job(tmp_path, *more), log=None)
     kill_worker, fired = kill_at(t, "worker", 30)
     registry: list[int] = []
 
