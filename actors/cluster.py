@@ -204,15 +204,15 @@ def spawn(cls: type, placement: Placement, bundle: int, res: Resources, *args: A
         "scheduling_strategy": strategy,
         "max_restarts": 0,
         "max_concurrency": 1,
-        # Calls run one at a time, except Abortable.abort, which must reach a role while its
-        # serve loop waits for a stub that is gone.
-        "concurrency_groups": {"control": 1},
     }
     if res.gpus:
         opts["num_gpus"] = res.gpus
     if res.memory:
         opts["memory"] = res.memory
-    return ray.remote(cls).options(**opts).remote(*args)
+    # Calls run one at a time, except those sent to the "control" group (Abortable.abort),
+    # which must reach a role while its serve loop waits for a stub that is gone.
+    remote = ray.remote(concurrency_groups={"control": 1})(cls)
+    return remote.options(**opts).remote(*args)
 
 
 def remove_shared_files(tag: str) -> None:

@@ -47,7 +47,7 @@ class Doorbell(Generic[Message]):
     def ring(self, msg: Message) -> None:
         os.write(self.fd, self.struct.pack(*msg))  # <= PIPE_BUF bytes: one atomic write
 
-    def wait(self, check: Callable[[], None] | None = None, poll_s: float = 0.2) -> Message:
+    def wait(self, check: Callable[[], None] | None = None, poll_s: float = 0.05) -> Message:
         """The next message; ``check`` runs every ``poll_s`` while none comes (it raises to
         give up, e.g. when the peer's Ray call has failed)."""
         need, buf = self.struct.size, b""

@@ -59,24 +59,30 @@ class Stub:
         self.ranges = [(self.count * i // k, self.count * (i + 1) // k) for i in range(k)]
         self.server_layouts = server_layouts(spec.slices, len(servers), dtype)
         self._att = Attachments()
+        self.refs = [s.get("ref") for s in server_infos]
+        self.server_infos = server_infos
+        self.server_remote = [s["node"] != self.node for s in server_infos]
+        self.bells: dict[str, Any] = {}
+        self._ended_since: float | None = None  # when a serve call was first seen ended
+        self._wire_workers(workers, worker_infos)
+
+    def _wire_workers(self, workers: list[Any], worker_infos: list[dict[str, Any]]) -> None:
+        """Connect this group's workers: their gradient buffers, where each reads the servers
+        from, and (one synchronous group entirely on this node) the doorbells."""
+        self.workers = workers
         self.worker_handles = [w["handle"] for w in worker_infos]
         self.snapshot = [w["node"] != self.node for w in worker_infos]
-        self.server_remote = [s["node"] != self.node for s in server_infos]
         # For each worker and server: the server's shared buffer when they share a node, else
         # None, filled each step with the server's latest snapshot ref.
         self.local_src = [
-            [s["handle"] if s["node"] == w["node"] else None for s in server_infos]
+            [s["handle"] if s["node"] == w["node"] else None for s in self.server_infos]
             for w in worker_infos
         ]
-        self.refs = [s.get("ref") for s in server_infos]
-        self.server_infos = server_infos
-        # One synchronous group entirely on this node: control by doorbells, not Ray calls.
+        self._close_bells()
         same_node = all(w["node"] == self.node for w in worker_infos) and not any(
             self.server_remote
         )
-        self.bells: dict[str, Any] = {}
-        self._ended_since: float | None = None  # when a serve call was first seen ended
-        if spec.n_groups == 1 and same_node:
+        if self.n_groups == 1 and same_node:
             base = self.avg.path
 
             def bell(suffix: str, message: type[Message]) -> Doorbell[Message]:
@@ -84,10 +90,37 @@ class Stub:
 
             self.bells = {
                 "go_w": [bell(f"go-w{i}", Go) for i in range(len(workers))],
-                "go_s": [bell(f"go-s{k}", Go) for k in range(len(servers))],
+                "go_s": [bell(f"go-s{k}", Go) for k in range(len(self.servers))],
                 "done_w": bell("done-w", WorkerDone),
                 "done_s": bell("done-s", ServerDone),
             }
+
+    def _close_bells(self) -> None:
+        for bell in [
+            *self.bells.get("go_w", []),
+            *self.bells.get("go_s", []),
+            self.bells.get("done_w"),
+            self.bells.get("done_s"),
+        ]:
+            if bell is not None:
+                bell.close()
+                if os.path.exists(bell.path):
+                    os.unlink(bell.path)
+        self.bells = {}
+
+    @reports_role
+    def rewire(
+        self,
+        workers: list[Any],
+        worker_infos: list[dict[str, Any]],
+        server_infos: list[dict[str, Any]],
+    ) -> None:
+        """A lost worker was replaced: connect the group's workers as they are now (and the
+        servers' snapshot refs, which a worker on another node reads)."""
+        self._att.close()
+        self._att = Attachments()
+        self.server_infos, self.refs = server_infos, [s.get("ref") for s in server_infos]
+        self._wire_workers(workers, worker_infos)
 
     @reports_role
     def describe(self) -> dict[str, Any]:
@@ -285,16 +318,7 @@ class Stub:
         return os.getpid()
 
     def shutdown(self) -> None:
-        for bell in [
-            *self.bells.get("go_w", []),
-            *self.bells.get("go_s", []),
-            self.bells.get("done_w"),
-            self.bells.get("done_s"),
-        ]:
-            if bell is not None:
-                bell.close()
-                if os.path.exists(bell.path):
-                    os.unlink(bell.path)
+        self._close_bells()
         self.pool.shutdown(wait=False)
         self._att.close()
         self.avg.close()

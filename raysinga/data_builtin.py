@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
+from pathlib import Path
 
 import numpy as np
 
@@ -15,14 +17,32 @@ SPLITS = ("train", "test")
 
 @functools.lru_cache(maxsize=1)
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits  # noqa: PLC0415 - optional dependency
+    """scikit-learn's digits, read from the CSV file it ships: importing scikit-learn itself
+    takes seconds, and a worker spawned to replace a lost one should not wait for that."""
+    path = _digits_csv()
+    if path is not None:
+        data = np.loadtxt(path, delimiter=",")  # as sklearn.datasets.load_digits reads it
+        pixels, target = data[:, :-1], data[:, -1]
+    else:  # a scikit-learn that keeps it elsewhere
+        from sklearn.datasets import load_digits  # noqa: PLC0415 - optional dependency
 
-    data = load_digits()
-    x = (data.data / 16.0).astype(np.float32)  # pixels are 0..16
+        loaded = load_digits()
+        pixels, target = loaded.data, loaded.target
+    x = (pixels / 16.0).astype(np.float32)  # pixels are 0..16
     x.flags.writeable = False
-    y = data.target.astype(np.int64)
+    y = target.astype(np.int64)
     y.flags.writeable = False
     return x, y
+
+
+def _digits_csv() -> Path | None:
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "the digits data set needs scikit-learn: pip install 'raysinga[examples]'"
+        )
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+    return path if path.is_file() else None
 
 
 def digits(
@@ -41,12 +61,6 @@ def digits(
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must lie in (0, 1), got {test_fraction}")
-    try:
-        import sklearn.datasets  # noqa: F401, PLC0415 - checked on every call for a clear error
-    except ImportError as e:
-        raise ImportError(
-            "the digits data set needs scikit-learn: pip install 'raysinga[examples]'"
-        ) from e
     x, y = _digits_arrays()
     test = np.zeros(len(y), dtype=bool)
     for c in range(10):

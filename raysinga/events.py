@@ -128,12 +128,18 @@ class Recovered(Event):
     def steps_redone(self) -> int:
         return int(self.info["steps_redone"])
 
+    def record(self) -> dict[str, Any]:
+        return dict(self.info)
+
 
 @dataclass(frozen=True)
 class Resized(Event):
     """An elastic run grew into room the cluster has again; ``info`` as in the history."""
 
     info: dict[str, Any] = field(hash=False)
+
+    def record(self) -> dict[str, Any]:
+        return dict(self.info)
 
 
 @dataclass(frozen=True)

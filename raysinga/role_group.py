@@ -196,10 +196,12 @@ class RoleGroup:
         if any(self.worker_infos[g][i]["node"] not in alive for i in lost):
             return None  # its bundle must move to another node: a new placement's work
         self.replaced = True  # the lost roles' shared files go at shutdown, by tag
-        old_stub = self.stubs[g]
-        with contextlib.suppress(Exception):  # it may be gone, or still up (a worker was lost)
-            ray.get(old_stub.shutdown.remote(), timeout=2)
-        ray.kill(old_stub)
+        stub = self.stubs[g]
+        try:  # up where a worker was lost: its run ended with the worker's loss
+            ray.get(stub.describe.remote(), timeout=timeout_s)
+            stub_lost = False
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            stub_lost = True
         for i in lost:
             self.workers[g][i] = self._spawn_worker(g, i)
         try:
@@ -216,8 +218,13 @@ class RoleGroup:
         if len(versions) != 1:
             return None
         self._publish_where_read()
-        self.stubs[g] = self._spawn_stub(g)
-        get_all([self.stubs[g].describe.remote()], "stub", g)
+        if stub_lost:
+            ray.kill(stub)
+            self.stubs[g] = self._spawn_stub(g)
+            get_all([self.stubs[g].describe.remote()], "stub", g)
+        else:
+            rewire = stub.rewire.remote(self.workers[g], self.worker_infos[g], self.server_infos)
+            get_all([rewire], "stub", g)
         t3 = time.perf_counter()
         phases = {"stop_s": t1 - t0, "respawn_s": t2 - t1, "rewire_s": t3 - t2}
         return versions.pop(), phases

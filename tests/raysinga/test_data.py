@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import pickle
 import struct
-import sys
 import time
 
 import numpy as np
@@ -434,9 +433,20 @@ def test_digits_split_is_stratified_and_deterministic():
 
 
 def test_digits_without_sklearn_names_the_extra(monkeypatch):
-    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
-    with pytest.raises(ImportError, match=r"raysinga\[examples\]"):
-        digits()
+    import importlib.util
+
+    from raysinga import data_builtin
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "sklearn" else real(name, *a)
+    )
+    data_builtin._digits_arrays.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=r"raysinga\[examples\]"):
+            digits()
+    finally:
+        data_builtin._digits_arrays.cache_clear()
 
 
 # ---- load_dataset ----------------------------------------------------------------------------
