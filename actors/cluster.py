@@ -191,7 +191,6 @@ def shrunk(topo: Topology, min_groups: int, min_workers: int) -> list[Topology]:
 
 def spawn(cls: type, placement: Placement, bundle: int, res: Resources, *args: Any) -> Any:
     """Make ``cls`` remote now, pinned to one bundle of the placement group."""
-    import ray  # noqa: PLC0415
     from ray.util.scheduling_strategies import (  # noqa: PLC0415
         PlacementGroupSchedulingStrategy,
     )
@@ -199,16 +198,28 @@ def spawn(cls: type, placement: Placement, bundle: int, res: Resources, *args: A
     strategy = PlacementGroupSchedulingStrategy(
         placement_group=placement.pg, placement_group_bundle_index=bundle
     )
-    opts: dict[str, Any] = {
-        "num_cpus": res.cpus,
-        "scheduling_strategy": strategy,
-        "max_restarts": 0,
-        "max_concurrency": 1,
-    }
+    opts: dict[str, Any] = {"num_cpus": res.cpus, "scheduling_strategy": strategy}
     if res.gpus:
         opts["num_gpus"] = res.gpus
     if res.memory:
         opts["memory"] = res.memory
+    return _remote(cls, opts, args)
+
+
+def spawn_spare(cls: type, node_id: str, *args: Any) -> Any:
+    """Make ``cls`` remote now on node ``node_id``, outside the placement group and holding
+    no resources: a spare that waits, idle, to take over from a lost role of its kind there
+    (it then runs on the CPUs the lost role leaves)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
+
+    strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    return _remote(cls, {"num_cpus": 0, "scheduling_strategy": strategy}, args)
+
+
+def _remote(cls: type, opts: dict[str, Any], args: tuple) -> Any:
+    import ray  # noqa: PLC0415
+
+    opts = {**opts, "max_restarts": 0, "max_concurrency": 1}
     # Calls run one at a time, except those sent to the "control" group (Abortable.abort),
     # which must reach a role while its serve loop waits for a stub that is gone.
     remote = ray.remote(concurrency_groups={"control": 1})(cls)

@@ -128,6 +128,12 @@ class Worker(Abortable):
         return {k: np.array(to_numpy(v), copy=True) for k, v in self.state.items()}
 
     @reports_role
+    def adopt(self, index: int) -> None:
+        """A spare takes the place of lost worker ``index`` of its group (its part of the
+        batch comes with each step; the index names it in errors)."""
+        self.index = index
+
+    @reports_role
     def restore(self, state: dict[str, np.ndarray], cursor: DataCursor) -> None:
         """Resume: saved non-trainable state (what of it there is) and the data cursor."""
         for k, v in state.items():

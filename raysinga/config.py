@@ -90,8 +90,8 @@ TOP_KEYS = {
     "checkpoint_frequency": "checkpoint every N steps from checkpoint_after (0: none)",
     "checkpoint_every_seconds": "also checkpoint when this many seconds have passed (0: never)",
     "checkpoint": "dir (a path or URI), keep_last, keep_every, object_store, compression, final",
-    "fault": "max_failures, window_s, min_workers, min_groups, grow_check_s, recovery: how a "
-    "distributed run recovers from lost roles and nodes",
+    "fault": "max_failures, window_s, min_workers, min_groups, grow_check_s, recovery, spares: "
+    "how a distributed run recovers from lost roles and nodes",
 }
 FAULT_KEYS = {
     "max_failures": "recover from at most N lost roles or nodes, then stop with a summary "
@@ -105,6 +105,8 @@ FAULT_KEYS = {
     "back (default 30)",
     "recovery": "replace (default): a lost worker or stub is replaced alone and its group redoes "
     "the interrupted step; restart: every loss restarts every role from the newest checkpoint",
+    "spares": "with recovery: replace, keep an idle spare worker and stub on each group's node, "
+    "which take over a lost one's place at once (default true)",
 }
 CHECKPOINT_KEYS = {
     "dir": "where checkpoints go: a path or a pyarrow URI (default: <run_dir>/checkpoints)",
@@ -153,6 +155,7 @@ class FaultConfig:
     min_groups: int | None = None  # None: topology.n_groups
     grow_check_s: float = 30.0
     recovery: str = "replace"  # "restart": every loss restarts every role (for comparison)
+    spares: bool = True  # replace: an idle spare worker and stub wait on each group's node
 
 
 @dataclass(frozen=True)
@@ -260,6 +263,12 @@ def _checkpoint(d: Any) -> CheckpointConfig:
     )
 
 
+def _flag(path: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{path}: expected true or false, got {v!r}")
+    return v
+
+
 def _fault(d: Any) -> FaultConfig:
     d = _section("fault", d, FAULT_KEYS)
     return FaultConfig(
@@ -269,6 +278,7 @@ def _fault(d: Any) -> FaultConfig:
         min_groups=_optional_int("fault.min_groups", d.get("min_groups"), 1),
         grow_check_s=_seconds("fault.grow_check_s", d.get("grow_check_s", 30)),
         recovery=_choice("fault.recovery", d.get("recovery", "replace"), ("replace", "restart")),
+        spares=_flag("fault.spares", d.get("spares", True)),
     )
 
 

@@ -40,6 +40,7 @@ from .elastic import Elastic
 from .events import EventHub, RunStarted, StateChanged
 from .failures import FailureBook
 from .metrics import TrainResult, recording
+from .replace import ReplaceFailed, Replacer
 from .role_group import RoleGroup
 from .session import RunSession
 from .stepping import StepRunner
@@ -78,6 +79,7 @@ class Controller:
         self.topo = cfg.topology  # as running (an elastic run may run a smaller one)
         self.placement: cluster.Placement | None = None
         self.roles: RoleGroup | None = None
+        self.replacer: Replacer | None = None  # replaces a lost worker or stub of the roles
         self.steps: StepRunner | None = None
         self.result = TrainResult({}, {}, [])
         self.progress = 0  # the most steps a group has done (as far as the driver knows)
@@ -132,7 +134,7 @@ class Controller:
             self.roles.shutdown(graceful, calls)
         elif self.placement is not None:
             remove_placement_group(self.placement.pg)
-        self.roles = self.steps = self.placement = None
+        self.roles = self.steps = self.placement = self.replacer = None
         self.coordinator.abandon()
 
     # ------------------------------------------------------------------ the states
@@ -167,6 +169,9 @@ class Controller:
             session.log(f"raysinga: loaded {start.source.label} in {dt:.2f} s")
         periodic = bool(cfg.checkpoint_frequency or cfg.checkpoint_every_seconds)
         roles.wire(prepare_snapshots=periodic and cfg.checkpoint.compression is None)
+        self.replacer = Replacer(roles, spares=cfg.fault.spares) if self._replaceable() else None
+        if self.replacer is not None:
+            self.replacer.prepare()
         source = start.source.label if start.source is not None else "the start"
         self.book.relaunched(source, self.progress, self.topo)
         self._begin_steps(start, steps0, cursor)
@@ -255,26 +260,35 @@ class Controller:
         self.restart = True
         return State.PLACING
 
+    def _replaceable(self) -> bool:
+        """Whether a lost worker or stub of this run can be replaced alone: a synchronous
+        group (one), workers without state of their own (batch-norm statistics) on the CPU,
+        and ``fault.recovery: replace``."""
+        return (
+            self.cfg.fault.recovery == "replace"
+            and self.topo.n_groups == 1
+            and not self.plan.state_names
+            and self.plan.worker_device == "cpu"
+        )
+
     def _replace(self, rec: dict[str, Any], t0: float) -> bool:
-        """Replace a lost worker or stub of a synchronous group alone: the servers keep their
-        state, so nothing is rolled back. Not for a model whose workers hold state of their
-        own (batch-norm statistics), nor with ``fault.recovery: restart``."""
+        """Replace a lost worker or stub alone: the servers keep their state, so nothing is
+        rolled back and the group redoes at most the step it was interrupted in."""
         e, roles, steps = self.lost, self.roles, self.steps
         if not (
-            self.cfg.fault.recovery == "replace"
+            self._replaceable()
             and isinstance(e, ActorLost)
             and e.role in ("worker", "stub")
             and roles is not None
             and steps is not None
-            and self.topo.n_groups == 1
-            and not self.plan.state_names
+            and self.replacer is not None
         ):
             return False
         lost = roles.actors
         try:
-            done = roles.replace_in_group(0, self.cursor)
-        except LOSSES:
-            done = None  # another role went too: every role restarts
+            done = self.replacer.replace(0, self.cursor)
+        except (*LOSSES, ReplaceFailed):
+            done = None  # another role went too, or the new one did not come: restart all
         if done is None:
             return False
         at, phases = done

@@ -9,7 +9,6 @@ when; this object knows how.
 from __future__ import annotations
 
 import contextlib
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,12 +70,21 @@ class RoleGroup:
         self.stubs: list[Any] = []
         self.server_infos: list[dict[str, Any]] = []
         self.worker_infos: list[list[dict[str, Any]]] = []
+        self.stub_infos: list[dict[str, Any]] = []
         self.seed = 0  # the workers' (the start checkpoint's)
+        self.spares: list[Any] = []  # roles spawned to take over from lost ones (replace.py)
         self.replaced = False  # a role was replaced: its shared files are left to remove
 
     @property
     def actors(self) -> list[Any]:
         return [*self.stubs, *(w for row in self.workers for w in row), *self.servers]
+
+    def spawn_spare(self, role: str, node: str, *args: Any) -> Any:
+        """A spare ``role`` on ``node``, idle until it takes over from a lost one; stopped
+        with the others."""
+        actor = cluster.spawn_spare(self.classes[role], node, *args)
+        self.spares.append(actor)
+        return actor
 
     def _spawn(self, role: str, bundle: int, spec: Any, *more: Any) -> Any:
         res = getattr(self.topo, role)
@@ -106,13 +114,16 @@ class RoleGroup:
     def spawn_workers(self, seed: int) -> None:
         self.seed = seed
         self.workers = [
-            [self._spawn_worker(g, i) for i in range(self.topo.workers_per_group)]
+            [self.spawn_worker(g, i) for i in range(self.topo.workers_per_group)]
             for g in range(self.topo.n_groups)
         ]
 
-    def _spawn_worker(self, g: int, i: int) -> Any:
+    def spawn_worker(self, g: int, i: int) -> Any:
+        return self._spawn("worker", self.placement.workers[g][i], self.worker_spec(g, i))
+
+    def worker_spec(self, g: int, i: int) -> WorkerSpec:
         cfg, plan, topo = self.cfg, self.plan, self.topo
-        spec = WorkerSpec(
+        return WorkerSpec(
             i,
             g,
             cfg.model.to_dict(),
@@ -127,7 +138,6 @@ class RoleGroup:
             self.tag,
             plan.worker_device,
         )
-        return self._spawn("worker", self.placement.workers[g][i], spec)
 
     def describe(self) -> None:
         """Wait for servers and workers to be up; keep what they say of themselves."""
@@ -144,11 +154,11 @@ class RoleGroup:
         background."""
         if prepare_snapshots:
             get_all([s.prepare_snapshots.remote() for s in self.servers], "server")
-        self._publish_where_read()
-        self.stubs = [self._spawn_stub(g) for g in range(self.topo.n_groups)]
-        get_all([s.describe.remote() for s in self.stubs], "stub")
+        self.publish_where_read()
+        self.stubs = [self.spawn_stub(g) for g in range(self.topo.n_groups)]
+        self.stub_infos = get_all([s.describe.remote() for s in self.stubs], "stub")
 
-    def _publish_where_read(self) -> None:
+    def publish_where_read(self) -> None:
         """Tell each server whether workers on other nodes read it (it then publishes a
         snapshot of its values after each update); keep the snapshot's ref."""
         worker_nodes = {w["node"] for row in self.worker_infos for w in row}
@@ -156,7 +166,12 @@ class RoleGroup:
             remote = bool(worker_nodes - {info["node"]})
             info["ref"] = get_all([s.set_remote_readers.remote(remote)], "server", k)[0]
 
-    def _spawn_stub(self, g: int) -> Any:
+    def spawn_stub(self, g: int) -> Any:
+        return self._spawn("stub", self.placement.stubs[g], *self.stub_args(g))
+
+    def stub_args(self, g: int) -> tuple:
+        """What the stub of group ``g`` is made from: its spec, then the group's workers and
+        every server, with what they said of themselves."""
         plan, cfg = self.plan, self.cfg
         spec = StubSpec(
             g,
@@ -167,90 +182,7 @@ class RoleGroup:
             self.topo.n_groups,
             self.tag,
         )
-        return self._spawn(
-            "stub",
-            self.placement.stubs[g],
-            spec,
-            self.workers[g],
-            self.servers,
-            self.worker_infos[g],
-            self.server_infos,
-        )
-
-    # ------------------------------------------------------------------ replacing a role
-    def replace_in_group(
-        self, g: int, cursor: DataCursor, timeout_s: float = 20.0
-    ) -> tuple[int, dict[str, float]] | None:
-        """Replace the lost workers and the stub of group ``g`` in place; every other role
-        keeps its process and state. Returns the step the group stands at (the servers'
-        update count) and the seconds of each phase, or None where that cannot be done: a
-        server is lost too, a lost worker's node is gone, the servers disagree on the step
-        (a stub lost between two servers' updates of one step), or a role did not answer
-        within ``timeout_s`` (the caller then restarts every role)."""
-        t0 = time.perf_counter()
-        lost = self._stop_serving(g, timeout_s)
-        if lost is None:
-            return None
-        t1 = time.perf_counter()
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        if any(self.worker_infos[g][i]["node"] not in alive for i in lost):
-            return None  # its bundle must move to another node: a new placement's work
-        self.replaced = True  # the lost roles' shared files go at shutdown, by tag
-        stub = self.stubs[g]
-        try:  # up where a worker was lost: its run ended with the worker's loss
-            ray.get(stub.describe.remote(), timeout=timeout_s)
-            stub_lost = False
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            stub_lost = True
-        for i in lost:
-            self.workers[g][i] = self._spawn_worker(g, i)
-        try:
-            infos = get_all(
-                [self.workers[g][i].describe.remote() for i in lost], "worker", g, timeout_s
-            )
-        except ray.exceptions.GetTimeoutError:
-            return None
-        for i, info in zip(lost, infos, strict=True):
-            self.worker_infos[g][i] = info
-        get_all([self.workers[g][i].restore.remote({}, cursor) for i in lost], "worker", g)
-        t2 = time.perf_counter()
-        versions = {v for v, _ in get_all([s.latest.remote() for s in self.servers], "server")}
-        if len(versions) != 1:
-            return None
-        self._publish_where_read()
-        if stub_lost:
-            ray.kill(stub)
-            self.stubs[g] = self._spawn_stub(g)
-            get_all([self.stubs[g].describe.remote()], "stub", g)
-        else:
-            rewire = stub.rewire.remote(self.workers[g], self.worker_infos[g], self.server_infos)
-            get_all([rewire], "stub", g)
-        t3 = time.perf_counter()
-        phases = {"stop_s": t1 - t0, "respawn_s": t2 - t1, "rewire_s": t3 - t2}
-        return versions.pop(), phases
-
-    def _stop_serving(self, g: int, timeout_s: float) -> list[int] | None:
-        """Bring the group's workers and the servers out of their serve loops (they may wait
-        for a stub that is gone); returns the indices of the group's lost workers, or None if
-        a server is lost or a role does not answer."""
-        roles = [*self.workers[g], *self.servers]
-        aborts = [a.abort.options(concurrency_group="control").remote() for a in roles]
-        clears = [a.clear_abort.remote() for a in roles]  # once its serve loop has ended
-        ready, _ = ray.wait(clears, num_returns=len(clears), timeout=timeout_s)
-        for ref in aborts:  # fetched, so that Ray reports no unhandled error for the lost
-            with contextlib.suppress(Exception):
-                ray.get(ref, timeout=0)
-        if len(ready) < len(clears):
-            return None
-        lost = []
-        for k, ref in enumerate(clears):
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError:
-                if k >= len(self.workers[g]):
-                    return None  # a server: its state is gone with it
-                lost.append(k)
-        return lost
+        return spec, self.workers[g], self.servers, self.worker_infos[g], self.server_infos
 
     # ------------------------------------------------------------------ checkpoints in
     def verify(self, src: Source, ck: Checkpoint) -> None:
@@ -311,7 +243,7 @@ class RoleGroup:
         otherwise (after a lost role, when the others may hang on it) they are killed at once.
         Files not unlinked by their actors are removed by tag. ``calls``: refs of calls still
         running on them, fetched so that Ray does not report each as an unhandled error."""
-        actors = self.actors
+        actors = [*self.actors, *(a for a in self.spares if a not in self.actors)]
         done: list[Any] = []
         if actors and graceful:
             stops = [a.shutdown.remote() for a in actors]
@@ -325,4 +257,5 @@ class RoleGroup:
                 ray.get(ref, timeout=5)
         if self.placement is not None:
             remove_placement_group(self.placement.pg)
-        self.servers, self.workers, self.stubs, self.placement = [], [], [], None
+        self.servers, self.workers, self.stubs, self.spares = [], [], [], []
+        self.placement = None

@@ -1,0 +1,161 @@
+"""A lost worker or stub of a synchronous group, replaced alone while every other role keeps
+its process, buffers and state.
+
+Workers and stubs hold no training state: a worker's batch and randomness are functions of
+seed, step and part, and a stub's buffer holds one step's summed gradient. So the group needs
+only a new role in the lost one's place, and redoes the step it was interrupted in from the
+servers' update count. Starting a role costs a Python process, its imports and its copy of the
+data (about a second on two loaded cores), so each group keeps a spare worker and a spare stub
+on its node, idle until one takes over; a new spare is then spawned in the background.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from .actors.errors import get_all
+from .cursor import DataCursor
+from .role_group import RoleGroup
+
+
+class Replacer:
+    """Replaces lost workers and stubs of the synchronous group of one role group."""
+
+    def __init__(self, roles: RoleGroup, spares: bool) -> None:
+        self.roles, self.use_spares = roles, spares
+        self.spare_worker: dict[int, tuple[Any, Any]] = {}  # group -> (actor, describe ref)
+        self.spare_stub: dict[int, tuple[Any, Any]] = {}
+
+    def prepare(self) -> None:
+        """Spawn each group's spares, in the background (not waited for)."""
+        if self.use_spares:
+            for g in range(len(self.roles.stubs)):
+                self._spare_worker(g)
+                self._spare_stub(g)
+
+    def _spare_worker(self, g: int) -> None:
+        roles = self.roles
+        node = roles.stub_infos[g]["node"]
+        actor = roles.spawn_spare("worker", node, roles.worker_spec(g, 0))
+        self.spare_worker[g] = (actor, actor.describe.remote())
+
+    def _spare_stub(self, g: int) -> None:
+        roles = self.roles
+        actor = roles.spawn_spare("stub", roles.stub_infos[g]["node"], *roles.stub_args(g))
+        self.spare_stub[g] = (actor, actor.describe.remote())
+
+    # ------------------------------------------------------------------ replacing
+    def replace(
+        self, g: int, cursor: DataCursor, timeout_s: float = 20.0
+    ) -> tuple[int, dict[str, float]] | None:
+        """Replace the lost workers and the stub of group ``g`` in place. Returns the step the
+        group stands at (the servers' update count) and the seconds of each phase, or None
+        where that cannot be done: a server is lost too, a lost worker's node is gone, the
+        servers disagree on the step (a stub lost between two servers' updates of one step),
+        or a role does not answer within ``timeout_s`` (the caller then restarts every
+        role)."""
+        roles = self.roles
+        t0 = time.perf_counter()
+        lost = self._stop_serving(g, timeout_s)
+        if lost is None:
+            return None
+        t1 = time.perf_counter()
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        if any(roles.worker_infos[g][i]["node"] not in alive for i in lost):
+            return None  # its bundle must move to another node: a new placement's work
+        roles.replaced = True  # the lost roles' shared files go at shutdown, by tag
+        stub_lost = not _answers(roles.stubs[g], timeout_s)
+        for i in lost:
+            worker, info = self._take_worker(g, i, timeout_s)
+            roles.workers[g][i], roles.worker_infos[g][i] = worker, info
+            get_all([worker.restore.remote({}, cursor)], "worker", g)
+        t2 = time.perf_counter()
+        versions = {v for v, _ in get_all([s.latest.remote() for s in roles.servers], "server")}
+        if len(versions) != 1:
+            return None
+        roles.publish_where_read()
+        stub = self._take_stub(g, timeout_s) if stub_lost else roles.stubs[g]
+        rewire = stub.rewire.remote(roles.workers[g], roles.worker_infos[g], roles.server_infos)
+        get_all([rewire], "stub", g)
+        roles.stubs[g] = stub
+        t3 = time.perf_counter()
+        if self.use_spares:  # the next loss finds a spare of each kind again
+            if lost:
+                self._spare_worker(g)
+            if stub_lost:
+                self._spare_stub(g)
+        phases = {"stop_s": t1 - t0, "respawn_s": t2 - t1, "rewire_s": t3 - t2}
+        return versions.pop(), phases
+
+    def _stop_serving(self, g: int, timeout_s: float) -> list[int] | None:
+        """Bring the group's workers and the servers out of their serve loops (they may wait
+        for a stub that is gone); returns the indices of the group's lost workers, or None if
+        a server is lost or a role does not answer."""
+        roles = self.roles
+        group = [*roles.workers[g], *roles.servers]
+        aborts = [a.abort.options(concurrency_group="control").remote() for a in group]
+        clears = [a.clear_abort.remote() for a in group]  # once its serve loop has ended
+        ready, _ = ray.wait(clears, num_returns=len(clears), timeout=timeout_s)
+        for ref in aborts:  # fetched, so that Ray reports no unhandled error for the lost
+            with contextlib.suppress(Exception):
+                ray.get(ref, timeout=0)
+        if len(ready) < len(clears):
+            return None
+        lost = []
+        for k, ref in enumerate(clears):
+            try:
+                ray.get(ref)
+            except RayActorError:
+                if k >= len(roles.workers[g]):
+                    return None  # a server: its state is gone with it
+                lost.append(k)
+        return lost
+
+    def _take_worker(self, g: int, i: int, timeout_s: float) -> tuple[Any, dict[str, Any]]:
+        """The spare worker, ready, in the place of worker ``i``; else a new one in the lost
+        one's bundle."""
+        spare = self.spare_worker.pop(g, None)
+        if spare is not None:
+            actor, described = spare
+            with contextlib.suppress(RayActorError, GetTimeoutError):
+                info = ray.get(described, timeout=timeout_s)
+                get_all([actor.adopt.remote(i)], "worker", g)
+                return actor, info
+        actor = self.roles.spawn_worker(g, i)
+        try:
+            return actor, get_all([actor.describe.remote()], "worker", g, timeout_s)[0]
+        except GetTimeoutError as e:
+            raise ReplaceFailed(f"worker {i} of group {g}: no answer in {timeout_s:g} s") from e
+
+    def _take_stub(self, g: int, timeout_s: float) -> Any:
+        """The spare stub, ready; else a new one in the lost one's bundle."""
+        ray.kill(self.roles.stubs[g])
+        spare = self.spare_stub.pop(g, None)
+        if spare is not None:
+            actor, described = spare
+            with contextlib.suppress(RayActorError, GetTimeoutError):
+                ray.get(described, timeout=timeout_s)
+                return actor
+        actor = self.roles.spawn_stub(g)
+        try:
+            get_all([actor.describe.remote()], "stub", g, timeout_s)
+        except GetTimeoutError as e:
+            raise ReplaceFailed(f"the stub of group {g}: no answer in {timeout_s:g} s") from e
+        return actor
+
+
+class ReplaceFailed(RuntimeError):
+    """A replacement did not come up in time: the run restarts every role instead."""
+
+
+def _answers(actor: Any, timeout_s: float) -> bool:
+    try:
+        ray.get(actor.describe.remote(), timeout=timeout_s)
+        return True
+    except (RayActorError, GetTimeoutError):
+        return False
