@@ -170,8 +170,6 @@ class Controller:
         periodic = bool(cfg.checkpoint_frequency or cfg.checkpoint_every_seconds)
         roles.wire(prepare_snapshots=periodic and cfg.checkpoint.compression is None)
         self.replacer = Replacer(roles, spares=cfg.fault.spares) if self._replaceable() else None
-        if self.replacer is not None:
-            self.replacer.prepare()
         source = start.source.label if start.source is not None else "the start"
         self.book.relaunched(source, self.progress, self.topo)
         self._begin_steps(start, steps0, cursor)
@@ -213,6 +211,8 @@ class Controller:
         stop at the next step boundary (a stop signal, a checkpoint due by time, room to grow)."""
         assert self.steps is not None and self.roles is not None
         self.progress = self.steps.progress
+        if self.replacer is not None:  # once training runs again, not to delay its first step
+            self.replacer.prepare()
         self.coordinator.finish(self.roles, wait=False)
         now, cfg = time.perf_counter(), self.cfg
         every = cfg.checkpoint_every_seconds

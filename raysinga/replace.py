@@ -28,15 +28,18 @@ class Replacer:
 
     def __init__(self, roles: RoleGroup, spares: bool) -> None:
         self.roles, self.use_spares = roles, spares
-        self.spare_worker: dict[int, tuple[Any, Any]] = {}  # group -> (actor, describe ref)
+        # group -> (actor, its describe() ref), on the node of the group's stub
+        self.spare_worker: dict[int, tuple[Any, Any]] = {}
         self.spare_stub: dict[int, tuple[Any, Any]] = {}
 
     def prepare(self) -> None:
-        """Spawn each group's spares, in the background (not waited for)."""
+        """Spawn each group's missing spares, in the background (not waited for)."""
         if self.use_spares:
             for g in range(len(self.roles.stubs)):
-                self._spare_worker(g)
-                self._spare_stub(g)
+                if g not in self.spare_worker:
+                    self._spare_worker(g)
+                if g not in self.spare_stub:
+                    self._spare_stub(g)
 
     def _spare_worker(self, g: int) -> None:
         roles = self.roles
@@ -71,7 +74,7 @@ class Replacer:
         roles.replaced = True  # the lost roles' shared files go at shutdown, by tag
         stub_lost = not _answers(roles.stubs[g], timeout_s)
         for i in lost:
-            worker, info = self._take_worker(g, i, timeout_s)
+            worker, info = self._take_worker(g, i, roles.worker_infos[g][i]["node"], timeout_s)
             roles.workers[g][i], roles.worker_infos[g][i] = worker, info
             get_all([worker.restore.remote({}, cursor)], "worker", g)
         t2 = time.perf_counter()
@@ -84,11 +87,6 @@ class Replacer:
         get_all([rewire], "stub", g)
         roles.stubs[g] = stub
         t3 = time.perf_counter()
-        if self.use_spares:  # the next loss finds a spare of each kind again
-            if lost:
-                self._spare_worker(g)
-            if stub_lost:
-                self._spare_stub(g)
         phases = {"stop_s": t1 - t0, "respawn_s": t2 - t1, "rewire_s": t3 - t2}
         return versions.pop(), phases
 
@@ -116,10 +114,15 @@ class Replacer:
                 lost.append(k)
         return lost
 
-    def _take_worker(self, g: int, i: int, timeout_s: float) -> tuple[Any, dict[str, Any]]:
-        """The spare worker, ready, in the place of worker ``i``; else a new one in the lost
-        one's bundle."""
-        spare = self.spare_worker.pop(g, None)
+    def _take_worker(
+        self, g: int, i: int, node: str, timeout_s: float
+    ) -> tuple[Any, dict[str, Any]]:
+        """The spare worker, ready, in the place of worker ``i`` (which ran on ``node``);
+        else a new one in the lost one's bundle. A spare waits on the stub's node: where the
+        lost worker ran elsewhere, the new one goes where it was, so that no node takes on
+        more than it was given."""
+        on_node = self.roles.stub_infos[g]["node"] == node
+        spare = self.spare_worker.pop(g, None) if on_node else None
         if spare is not None:
             actor, described = spare
             with contextlib.suppress(RayActorError, GetTimeoutError):

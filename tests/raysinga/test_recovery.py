@@ -89,20 +89,24 @@ def events(run_dir: Path, kinds: tuple[str, ...] = ("failure",)) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "role, recovery",
+    "role, recovery, spares",
     [
-        ("worker", "replace"),
-        ("stub", "replace"),
-        ("server", "replace"),  # a server's state is gone with it: every role restarts
-        ("worker", "restart"),
+        ("worker", "replace", "true"),
+        ("stub", "replace", "true"),
+        ("worker", "replace", "false"),  # a new worker spawned in the lost one's bundle
+        ("stub", "replace", "false"),
+        ("server", "replace", "true"),  # a server's state is gone with it: every role restarts
+        ("worker", "restart", "true"),
     ],
 )
-def test_a_killed_role_is_recovered_bit_exact(straight, tmp_path, role, recovery):
-    """SIGKILL of one role at step 15. A worker or a stub is replaced alone and its group
-    redoes at most the interrupted step, nothing rolled back; a server's loss (or
-    ``fault.recovery: restart``) restarts every role from the checkpoint of step 10."""
+def test_a_killed_role_is_recovered_bit_exact(straight, tmp_path, role, recovery, spares):
+    """SIGKILL of one role at step 15. A worker or a stub is replaced alone (by a spare, or
+    a new one) and its group redoes at most the interrupted step, nothing rolled back; a
+    server's loss (or ``fault.recovery: restart``) restarts every role from the checkpoint of
+    step 10."""
     lines: list[str] = []
-    t = DistributedTrainer(job(tmp_path, f"fault.recovery={recovery}"), log=lines.append)
+    more = (f"fault.recovery={recovery}", f"fault.spares={spares}")
+    t = DistributedTrainer(job(tmp_path, *more), log=lines.append)
     hook, fired = kill_at(t, role, 15)
     t.hub.subscribe(hook)
     res = t.fit()
@@ -127,6 +131,25 @@ def test_a_killed_role_is_recovered_bit_exact(straight, tmp_path, role, recovery
     # roles killed outright leave no shared-memory file behind, nor do those of the last start
     for tag in (fired[0], t.tag):
         assert not list(Path("/dev/shm").glob(f"raysinga-{tag}-*")), tag
+
+
+def test_losses_one_after_another_are_each_replaced_bit_exact(straight, tmp_path):
+    """A worker killed at step 15, then the stub at step 25 (the spares spent on the first
+    loss have been spawned again by then): two replacements, nothing rolled back."""
+    t = DistributedTrainer(job(tmp_path), log=None)
+    first, fired_worker = kill_at(t, "worker", 15)
+    second, fired_stub = kill_at(t, "stub", 25)
+    t.hub.subscribe(first)
+    t.hub.subscribe(second)
+    res = t.fit()
+    assert fired_worker and fired_stub
+    for k, a in straight.params.items():
+        assert res.params[k].tobytes() == a.tobytes(), k
+    evs = events(tmp_path)
+    assert [(e["role"], e["recovery"], e["rolled_back"]) for e in evs] == [
+        ("worker", "replaced", 0),
+        ("stub", "replaced", 0),
+    ], evs
 
 
 # The actors' processes cannot import this test module: ship its classes by value.
@@ -382,6 +405,30 @@ def tight_cluster():
     """A head with no CPUs and two 1-CPU nodes: the two workers of a group need both."""
     with local_cluster(1, 1) as (cluster, _):
         yield cluster
+
+
+@pytest.mark.cluster
+def test_a_worker_on_another_node_than_its_stub_is_replaced_bit_exact(tight_cluster, tmp_path):
+    """Workers on two nodes: the stub drives them by Ray calls, not doorbells. Worker 1,
+    SIGKILLed, is replaced on its own node; the run ends bit-identical, nothing rolled back."""
+    import ray
+
+    want = DistributedTrainer(job(tmp_path / "straight"), log=None).fit().params
+    t = DistributedTrainer(job(tmp_path / "lost"), log=None)
+    hook, fired = kill_at(t, "worker", 15)
+    t.hub.subscribe(hook)
+    nodes: list[set] = []
+    t.hub.subscribe(
+        lambda ev: isinstance(ev, TrainStep)
+        and ev.step == 10
+        and nodes.append({ray.get(w.describe.remote())["node"] for w in t.workers[0]})
+    )
+    res = t.fit()
+    assert fired and len(nodes[0]) == 2, nodes
+    for k, a in want.items():
+        assert res.params[k].tobytes() == a.tobytes(), k
+    (ev,) = events(tmp_path / "lost")
+    assert ev["recovery"] == "replaced" and ev["rolled_back"] == 0, ev
 
 
 def assert_close(got: dict, want: dict, rel: float) -> None:
