@@ -419,9 +419,11 @@ def test_a_worker_on_another_node_than_its_stub_is_replaced_bit_exact(tight_clus
     t.hub.subscribe(hook)
     nodes: list[set] = []
     t.hub.subscribe(
-        lambda ev: isinstance(ev, TrainStep)
-        and ev.step == 10
-        and nodes.append({ray.get(w.describe.remote())["node"] for w in t.workers[0]})
+        lambda ev: (
+            isinstance(ev, TrainStep)
+            and ev.step == 10
+            and nodes.append({ray.get(w.describe.remote())["node"] for w in t.workers[0]})
+        )
     )
     res = t.fit()
     assert fired and len(nodes[0]) == 2, nodes
