@@ -3,11 +3,11 @@
 ::
 
     PLACING --> LAUNCHING --> RUNNING <--> CHECKPOINTING --> FINISHED
-       ^                                    |      |
-       |                                    |      +--> STOPPED (a stop signal)
-       +---------- RESIZING <---------------+  (room to grow)
-       |
-       +---------- RECOVERING <-- a role lost in any state but the last three
+       ^                        ^          |      |
+       |                        |          |      +--> STOPPED (a stop signal)
+       +---------- RESIZING <---+----------+  (room to grow)
+       |                        | (a worker or stub replaced alone)
+       +---------- RECOVERING <-+-- a role lost in any state but the last three
 
 - **placing**: reserve the topology (the largest that fits, for an elastic run).
 - **launching**: spawn the servers, verify and load the start checkpoint (the newest committed
@@ -15,8 +15,10 @@
 - **running**: the groups run chunks of steps until every group stands at a step boundary.
 - **checkpointing**: begin a checkpoint of that boundary (the servers write it in the
   background), or at the end or on a stop finish it; then run on, resize, finish or stop.
-- **recovering**: count the loss against ``fault.max_failures``, stop every role, abandon a
-  checkpoint in flight, and place again from the newest committed checkpoint.
+- **recovering**: count the loss against ``fault.max_failures``. A lost worker or stub of a
+  synchronous group is replaced alone (:mod:`raysinga.replace`) and the run goes on running;
+  otherwise stop every role, abandon a checkpoint in flight, and place again from the newest
+  committed checkpoint.
 - **resizing**: stop every role at a committed boundary and place the larger topology.
 
 Each transition goes through :meth:`Controller._enter`, which emits a
