@@ -97,11 +97,16 @@ class Replacer:
         roles = self.roles
         group = [*roles.workers[g], *roles.servers]
         aborts = [a.abort.options(concurrency_group="control").remote() for a in group]
+        # Each abort applied (or its role found gone) before the flag is cleared: a clear that
+        # overtook its abort would leave the flag set, and the next chunk would abort itself.
+        done, _ = ray.wait(aborts, num_returns=len(aborts), timeout=timeout_s)
+        for ref in done:  # fetched, so that Ray reports no unhandled error for the lost
+            with contextlib.suppress(Exception):
+                ray.get(ref)
+        if len(done) < len(aborts):
+            return None
         clears = [a.clear_abort.remote() for a in group]  # once its serve loop has ended
         ready, _ = ray.wait(clears, num_returns=len(clears), timeout=timeout_s)
-        for ref in aborts:  # fetched, so that Ray reports no unhandled error for the lost
-            with contextlib.suppress(Exception):
-                ray.get(ref, timeout=0)
         if len(ready) < len(clears):
             return None
         lost = []

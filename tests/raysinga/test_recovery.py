@@ -23,7 +23,7 @@ from raysinga.actors.server import ParamServer
 from raysinga.checkpoint import Checkpoint, CheckpointError, steps
 from raysinga.console import TextLog
 from raysinga.distributed import DistributedTrainer, FailuresExceeded
-from raysinga.events import Event, StateChanged, TrainStep
+from raysinga.events import CheckpointCommitted, Event, StateChanged, TrainStep
 
 JOB = """
 name: faults
@@ -131,6 +131,46 @@ def test_a_killed_role_is_recovered_bit_exact(straight, tmp_path, role, recovery
     # roles killed outright leave no shared-memory file behind, nor do those of the last start
     for tag in (fired[0], t.tag):
         assert not list(Path("/dev/shm").glob(f"raysinga-{tag}-*")), tag
+
+
+class KilledInRecoveryServer(ParamServer):
+    """Counts its incarnations in a file; the second (the relaunch after the first loss)
+    SIGKILLs itself when first asked whether it is up, while the driver recovers."""
+
+    counter = ""
+
+    def describe(self):
+        path = Path(self.counter)
+        n = int(path.read_text()) + 1 if path.exists() else 1
+        path.write_text(str(n))
+        if n == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().describe()
+
+
+def test_a_server_lost_while_a_loss_is_recovered_restarts_the_recovery(straight, tmp_path):
+    """A worker SIGKILLed at step 15 (the restart path), then a server dying while every role
+    is relaunched: two failures, the second recovered by the same path, bit-identical."""
+
+    class Server(KilledInRecoveryServer):
+        counter = str(tmp_path / "incarnations")
+
+    t = DistributedTrainer(
+        job(tmp_path, "fault.recovery=restart"), classes={"server": Server}, log=None
+    )
+    hook, fired = kill_at(t, "worker", 15)
+    t.hub.subscribe(hook)
+    states: list[str] = []
+    t.hub.subscribe(lambda ev: isinstance(ev, StateChanged) and states.append(ev.state))
+    res = t.fit()
+    assert fired and (tmp_path / "incarnations").read_text() == "3"
+    for k, a in straight.params.items():
+        assert res.params[k].tobytes() == a.tobytes(), k
+    evs = events(tmp_path)
+    assert [e["role"] for e in evs] == ["worker", "server"], evs
+    assert all(e["recovery"] == "restarted" for e in evs), evs
+    i = states.index("recovering")
+    assert states[i : i + 5] == ["recovering", "placing", "launching", "recovering", "placing"]
 
 
 def test_losses_one_after_another_are_each_replaced_bit_exact(straight, tmp_path):
@@ -256,10 +296,13 @@ def test_a_lost_registry_is_replaced_and_the_object_store_copies_go_on(straight,
     t = DistributedTrainer(job(tmp_path, *more), log=None)
     kill_worker, fired = kill_at(t, "worker", 30)
     registry: list[int] = []
+    committed: list[int] = []
 
     def hook(ev: Event) -> None:
-        reached = isinstance(ev, TrainStep) and ev.step == 20  # step 10 is in the store by now
-        if not registry and reached:
+        if isinstance(ev, CheckpointCommitted):
+            committed.append(ev.step)
+        # the first step reported after step 10's commit handed it to the registry
+        if not registry and 10 in committed and isinstance(ev, TrainStep):
             ray.get(objstore.registry(create=False).list.remote())  # up (it starts in the back)
             (pid,) = [
                 a["Pid"]
