@@ -8,7 +8,14 @@ same global batch (256, 128 per worker), SGD with momentum, two workers with one
 
 Prints samples/s of each, their ratio, the single-process reference, and raysinga's per-step
 breakdown (fetch parameters, compute, gather, average, update) with the framework overhead:
-step time minus the workers' compute.
+step time minus the workers' compute. raysinga runs with its defaults, so its idle spare worker
+and stub (``fault.spares``) start after the first chunk, within the timed steps.
+
+``--spares-rounds N`` instead times raysinga alone with spares off and on, alternating, N
+rounds each, once the spares have loaded (chunks of 10 steps, the warm-up's dropped): the cost
+of keeping them (goal: at most 3% of step time)::
+
+    python benchmarks/bench_distributed.py --spares-rounds 3 --warmup 80 --steps 100
 """
 
 from __future__ import annotations
@@ -41,11 +48,20 @@ def make_data(d: Path, n: int) -> tuple[str, str]:
     return str(d / "x.npy"), str(d / "y.npy")
 
 
-def job(xp: str, yp: str, steps: int, warmup: int, topology: dict | None):
+def job(
+    xp: str,
+    yp: str,
+    steps: int,
+    warmup: int,
+    topology: dict | None,
+    spares: bool = True,
+    disp: int | None = None,
+):
     from raysinga import config
 
     return config.from_dict(
         {
+            "fault": {"spares": spares},
             "name": "bench",
             "seed": 0,
             "model": MODEL,
@@ -53,20 +69,22 @@ def job(xp: str, yp: str, steps: int, warmup: int, topology: dict | None):
             "data": {"source": {"kind": "npy", "x": xp, "y": yp}, "batch_size": BATCH},
             "updater": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
             "train_steps": warmup + steps,
-            "disp_freq": warmup,
+            "disp_freq": disp or warmup,
             "test_freq": 0,
             "topology": topology,
         }
     )
 
 
-def bench_raysinga(xp, yp, steps, warmup) -> dict:
+def bench_raysinga(xp, yp, steps, warmup, spares: bool = True, disp: int | None = None) -> dict:
     from raysinga.distributed import DistributedTrainer
 
-    cfg = job(xp, yp, steps, warmup, {"workers_per_group": 2, "n_servers": 1})
-    t = DistributedTrainer(cfg, log=lambda s: None)
+    topo = {"workers_per_group": 2, "n_servers": 1}
+    t = DistributedTrainer(job(xp, yp, steps, warmup, topo, spares, disp), log=lambda s: None)
     res = t.fit()
-    timed = [r for r in res.history if r["kind"] == "train"][1:]  # drop the warm-up window
+    # the warm-up's windows dropped (chunks end at display steps: with a short ``disp``, the
+    # spares, spawned after the first chunk, have loaded before the timed steps)
+    timed = [r for r in res.history if r["kind"] == "train" and r["step"] > warmup]
     sps = np.mean([r["samples_per_s"] for r in timed])
     ms = {k: np.mean([r["ms"][k] for r in timed]) for k in timed[0]["ms"]}
     return {"samples_per_s": sps, "ms": ms}
@@ -139,6 +157,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--samples", type=int, default=16384)
+    ap.add_argument(
+        "--spares-rounds",
+        type=int,
+        default=0,
+        help="instead: raysinga with fault.spares off and on, alternating, this many rounds each "
+        "(warm-up long enough for the spares to have loaded before the timed steps)",
+    )
     args = ap.parse_args()
     import ray
 
@@ -146,6 +171,9 @@ def main() -> None:
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as d:
         xp, yp = make_data(Path(d), args.samples)
+        if args.spares_rounds:
+            spares_cost(xp, yp, args.steps, args.warmup, args.spares_rounds)
+            return
         a = (xp, yp, args.steps, args.warmup)
         ours = bench_raysinga(*a)
         peer = bench_ray_train(*a)
@@ -167,6 +195,35 @@ def main() -> None:
     )
     print("  raysinga per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()))
     print(f"  framework overhead per step (step - compute): {ms['total'] - ms['compute']:.2f} ms")
+
+
+def spares_cost(xp: str, yp: str, steps: int, warmup: int, rounds: int) -> None:
+    """Step time with the idle spare worker and stub (``fault.spares``) against without: what
+    keeping them costs training once they have loaded. Goal: at most 3%."""
+    import statistics
+
+    totals: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(rounds):
+        for spares in (False, True):
+            run = bench_raysinga(xp, yp, steps, warmup, spares, disp=10)
+            totals[spares].append(run["ms"]["total"])
+    off, on = (statistics.median(totals[k]) for k in (False, True))
+    ratios = [b / a for a, b in zip(totals[False], totals[True], strict=True)]
+    print(
+        f"MLP 784-1024-1024-10, 1 group x 2 workers x 1 server, {steps} timed steps after "
+        f"{warmup} warm-up, {rounds} rounds, {os.cpu_count()} cores"
+    )
+    print(
+        f"  step time, spares off: {off:.2f} ms (median; {min(totals[False]):.2f}-"
+        f"{max(totals[False]):.2f})"
+    )
+    print(
+        f"  step time, spares on:  {on:.2f} ms (median; {min(totals[True]):.2f}-"
+        f"{max(totals[True]):.2f})"
+    )
+    med = statistics.median(ratios)
+    print(f"  on / off, per round: median {med:.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
+    print(f"goal: spares cost at most 3% of step time -> {'met' if med <= 1.03 else 'NOT met'}")
 
 
 if __name__ == "__main__":
