@@ -224,12 +224,11 @@ def _data(d: Any) -> DataConfig:
         raise ConfigError(f"data: unknown key(s) {sorted(unknown)}; allowed: {sorted(DATA_KEYS)}")
     if "source" not in d:
         raise ConfigError("data.source: missing (a data set, e.g. {kind: digits})")
-    if not isinstance(d.get("shuffle", True), bool):
-        raise ConfigError(f"data.shuffle: expected true or false, got {d['shuffle']!r}")
+    shuffle = _flag("data.shuffle", d.get("shuffle", True))
     return DataConfig(
         source=check_source(_mapping("data.source", d["source"])),
         batch_size=_int("data.batch_size", d.get("batch_size", 64), 1),
-        shuffle=d.get("shuffle", True),
+        shuffle=shuffle,
         eval_batch_size=_int("data.eval_batch_size", d.get("eval_batch_size", 1024), 1),
         scan_bytes=_int("data.scan_bytes", d.get("scan_bytes", DEFAULT_SCAN_BYTES), 0),
     )
@@ -250,16 +249,15 @@ def _checkpoint(d: Any) -> CheckpointConfig:
     if where is not None and (not isinstance(where, str) or not where):
         raise ConfigError(f"checkpoint.dir: expected a path or URI, got {where!r}")
     keep_every = d.get("keep_every")
-    for key in ("object_store", "final"):
-        if key in d and not isinstance(d[key], bool):
-            raise ConfigError(f"checkpoint.{key}: expected true or false, got {d[key]!r}")
+    object_store = _flag("checkpoint.object_store", d.get("object_store", False))
+    final = _flag("checkpoint.final", d.get("final", True))
     return CheckpointConfig(
         dir=where,
         keep_last=_int("checkpoint.keep_last", d.get("keep_last", 3), 1),
         keep_every=None if keep_every is None else _int("checkpoint.keep_every", keep_every, 1),
-        object_store=d.get("object_store", False),
+        object_store=object_store,
         compression=_choice("checkpoint.compression", d.get("compression"), (None, "zstd", "lz4")),
-        final=d.get("final", True),
+        final=final,
     )
 
 
@@ -369,9 +367,7 @@ def from_dict(d: Any) -> JobConfig:
             "device: gpu in a distributed run needs GPUs for the workers "
             "(topology.worker.gpus, e.g. 1 or 0.5)"
         )
-    tensorboard = d.get("tensorboard", False)
-    if not isinstance(tensorboard, bool):
-        raise ConfigError(f"tensorboard: expected true or false, got {tensorboard!r}")
+    tensorboard = _flag("tensorboard", d.get("tensorboard", False))
     fault = _fault(d.get("fault"))
     _check_elastic(fault, topology)
     dtype = _choice("dtype", d.get("dtype", "float32"), ("float32", "float64"))

@@ -31,7 +31,6 @@ The manifest's ``meta["run"]`` holds everything else resume needs::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -250,19 +249,3 @@ def cursor_for(info: dict[str, Any], n_groups: int) -> tuple[list[int], DataCurs
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"run state: malformed data cursor {info['cursor']!r}: {e}") from e
     return cursor.regroup(saved, n_groups)
-
-
-@dataclass(frozen=True)
-class _WholeSlice:
-    param: str
-    size: int
-    start: int = 0
-    server: int = 0
-
-    @property
-    def stop(self) -> int:
-        return self.size
-
-    @property
-    def name(self) -> str:
-        return f"{self.param}[0:{self.size}]"
