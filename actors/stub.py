@@ -41,7 +41,7 @@ class Stub:
         beside each list the roles' ``describe()`` answers (a server's with its snapshot
         ``ref``, where it publishes one)."""
         self.index = self.group = spec.index
-        self.workers, self.servers = workers, servers
+        self.servers = servers  # the workers are wired by _wire_workers, as on a rewire
         self.clip_norm, self.n_groups = spec.clip_norm, spec.n_groups
         self.node = node_id()
         dtype = spec.dtype
