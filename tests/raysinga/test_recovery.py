@@ -311,6 +311,24 @@ def test_a_lost_registry_is_replaced_and_the_object_store_copies_go_on(straight,
             ]
             os.kill(pid, signal.SIGKILL)
             registry.append(pid)
+            # until Ray knows it dead, its name still leads to it, and a commit handed to it
+            # is lost (the directory's copy stands; wait_adopted reports it at the end)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    objstore.registry(create=False)
+                except ValueError:
+                    break
+                time.sleep(0.05)
+        if isinstance(ev, TrainStep) and ev.step == 30:
+            # the new registry starts in the back: a loss before it holds step 20 reads the
+            # directory's copy (right, but not what this test is about)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                reg = objstore.registry(create=False)
+                if 20 in [e["step"] for e in ray.get(reg.list.remote())]:
+                    break
+                time.sleep(0.05)
         kill_worker(ev)
 
     t.hub.subscribe(hook)
