@@ -221,8 +221,9 @@ def _remote(cls: type, opts: dict[str, Any], args: tuple) -> Any:
 
     opts = {**opts, "max_restarts": 0, "max_concurrency": 1}
     # Calls run one at a time, except those sent to the "control" group (Abortable.abort),
-    # which must reach a role while its serve loop waits for a stub that is gone.
-    remote = ray.remote(concurrency_groups={"control": 1})(cls)
+    # which must reach a role while its serve loop waits for a stub that is gone, and to the
+    # "copies" group (a stub keeping a server's copy of itself, while the stub runs steps).
+    remote = ray.remote(concurrency_groups={"control": 1, "copies": 1})(cls)
     return remote.options(**opts).remote(*args)
 
 

@@ -68,6 +68,7 @@ class StubSpec:
     clip_norm: float | None
     n_groups: int
     tag: str
+    replay: int = 0  # steps of summed gradients logged for rebuilding a lost server
 
 
 # --------------------------------------------------------------------------- doorbell messages

@@ -28,6 +28,7 @@ from .device import ServerDevice
 from .doorbell import Abortable, Doorbell
 from .errors import reports_role
 from .protocol import Go, ServerDone, ServerSpec, node_id
+from .replay import ServerCopies, take_state
 from .snapshots import Snapshots
 
 
@@ -53,6 +54,7 @@ class ParamServer(Abortable):
         # Servers work while the workers wait for them, so spread updates over the node's cores.
         self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
         self.snaps = Snapshots(self.pool)
+        self.copies = ServerCopies()  # of its state, fetched by its group's stub
         self.remote_readers = False
         self._published: Any = None
         self._attached = Attachments()
@@ -111,6 +113,7 @@ class ParamServer(Abortable):
         """
         t0 = time.perf_counter()
         self.snaps.wait_for_copy()  # a checkpoint's copy of the values must come first
+        self.copies.wait_for_copy()  # and a copy kept for a rebuild
         if isinstance(grads, ShmHandle):
             full = self._attached.views(grads)
             g = {s.name: full[s.param].reshape(-1)[s.start : s.stop] for s in self.slices}
@@ -129,7 +132,40 @@ class ParamServer(Abortable):
                         step, s.name, self.buf.arrays[s.name], g[s.name], self.pool
                     )
         ref = self._publish()
+        if self.copies.due(self.guard.version):
+            self.copies.start(self.guard.version, self._take)
         return self.guard.version, ref, time.perf_counter() - t0
+
+    def _take(self) -> dict[str, Any]:
+        values = {s.name: self.buf.arrays[s.name] for s in self.slices}
+        return take_state(values, self.optimizer, self.guard.version)
+
+    # ------------------------------------------------------------------ rebuilds
+    @reports_role
+    def keep_copies(self, every: int) -> None:
+        """Take a copy of this server's state now and every ``every`` updates, for its group's
+        stub to fetch (:mod:`actors.replay`); CPU servers only."""
+        if self.gpu is not None:
+            raise ValueError("a server on a GPU keeps no copies of itself")
+        self.copies.every = max(1, every)
+        self.copies.start(self.guard.version, self._take)
+
+    @reports_role
+    def next_copy(self, after: int) -> dict[str, Any] | None:
+        """The newest copy of this server's state once past version ``after`` (a call of the
+        ``copies`` group, which waits beside the updates; None when none came meanwhile)."""
+        return self.copies.next_copy(after)
+
+    @reports_role
+    def load_copy(self, state: dict[str, Any]) -> int:
+        """Take over a lost server's state from its copy (then the logged steps since are
+        replayed through :meth:`update`). Returns the copy's version."""
+        for s in self.slices:
+            self.buf.arrays[s.name][...] = state["values"][s.name]
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.guard.set_version(int(state["version"]))
+        self._publish()
+        return int(state["version"])
 
     @reports_role
     def latest(self) -> tuple[int, Any]:
@@ -252,6 +288,7 @@ class ParamServer(Abortable):
 
     def shutdown(self) -> None:
         self.snaps.close()
+        self.copies.close()
         self.pool.shutdown(wait=False)
         self._attached.close()
         if self.gpu is not None:

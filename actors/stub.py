@@ -22,6 +22,7 @@ from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
 from .doorbell import Doorbell, Message, wait_all
 from .errors import get_all, reports_role
 from .protocol import Go, ServerDone, StepStats, StubSpec, WorkerDone, node_id, server_layouts
+from .replay import ReplayLog
 
 ENDED_GRACE_S = 5.0  # how long a doorbell may stay silent after a serve call ended normally
 
@@ -64,6 +65,8 @@ class Stub:
         self.server_remote = [s["node"] != self.node for s in server_infos]
         self.bells: dict[str, Any] = {}
         self._ended_since: float | None = None  # when a serve call was first seen ended
+        # each step's summed gradient, and the servers' copies: what a lost server is rebuilt from
+        self.log = ReplayLog(self.count, dtype, spec.replay)
         self._wire_workers(workers, worker_infos)
 
     def _wire_workers(self, workers: list[Any], worker_infos: list[dict[str, Any]]) -> None:
@@ -113,14 +116,38 @@ class Stub:
         self,
         workers: list[Any],
         worker_infos: list[dict[str, Any]],
+        servers: list[Any],
         server_infos: list[dict[str, Any]],
     ) -> None:
-        """A lost worker was replaced: connect the group's workers as they are now (and the
-        servers' snapshot refs, which a worker on another node reads)."""
+        """A lost worker or server was replaced: connect the group's workers and the servers
+        as they are now (with the servers' snapshot refs, which a worker elsewhere reads)."""
         self._att.close()
         self._att = Attachments()
-        self.server_infos, self.refs = server_infos, [s.get("ref") for s in server_infos]
+        self.servers, self.server_infos = servers, server_infos
+        self.refs = [s.get("ref") for s in server_infos]
+        self.server_remote = [s["node"] != self.node for s in server_infos]
         self._wire_workers(workers, worker_infos)
+
+    @reports_role
+    def keep_copies(self, which: list[int]) -> None:
+        """Have servers ``which`` take a copy of themselves now and every half of the log, and
+        fetch each copy (:meth:`ReplayLog.collect`)."""
+        every = self.log.copy_every
+        get_all(
+            [self.servers[k].keep_copies.remote(every) for k in which], "server", None, None, which
+        )
+        self.log.collect({k: self.servers[k] for k in which})
+
+    @reports_role
+    def rebuild(self, k: int, server: Any, target: int | None) -> int | None:
+        """Bring ``server``, new in lost server ``k``'s place, to version ``target`` from the
+        lost one's copy and this stub's log (:meth:`ReplayLog.rebuild`)."""
+        lay = self.server_layouts[k]
+        return self.log.rebuild(k, server, target, self.avg.layout, self.slices, lay)
+
+    @reports_role
+    def replay_sizes(self) -> dict[str, int]:
+        return self.log.sizes()
 
     @reports_role
     def describe(self) -> dict[str, Any]:
@@ -146,6 +173,7 @@ class Stub:
             grads = [self._grad_flat(i, snap) for i, (_, snap) in enumerate(outs)]
             list(self.pool.map(functools.partial(self._sum, grads), self.ranges))
             norm = clip_grad_norm(self.avg.arrays, self.clip_norm) if self.clip_norm else None
+            self.log.record(step, self.avg_flat)
             t2 = time.perf_counter()
             seconds = self._ring_servers(step, serving) if serving else self._call_servers(step)
             t3 = time.perf_counter()
@@ -318,6 +346,7 @@ class Stub:
         return os.getpid()
 
     def shutdown(self) -> None:
+        self.log.close()
         self._close_bells()
         self.pool.shutdown(wait=False)
         self._att.close()

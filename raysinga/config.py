@@ -90,8 +90,8 @@ TOP_KEYS = {
     "checkpoint_frequency": "checkpoint every N steps from checkpoint_after (0: none)",
     "checkpoint_every_seconds": "also checkpoint when this many seconds have passed (0: never)",
     "checkpoint": "dir (a path or URI), keep_last, keep_every, object_store, compression, final",
-    "fault": "max_failures, window_s, min_workers, min_groups, grow_check_s, recovery, spares: "
-    "how a distributed run recovers from lost roles and nodes",
+    "fault": "max_failures, window_s, min_workers, min_groups, grow_check_s, recovery, spares, "
+    "replay_steps, replay_mb: how a distributed run recovers from lost roles and nodes",
 }
 FAULT_KEYS = {
     "max_failures": "recover from at most N lost roles or nodes, then stop with a summary "
@@ -107,6 +107,9 @@ FAULT_KEYS = {
     "the interrupted step; restart: every loss restarts every role from the newest checkpoint",
     "spares": "with recovery: replace, keep an idle spare worker and stub on each group's node, "
     "which take over a lost one's place at once (default true)",
+    "replay_steps": "with recovery: replace, log this many steps' summed gradients and keep a copy "
+    "of each server every half of them, to rebuild a lost server (default 20; 0: restart)",
+    "replay_mb": "at most this many MiB of logged gradients per group (default 256)",
 }
 CHECKPOINT_KEYS = {
     "dir": "where checkpoints go: a path or a pyarrow URI (default: <run_dir>/checkpoints)",
@@ -156,6 +159,8 @@ class FaultConfig:
     grow_check_s: float = 30.0
     recovery: str = "replace"  # "restart": every loss restarts every role (for comparison)
     spares: bool = True  # replace: an idle spare worker and stub wait on each group's node
+    replay_steps: int = 20  # replace: the steps logged to rebuild a lost server (0: restart)
+    replay_mb: int = 256  # replace: the bound of that log, per group
 
 
 @dataclass(frozen=True)
@@ -277,6 +282,8 @@ def _fault(d: Any) -> FaultConfig:
         grow_check_s=_seconds("fault.grow_check_s", d.get("grow_check_s", 30)),
         recovery=_choice("fault.recovery", d.get("recovery", "replace"), ("replace", "restart")),
         spares=_flag("fault.spares", d.get("spares", True)),
+        replay_steps=_int("fault.replay_steps", d.get("replay_steps", 20), 0),
+        replay_mb=_int("fault.replay_mb", d.get("replay_mb", 256), 1),
     )
 
 

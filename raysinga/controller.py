@@ -42,7 +42,7 @@ from .elastic import Elastic
 from .events import EventHub, RunStarted, StateChanged
 from .failures import FailureBook
 from .metrics import TrainResult, recording
-from .replace import ReplaceFailed, Replacer
+from .replace import ReplaceFailed, Replacer, replay_steps
 from .role_group import RoleGroup
 from .session import RunSession
 from .stepping import StepRunner
@@ -170,8 +170,12 @@ class Controller:
             dt = time.perf_counter() - t0
             session.log(f"raysinga: loaded {start.source.label} in {dt:.2f} s")
         periodic = bool(cfg.checkpoint_frequency or cfg.checkpoint_every_seconds)
+        replaceable = self._replaceable()
+        rebuildable = replaceable and self.plan.server_device == "cpu"
+        roles.replay = replay_steps(cfg.fault, self.plan.shapes, cfg.dtype) if rebuildable else 0
         roles.wire(prepare_snapshots=periodic and cfg.checkpoint.compression is None)
-        self.replacer = Replacer(roles, spares=cfg.fault.spares) if self._replaceable() else None
+        roles.keep_copies()
+        self.replacer = Replacer(roles, spares=cfg.fault.spares) if replaceable else None
         source = start.source.label if start.source is not None else "the start"
         self.book.relaunched(source, self.progress, self.topo)
         self._begin_steps(start, steps0, cursor)
@@ -274,14 +278,15 @@ class Controller:
         )
 
     def _replace(self, rec: dict[str, Any], t0: float) -> bool:
-        """Replace a lost worker or stub alone: the servers keep their state, so nothing is
-        rolled back and the group redoes at most the step it was interrupted in."""
+        """Replace a lost worker or stub alone, or rebuild a lost server from its copy and
+        the stub's log: the other roles keep their state, so nothing is rolled back and the
+        group redoes at most the step it was interrupted in."""
         e, roles, steps = self.lost, self.roles, self.steps
         if not (
             self._replaceable()
             and isinstance(e, ActorLost)
-            and e.role in ("worker", "stub")
             and roles is not None
+            and (e.role in ("worker", "stub") or (e.role == "server" and roles.replay > 0))
             and steps is not None
             and self.replacer is not None
         ):
@@ -293,11 +298,11 @@ class Controller:
             done = None  # another role went too, or the new one did not come: restart all
         if done is None:
             return False
-        at, phases = done
+        self.coordinator.drop_if_lost(roles, done.rebuilt)
         redone = 1 if steps.interrupted is not None else 0
         steps.interrupted = None
-        steps.done[0] = self.progress = at
-        self.book.replaced(rec, t0, lost, at, redone, phases, self.topo)
+        steps.done[0] = self.progress = done.at
+        self.book.replaced(rec, t0, lost, done, redone, self.topo)
         return True
 
     def _resizing(self) -> State:

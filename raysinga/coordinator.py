@@ -128,6 +128,24 @@ class CheckpointCoordinator:
         blocked = p.blocked + max(r.get("update_waited", 0.0) for r in p.records if r)
         self.session.committed(p.step, p.steps, str(path), blocked, seconds, in_background=True)
 
+    def drop_if_lost(self, roles: RoleGroup, rebuilt: list[int]) -> None:
+        """Servers ``rebuilt`` after a loss never write their shards of the checkpoint in
+        flight: that checkpoint is dropped once the other servers' writes end (nothing of it
+        was committed; the next one is whole)."""
+        p = self.pending
+        if p is None or all(p.records[k] is not None for k in rebuilt):
+            return
+        self.pending = None
+        for k, r in enumerate(p.records):
+            if r is None and k not in rebuilt:
+                with contextlib.suppress(Exception):
+                    roles.snapshot_results([k], True)
+        storage.remove_dir(p.tmp)
+        self.session.log(
+            f"raysinga: the checkpoint of step {p.step} was dropped: server(s) "
+            f"{', '.join(map(str, rebuilt))} were lost before writing their shards"
+        )
+
     def abandon(self) -> None:
         """A checkpoint being written when the run failed is never committed: its directory
         goes once the servers are stopped (a write in flight ends with its server; a stray

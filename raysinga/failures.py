@@ -73,29 +73,25 @@ class FailureBook:
         return rec
 
     def replaced(
-        self,
-        rec: dict[str, Any],
-        t0: float,
-        lost: list[Any],
-        at: int,
-        redone: int,
-        phases: dict[str, float],
-        topo: Any,
+        self, rec: dict[str, Any], t0: float, lost: list[Any], done: Any, redone: int, topo: Any
     ) -> None:
-        """The lost roles were replaced in place; the group goes on from step ``at``, redoing
-        ``redone`` interrupted step(s). Nothing was rolled back."""
+        """The lost roles were replaced in place (``done``: a :class:`replace.Replaced`); the
+        group goes on from step ``done.at``, redoing ``redone`` interrupted step(s). Lost
+        servers were rebuilt from their copies and the steps logged since. Nothing was rolled
+        back."""
         self._complete(
             rec,
             t0,
             lost,
             {
-                "recovery": "replaced",
-                "restored_from": at,
-                "source": "the live servers",
+                "recovery": "rebuilt and replayed" if done.rebuilt else "replaced",
+                "restored_from": done.at,
+                "source": "the live servers" if not done.rebuilt else "copies and the replay log",
                 "steps_redone": redone,
+                "steps_replayed": done.replayed,
                 "rolled_back": 0,
             },
-            {**phases, **sizes_record(topo, topo)},
+            {**done.phases, **sizes_record(topo, topo)},
         )
 
     def restarting_from(self, rec: dict[str, Any], t0: float, lost: list[Any], topo: Any) -> None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
@@ -53,47 +54,85 @@ class Replacer:
         self.spare_stub[g] = (actor, actor.describe.remote())
 
     # ------------------------------------------------------------------ replacing
-    def replace(
-        self, g: int, cursor: DataCursor, timeout_s: float = 20.0
-    ) -> tuple[int, dict[str, float]] | None:
-        """Replace the lost workers and the stub of group ``g`` in place. Returns the step the
-        group stands at (the servers' update count) and the seconds of each phase, or None
-        where that cannot be done: a server is lost too, a lost worker's node is gone, the
-        servers disagree on the step (a stub lost between two servers' updates of one step),
-        or a role does not answer within ``timeout_s`` (the caller then restarts every
-        role)."""
+    def replace(self, g: int, cursor: DataCursor, timeout_s: float = 20.0) -> Replaced | None:
+        """Replace the lost workers, servers and the stub of group ``g`` in place. A lost
+        server is rebuilt from its newest copy and the stub's log of the steps since. Returns
+        the step the group stands at (the servers' update count), or None where that cannot
+        be done: a lost role's node is gone, a server was lost with the stub (its log went
+        too) or has no copy to rebuild from, the servers disagree on the step (a stub lost
+        between two servers' updates of one step), or a role does not answer within
+        ``timeout_s`` (the caller then restarts every role)."""
         roles = self.roles
         t0 = time.perf_counter()
-        lost = self._stop_serving(g, timeout_s)
-        if lost is None:
+        stopped = self._stop_serving(g, timeout_s)
+        if stopped is None:
             return None
+        lost, lost_servers = stopped
         t1 = time.perf_counter()
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        if any(roles.worker_infos[g][i]["node"] not in alive for i in lost):
+        if any(roles.worker_infos[g][i]["node"] not in alive for i in lost) or any(
+            roles.server_infos[k]["node"] not in alive for k in lost_servers
+        ):
             return None  # its bundle must move to another node: a new placement's work
+        if lost_servers and not roles.replay:
+            return None
         roles.replaced = True  # the lost roles' shared files go at shutdown, by tag
         stub_lost = not _answers(roles.stubs[g], timeout_s)
+        if lost_servers and stub_lost:
+            return None  # the copies and the log went with the stub
+        new_servers = {k: roles.spawn_server(k) for k in lost_servers}  # they start meanwhile
         for i in lost:
             worker, info = self._take_worker(g, i, roles.worker_infos[g][i]["node"], timeout_s)
             roles.workers[g][i], roles.worker_infos[g][i] = worker, info
             get_all([worker.restore.remote({}, cursor)], "worker", g)
         t2 = time.perf_counter()
+        replayed = self._rebuild(g, new_servers, timeout_s) if new_servers else 0
+        if replayed is None:
+            return None
+        t3 = time.perf_counter()
         versions = {v for v, _ in get_all([s.latest.remote() for s in roles.servers], "server")}
         if len(versions) != 1:
             return None
         roles.publish_where_read()
         stub = self._take_stub(g, timeout_s) if stub_lost else roles.stubs[g]
-        rewire = stub.rewire.remote(roles.workers[g], roles.worker_infos[g], roles.server_infos)
+        rewire = stub.rewire.remote(
+            roles.workers[g], roles.worker_infos[g], roles.servers, roles.server_infos
+        )
         get_all([rewire], "stub", g)
         roles.stubs[g] = stub
-        t3 = time.perf_counter()
-        phases = {"stop_s": t1 - t0, "respawn_s": t2 - t1, "rewire_s": t3 - t2}
-        return versions.pop(), phases
+        if stub_lost or new_servers:
+            roles.keep_copies(list(range(len(roles.servers))) if stub_lost else list(new_servers))
+        t4 = time.perf_counter()
+        phases = {"stop_s": t1 - t0, "respawn_s": t2 - t1, "rebuild_s": t3 - t2}
+        phases["rewire_s"] = t4 - t3
+        return Replaced(versions.pop(), phases, sorted(new_servers), replayed)
 
-    def _stop_serving(self, g: int, timeout_s: float) -> list[int] | None:
+    def _rebuild(self, g: int, new: dict[int, Any], timeout_s: float) -> int | None:
+        """Bring each new server in ``new`` (by lost index) to the live servers' version (with
+        none alive, the newest step the stub logged) from its copy and the stub's log; the
+        new servers then stand in the lost ones' places. Returns the steps replayed (the most
+        of any server), or None where a server has nothing to rebuild from."""
+        roles = self.roles
+        live = [s for k, s in enumerate(roles.servers) if k not in new]
+        versions = {v for v, _ in get_all([s.latest.remote() for s in live], "server")}
+        if len(versions) > 1:
+            return None
+        target = versions.pop() if versions else None
+        infos = get_all(
+            [a.describe.remote() for a in new.values()], "server", None, timeout_s, list(new)
+        )
+        stub, most = roles.stubs[g], 0
+        for (k, actor), info in zip(new.items(), infos, strict=True):
+            n = get_all([stub.rebuild.remote(k, actor, target)], "stub", g)[0]
+            if n is None:
+                return None
+            roles.servers[k], roles.server_infos[k], most = actor, info, max(most, n)
+        return most
+
+    def _stop_serving(self, g: int, timeout_s: float) -> tuple[list[int], list[int]] | None:
         """Bring the group's workers and the servers out of their serve loops (they may wait
-        for a stub that is gone); returns the indices of the group's lost workers, or None if
-        a server is lost or a role does not answer."""
+        for a stub that is gone); returns the indices of the group's lost workers and of the
+        lost servers, or None if a role does not answer."""
         roles = self.roles
         group = [*roles.workers[g], *roles.servers]
         aborts = [a.abort.options(concurrency_group="control").remote() for a in group]
@@ -109,14 +148,13 @@ class Replacer:
         ready, _ = ray.wait(clears, num_returns=len(clears), timeout=timeout_s)
         if len(ready) < len(clears):
             return None
-        lost = []
+        lost: tuple[list[int], list[int]] = ([], [])
+        n = len(roles.workers[g])
         for k, ref in enumerate(clears):
             try:
                 ray.get(ref)
             except RayActorError:
-                if k >= len(roles.workers[g]):
-                    return None  # a server: its state is gone with it
-                lost.append(k)
+                lost[k >= n].append(k - n if k >= n else k)
         return lost
 
     def _take_worker(
@@ -155,6 +193,25 @@ class Replacer:
         except GetTimeoutError as e:
             raise ReplaceFailed(f"the stub of group {g}: no answer in {timeout_s:g} s") from e
         return actor
+
+
+def replay_steps(fault: Any, shapes: dict[str, tuple[int, ...]], dtype: str) -> int:
+    """How many steps' summed gradients a stub logs to rebuild a lost server: within
+    ``fault.replay_steps`` and ``fault.replay_mb`` (0: no log, a lost server restarts every
+    role; at least 2, as the servers copy themselves every half of it)."""
+    nbytes = sum(int(np.prod(s)) for s in shapes.values()) * np.dtype(dtype).itemsize
+    n = min(fault.replay_steps, fault.replay_mb * 2**20 // max(1, nbytes))
+    return n if n >= 2 else 0
+
+
+class Replaced(NamedTuple):
+    """A replacement done: the step the group stands at, the seconds of each phase, the
+    servers rebuilt and the most steps replayed into one of them."""
+
+    at: int
+    phases: dict[str, float]
+    rebuilt: list[int]
+    replayed: int
 
 
 class ReplaceFailed(RuntimeError):

@@ -74,6 +74,7 @@ class RoleGroup:
         self.seed = 0  # the workers' (the start checkpoint's)
         self.spares: list[Any] = []  # roles spawned to take over from lost ones (replace.py)
         self.replaced = False  # a role was replaced: its shared files are left to remove
+        self.replay = 0  # steps a stub logs to rebuild a lost server (replace.replay_steps)
 
     @property
     def actors(self) -> list[Any]:
@@ -92,24 +93,22 @@ class RoleGroup:
 
     # ------------------------------------------------------------------ spawning
     def spawn_servers(self, seed: int) -> None:
+        self.seed = seed
+        self.servers = [self.spawn_server(k) for k in range(self.topo.n_servers)]
+
+    def spawn_server(self, k: int) -> Any:
         p, plan, cfg = self.placement, self.plan, self.cfg
-        self.servers = [
-            self._spawn(
-                "server",
-                p.servers[k],
-                ServerSpec(
-                    k,
-                    cfg.model.to_dict(),
-                    cfg.dtype,
-                    seed,
-                    tuple(plan.slices),
-                    plan.updater,
-                    self.tag,
-                    plan.server_device,
-                ),
-            )
-            for k in range(self.topo.n_servers)
-        ]
+        spec = ServerSpec(
+            k,
+            cfg.model.to_dict(),
+            cfg.dtype,
+            self.seed,
+            tuple(plan.slices),
+            plan.updater,
+            self.tag,
+            plan.server_device,
+        )
+        return self._spawn("server", p.servers[k], spec)
 
     def spawn_workers(self, seed: int) -> None:
         self.seed = seed
@@ -181,8 +180,16 @@ class RoleGroup:
             cfg.clip_norm,
             self.topo.n_groups,
             self.tag,
+            self.replay,
         )
         return spec, self.workers[g], self.servers, self.worker_infos[g], self.server_infos
+
+    def keep_copies(self, which: list[int] | None = None) -> None:
+        """Where the stub logs its steps, have each server (of ``which``; default all) hand
+        it a copy of itself now and every half of the log (:mod:`actors.replay`)."""
+        if self.replay:
+            ks = list(range(len(self.servers))) if which is None else which
+            get_all([self.stubs[0].keep_copies.remote(ks)], "stub", 0)
 
     # ------------------------------------------------------------------ checkpoints in
     def verify(self, src: Source, ck: Checkpoint) -> None:

@@ -89,23 +89,26 @@ def events(run_dir: Path, kinds: tuple[str, ...] = ("failure",)) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "role, recovery, spares",
+    "role, recovery, spares, replay",
     [
-        ("worker", "replace", "true"),
-        ("stub", "replace", "true"),
-        ("worker", "replace", "false"),  # a new worker spawned in the lost one's bundle
-        ("stub", "replace", "false"),
-        ("server", "replace", "true"),  # a server's state is gone with it: every role restarts
-        ("worker", "restart", "true"),
+        ("worker", "replace", "true", 20),
+        ("stub", "replace", "true", 20),
+        ("worker", "replace", "false", 20),  # a new worker spawned in the lost one's bundle
+        ("stub", "replace", "false", 20),
+        ("server", "replace", "true", 20),  # rebuilt from its copy and the stub's log
+        ("server", "replace", "true", 4),  # a copy every 2 steps: few steps replayed
+        ("server", "replace", "true", 0),  # no copies: every role restarts
+        ("worker", "restart", "true", 20),
     ],
 )
-def test_a_killed_role_is_recovered_bit_exact(straight, tmp_path, role, recovery, spares):
+def test_a_killed_role_is_recovered_bit_exact(straight, tmp_path, role, recovery, spares, replay):
     """SIGKILL of one role at step 15. A worker or a stub is replaced alone (by a spare, or
     a new one) and its group redoes at most the interrupted step, nothing rolled back; a
-    server's loss (or ``fault.recovery: restart``) restarts every role from the checkpoint of
-    step 10."""
+    server is rebuilt from its copy and the stub's log of the steps since, nothing rolled
+    back either. Without copies (``fault.replay_steps: 0``) or with ``fault.recovery:
+    restart``, every role restarts from the checkpoint of step 10."""
     lines: list[str] = []
-    more = (f"fault.recovery={recovery}", f"fault.spares={spares}")
+    more = (f"fault.recovery={recovery}", f"fault.spares={spares}", f"fault.replay_steps={replay}")
     t = DistributedTrainer(job(tmp_path, *more), log=lines.append)
     hook, fired = kill_at(t, role, 15)
     t.hub.subscribe(hook)
@@ -115,11 +118,17 @@ def test_a_killed_role_is_recovered_bit_exact(straight, tmp_path, role, recovery
         assert res.params[k].tobytes() == a.tobytes(), k
     (ev,) = events(tmp_path)
     assert ev["role"] == role and ev["step"] >= 15
-    if role != "server" and recovery == "replace":
-        assert ev["recovery"] == "replaced" and ev["rolled_back"] == 0, ev
+    if recovery == "replace" and replay:
+        rebuilt = role == "server"
+        assert ev["recovery"] == ("rebuilt and replayed" if rebuilt else "replaced"), ev
+        assert ev["rolled_back"] == 0, ev
         assert ev["restored_from"] >= ev["step"] and ev["steps_redone"] <= 1, ev
-        assert {"stop_s", "respawn_s", "rewire_s"} <= set(ev), ev
+        assert {"stop_s", "respawn_s", "rebuild_s", "rewire_s"} <= set(ev), ev
         assert t.tag == fired[0]  # the other roles kept their processes
+        if rebuilt:  # the newest copy is at most a copy interval and a step behind
+            assert 0 <= ev["steps_replayed"] <= replay // 2 + 2, ev
+        else:
+            assert ev["steps_replayed"] == 0, ev
     else:
         assert ev["recovery"] == "restarted" and ev["restored_from"] in (0, 10), ev
         assert ev["steps_redone"] == ev["rolled_back"] == ev["step"] - ev["restored_from"]
@@ -252,13 +261,20 @@ def test_a_snapshot_failing_before_its_copy_stops_the_run_without_hanging(ray_se
     assert not list((tmp_path / "checkpoints").glob("step-*"))
 
 
-def test_a_server_lost_while_writing_a_checkpoint_leaves_nothing_used(straight, tmp_path):
-    """SIGKILL of the server between writing its shard and the commit: recovery goes back to
-    the checkpoint before, the half-written directory is removed, the run ends bit-exact."""
+@pytest.mark.parametrize("replay", [20, 0])
+def test_a_server_lost_while_writing_a_checkpoint_leaves_nothing_used(straight, tmp_path, replay):
+    """SIGKILL of the server between writing its shard and the commit: the half-written
+    directory is removed and the run ends bit-exact. The server is rebuilt from its copy (the
+    checkpoint in flight is dropped), or without copies every role restarts from the
+    checkpoint before."""
     import ray
 
     root = tmp_path / "checkpoints"
-    t = DistributedTrainer(job(tmp_path), classes={"server": SlowCommitServer}, log=print)
+    lines: list[str] = []
+    more = (f"fault.replay_steps={replay}",)
+    t = DistributedTrainer(
+        job(tmp_path, *more), classes={"server": SlowCommitServer}, log=lines.append
+    )
     killed: list[str] = []
 
     def watch() -> None:
@@ -277,7 +293,12 @@ def test_a_server_lost_while_writing_a_checkpoint_leaves_nothing_used(straight, 
     assert killed, "the write was never caught in flight"
     assert not Path(killed[0]).exists()
     (ev,) = events(tmp_path)
-    assert ev["role"] == "server" and ev["restored_from"] == 10 and ev["step"] >= 20
+    assert ev["role"] == "server" and ev["step"] >= 20, ev
+    if replay:
+        assert ev["recovery"] == "rebuilt and replayed" and ev["restored_from"] >= ev["step"]
+        assert any("checkpoint of step 20 was dropped" in line for line in lines), lines
+    else:
+        assert ev["recovery"] == "restarted" and ev["restored_from"] == 10, ev
     for k, a in straight.params.items():
         assert res.params[k].tobytes() == a.tobytes(), k
     assert steps(root)[0] == 40 and not list(root.glob("*.tmp-*"))

@@ -1,0 +1,252 @@
+"""Copies of the servers' state, and the log of the gradients applied since: what a lost server
+is rebuilt from, with nothing rolled back.
+
+A server takes a copy of its slices and optimizer state every few updates, on a helper thread
+while the workers compute the next step (the next update waits for the copy if it is not done).
+Its group's stub (the keeper) fetches each copy through a call it keeps waiting on the server
+(:meth:`ServerCopies.next_copy`): the answer is owned by the stub, and held in the stub's
+process or node, so it outlives the server's process, and its node. The stub logs each step's
+summed, clipped gradient before the servers apply it. A new server loads the newest copy and
+applies the logged gradients since, in step order: the optimizer is deterministic, so it ends
+with the lost server's bits.
+
+A copy lost with the keeper (one node held both) leaves nothing to rebuild from: the run
+restarts from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .buffers import Layout
+
+POLL_S = 30.0  # how long a keeper's call waits on a server for its next copy
+
+
+class ServerCopies:
+    """One server's copies of itself, at most one being taken at a time; the newest is kept
+    for its keeper to fetch."""
+
+    def __init__(self) -> None:
+        self.every = 0  # take a copy every this many updates (0: none)
+        self.version = -1  # the version of the newest copy started
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="copy")
+        self._copied: threading.Event | None = None
+        self._taking: Future[None] | None = None
+        self._newest: dict[str, Any] | None = None
+        self._cond = threading.Condition()
+        self.copy_wait = 0.0  # seconds the last update waited for a copy
+
+    def due(self, version: int) -> bool:
+        return self.every > 0 and version - self.version >= self.every
+
+    def start(self, version: int, take: Callable[[], dict[str, Any]]) -> None:
+        """Copy the state (``take()``) in the background; the next update waits for the copy
+        (:meth:`wait_for_copy`). Skipped while one is still being taken (the next update tries
+        again)."""
+        if self._taking is not None and not self._taking.done():
+            return
+        self.wait_for_copy()
+        self.version = version
+        self._copied = copied = threading.Event()
+
+        def run() -> None:
+            try:
+                state = take()
+            finally:
+                copied.set()
+            with self._cond:
+                self._newest = state
+                self._cond.notify_all()
+
+        self._taking = self._io.submit(run)
+
+    def wait_for_copy(self) -> None:
+        if self._copied is None:
+            return
+        t0 = time.perf_counter()
+        self._copied.wait()
+        self._copied = None
+        self.copy_wait = time.perf_counter() - t0
+
+    def next_copy(self, after: int) -> dict[str, Any] | None:
+        """The newest copy once its version is past ``after`` (None after :data:`POLL_S`)."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._newest is not None and self._newest["version"] > after, POLL_S
+            )
+            newest = self._newest
+        return newest if newest is not None and newest["version"] > after else None
+
+    def close(self) -> None:
+        self._io.shutdown(wait=False)
+
+
+def take_state(values: dict[str, np.ndarray], optimizer: Any, version: int) -> dict[str, Any]:
+    """A copy of a server's slices (by slice name) and optimizer state at ``version``."""
+    st = optimizer.state_dict()
+    return {
+        "version": version,
+        "values": {k: a.copy() for k, a in values.items()},
+        "optimizer": {**st, "slots": {k: np.array(a, copy=True) for k, a in st["slots"].items()}},
+    }
+
+
+class ReplayLog:
+    """A stub's log of the summed gradients of its last steps, and its servers' newest copies.
+
+    The log holds ``capacity`` steps in a ring of preallocated rows (the bound, in steps and
+    bytes, is the run's ``fault.replay_steps`` and ``fault.replay_mb``); servers take a copy
+    every ``capacity // 2`` updates, so the newest copy's steps are in the log."""
+
+    def __init__(self, count: int, dtype: Any, capacity: int) -> None:
+        self.capacity = capacity
+        self.rows = np.zeros((capacity, count), dtype) if capacity else np.zeros((0, count), dtype)
+        self.steps = np.full(capacity, -1, np.int64)  # the step each row holds
+        self.copies: dict[int, tuple[int, dict[str, Any]]] = {}  # server -> (version, copy)
+        self._polls: dict[int, tuple[Any, Any]] = {}  # server -> (actor, its next_copy call)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def copy_every(self) -> int:
+        return max(1, self.capacity // 2)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.rows.nbytes)
+
+    def record(self, step: int, flat: np.ndarray) -> None:
+        """Log step ``step``'s summed gradient (before any server applies it)."""
+        if not self.capacity:
+            return
+        row = step % self.capacity
+        self.steps[row] = -1  # a half-written row is never replayed
+        np.copyto(self.rows[row], flat)
+        self.steps[row] = step
+
+    def collect(self, servers: dict[int, Any]) -> None:
+        """Fetch each of ``servers``' copies (by index) from now on, in place of those of the
+        servers they replace; a thread of this log's waits on them."""
+        with self._lock:
+            for k, actor in servers.items():
+                self.copies.pop(k, None)
+                self._polls[k] = (actor, self._poll(actor, -1))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._collect, name="copies", daemon=True)
+            self._thread.start()
+
+    @staticmethod
+    def _poll(actor: Any, after: int) -> Any:
+        return actor.next_copy.options(concurrency_group="copies").remote(after)
+
+    def _collect(self) -> None:
+        import ray  # noqa: PLC0415
+
+        while not self._closed:
+            with self._lock:
+                waiting = {ref: k for k, (_, ref) in self._polls.items()}
+            if not waiting:
+                time.sleep(0.1)
+                continue
+            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=0.5)
+            for ref in ready:
+                k = waiting[ref]
+                try:
+                    state = ray.get(ref)  # held here: it outlives the server and its node
+                except ray.exceptions.RayError:
+                    with self._lock:  # the server is gone: its newest copy stands
+                        if self._polls.get(k, (None, None))[1] is ref:
+                            del self._polls[k]
+                    continue
+                with self._lock:
+                    actor, current = self._polls.get(k, (None, None))
+                    if current is not ref:
+                        continue  # that server was replaced meanwhile
+                    if state is not None:
+                        self.copies[k] = (int(state["version"]), state)
+                    after = self.copies[k][0] if k in self.copies else -1
+                    self._polls[k] = (actor, self._poll(actor, after))
+
+    def close(self) -> None:
+        self._closed = True
+        if self._thread is not None:
+            with contextlib.suppress(RuntimeError):
+                self._thread.join(timeout=1.0)
+
+    def sizes(self) -> dict[str, int]:
+        with self._lock:
+            copies = [c for _, c in self.copies.values()]
+        held = sum(_nbytes(c) for c in copies)
+        return {"replay_log_bytes": self.nbytes, "copies": len(copies), "copies_bytes": held}
+
+    def plan(self, server: int, target: int | None) -> tuple[Any, list[int]] | None:
+        """What server ``server`` is rebuilt from to reach version ``target`` (None: the step
+        after the newest logged): its newest copy and the log rows of the steps since, in
+        order; None where the copy is missing or the log no longer reaches back to it."""
+        with self._lock:
+            copy = self.copies.get(server)
+        if copy is not None and target is None:
+            target = max(copy[0], int(self.steps.max(initial=-1)) + 1)
+        if copy is None or copy[0] > target:
+            return None
+        version, state = copy
+        rows = []
+        for step in range(version, target):
+            row = step % self.capacity if self.capacity else -1
+            if row < 0 or self.steps[row] != step:
+                return None
+            rows.append(row)
+        return state, rows
+
+    def rebuild(
+        self,
+        server: int,
+        actor: Any,
+        target: int | None,
+        params: Layout,
+        slices: Any,
+        layout: Layout,
+    ) -> int | None:
+        """Bring ``actor``, a new server ``server``, to version ``target``: load the lost
+        one's newest copy, then apply each logged step since, in order. Returns the number of
+        steps replayed; None where there is nothing to rebuild from (:meth:`plan`)."""
+        from .errors import get_all  # noqa: PLC0415
+
+        plan = self.plan(server, target)
+        if plan is None:
+            return None
+        source, rows = plan
+        start = get_all([actor.load_copy.remote(source)], "server", indices=[server])[0]
+        ups = [
+            actor.update.remote(start + n, self.server_grads(row, params, slices, server, layout))
+            for n, row in enumerate(rows)
+        ]
+        get_all(ups, "server", indices=[server] * len(ups))
+        return len(rows)
+
+    def server_grads(
+        self, row: int, params: Layout, slices: Any, server: int, layout: Layout
+    ) -> np.ndarray:
+        """Server ``server``'s slices of a logged step (laid out by ``params``, as the stub's
+        buffer), laid out by ``layout``, as the server's ``update`` takes them."""
+        out = np.zeros(layout.nbytes, np.uint8)
+        views, logged = layout.views(out), params.views(self.rows[row].view(np.uint8))
+        for s in slices:
+            if s.server == server:
+                views[s.name][...] = logged[s.param].reshape(-1)[s.start : s.stop]
+        return out
+
+
+def _nbytes(state: Any) -> int:
+    if isinstance(state, dict):
+        return sum(_nbytes(v) for v in state.values())
+    return int(state.nbytes) if isinstance(state, np.ndarray) else 0
