@@ -13,9 +13,12 @@ and stub (``fault.spares``) start after the first chunk, within the timed steps.
 
 ``--spares-rounds N`` instead times raysinga alone with spares off and on, alternating, N
 rounds each, once the spares have loaded (chunks of 10 steps, the warm-up's dropped): the cost
-of keeping them (goal: at most 3% of step time)::
+of keeping them (goal: at most 3% of step time). ``--replay-rounds N`` does the same for the
+servers' copies and the stub's replay log, which a lost server is rebuilt from
+(``fault.replay_steps`` 0 against its default; goal: at most 3% of step time)::
 
     python benchmarks/bench_distributed.py --spares-rounds 3 --warmup 80 --steps 100
+    python benchmarks/bench_distributed.py --replay-rounds 3 --warmup 80 --steps 100
 """
 
 from __future__ import annotations
@@ -54,14 +57,14 @@ def job(
     steps: int,
     warmup: int,
     topology: dict | None,
-    spares: bool = True,
+    fault: dict | None = None,
     disp: int | None = None,
 ):
     from raysinga import config
 
     return config.from_dict(
         {
-            "fault": {"spares": spares},
+            "fault": fault or {},
             "name": "bench",
             "seed": 0,
             "model": MODEL,
@@ -76,11 +79,11 @@ def job(
     )
 
 
-def bench_raysinga(xp, yp, steps, warmup, spares: bool = True, disp: int | None = None) -> dict:
+def bench_raysinga(xp, yp, steps, warmup, fault: dict | None = None, disp: int | None = None):
     from raysinga.distributed import DistributedTrainer
 
     topo = {"workers_per_group": 2, "n_servers": 1}
-    t = DistributedTrainer(job(xp, yp, steps, warmup, topo, spares, disp), log=lambda s: None)
+    t = DistributedTrainer(job(xp, yp, steps, warmup, topo, fault, disp), log=lambda s: None)
     res = t.fit()
     # the warm-up's windows dropped (chunks end at display steps: with a short ``disp``, the
     # spares, spawned after the first chunk, have loaded before the timed steps)
@@ -164,6 +167,13 @@ def main() -> None:
         help="instead: raysinga with fault.spares off and on, alternating, this many rounds each "
         "(warm-up long enough for the spares to have loaded before the timed steps)",
     )
+    ap.add_argument(
+        "--replay-rounds",
+        type=int,
+        default=0,
+        help="instead: raysinga with the servers' copies and the replay log off and on, "
+        "alternating, this many rounds each",
+    )
     args = ap.parse_args()
     import ray
 
@@ -171,10 +181,14 @@ def main() -> None:
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as d:
         xp, yp = make_data(Path(d), args.samples)
-        if args.spares_rounds:
-            spares_cost(xp, yp, args.steps, args.warmup, args.spares_rounds)
-            return
         a = (xp, yp, args.steps, args.warmup)
+        if args.spares_rounds:
+            cost(*a, args.spares_rounds, "spares", {"spares": False}, {"spares": True})
+            return
+        if args.replay_rounds:
+            off, on = {"replay_steps": 0}, {"replay_steps": 20}
+            cost(*a, args.replay_rounds, "the servers' copies and the replay log", off, on)
+            return
         ours = bench_raysinga(*a)
         peer = bench_ray_train(*a)
         local = bench_local(*a)
@@ -197,33 +211,29 @@ def main() -> None:
     print(f"  framework overhead per step (step - compute): {ms['total'] - ms['compute']:.2f} ms")
 
 
-def spares_cost(xp: str, yp: str, steps: int, warmup: int, rounds: int) -> None:
-    """Step time with the idle spare worker and stub (``fault.spares``) against without: what
-    keeping them costs training once they have loaded. Goal: at most 3%."""
+def cost(xp: str, yp: str, steps: int, warmup: int, rounds: int, what: str, off, on) -> None:
+    """Step time with a fault-tolerance feature on (the ``fault`` settings ``on``) against off
+    (``off``), alternating, once what it spawns has loaded: what keeping it costs training.
+    Goal: at most 3%."""
     import statistics
 
     totals: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(rounds):
-        for spares in (False, True):
-            run = bench_raysinga(xp, yp, steps, warmup, spares, disp=10)
-            totals[spares].append(run["ms"]["total"])
-    off, on = (statistics.median(totals[k]) for k in (False, True))
+        for k, fault in ((False, off), (True, on)):
+            run = bench_raysinga(xp, yp, steps, warmup, fault, disp=10)
+            totals[k].append(run["ms"]["total"])
+    med_off, med_on = (statistics.median(totals[k]) for k in (False, True))
     ratios = [b / a for a, b in zip(totals[False], totals[True], strict=True)]
     print(
         f"MLP 784-1024-1024-10, 1 group x 2 workers x 1 server, {steps} timed steps after "
-        f"{warmup} warm-up, {rounds} rounds, {os.cpu_count()} cores"
+        f"{warmup} warm-up, {rounds} rounds, {os.cpu_count()} cores; fault {off} against {on}"
     )
-    print(
-        f"  step time, spares off: {off:.2f} ms (median; {min(totals[False]):.2f}-"
-        f"{max(totals[False]):.2f})"
-    )
-    print(
-        f"  step time, spares on:  {on:.2f} ms (median; {min(totals[True]):.2f}-"
-        f"{max(totals[True]):.2f})"
-    )
+    for label, k, med in (("off", False, med_off), ("on ", True, med_on)):
+        lo, hi = min(totals[k]), max(totals[k])
+        print(f"  step time, {what} {label}: {med:.2f} ms (median; {lo:.2f}-{hi:.2f})")
     med = statistics.median(ratios)
     print(f"  on / off, per round: median {med:.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
-    print(f"goal: spares cost at most 3% of step time -> {'met' if med <= 1.03 else 'NOT met'}")
+    print(f"goal: {what} cost at most 3% of step time -> {'met' if med <= 1.03 else 'NOT met'}")
 
 
 if __name__ == "__main__":

@@ -182,6 +182,30 @@ def test_a_server_lost_while_a_loss_is_recovered_restarts_the_recovery(straight,
     assert states[i : i + 5] == ["recovering", "placing", "launching", "recovering", "placing"]
 
 
+def test_a_lost_server_beside_a_live_one_is_rebuilt_to_its_step_bit_exact(straight, tmp_path):
+    """Two servers; the second SIGKILLed at step 15: it is rebuilt from its copy and the
+    stub's log to the live server's step, and the run ends bit-identical (the slicing over
+    servers does not change the bits)."""
+    import ray
+
+    t = DistributedTrainer(job(tmp_path, "topology.n_servers=2"), log=None)
+    fired: list[int] = []
+
+    def hook(ev: Event) -> None:
+        if not fired and isinstance(ev, TrainStep) and ev.step == 15:
+            fired.append(ray.get(t.servers[1].pid.remote()))
+            os.kill(fired[0], signal.SIGKILL)
+
+    t.hub.subscribe(hook)
+    res = t.fit()
+    assert fired
+    for k, a in straight.params.items():
+        assert res.params[k].tobytes() == a.tobytes(), k
+    (ev,) = events(tmp_path)
+    assert (ev["role"], ev["index"], ev["recovery"]) == ("server", 1, "rebuilt and replayed"), ev
+    assert ev["rolled_back"] == 0 and ev["restored_from"] >= 15, ev
+
+
 def test_losses_one_after_another_are_each_replaced_bit_exact(straight, tmp_path):
     """A worker killed at step 15, then the stub at step 25 (the spares spent on the first
     loss have been spawned again by then): two replacements, nothing rolled back."""
@@ -394,6 +418,11 @@ def test_fault_settings_are_checked(tmp_path):
     assert job(tmp_path, "fault.min_workers=1").fault.min_workers == 1
     with pytest.raises(config.ConfigError, match="fault: unknown key"):
         job(tmp_path, "fault.retries=2")
+    with pytest.raises(config.ConfigError, match="fault.replay_steps: expected an integer >= 0"):
+        job(tmp_path, "fault.replay_steps=-1")
+    with pytest.raises(config.ConfigError, match="fault.replay_mb: expected an integer >= 1"):
+        job(tmp_path, "fault.replay_mb=0")
+    assert job(tmp_path, "fault.replay_steps=0").fault.replay_steps == 0
 
 
 FEWER_WORKERS = ("topology.workers_per_group=2", "fault.min_workers=1")
@@ -479,6 +508,8 @@ def test_a_lost_node_with_the_workers_and_the_server_is_recovered(spare_node_clu
     for k, a in want.items():
         assert res.params[k].tobytes() == a.tobytes(), k
     (ev,) = events(tmp_path / "lost")
+    # the node held the stub too, and with it the server's copy and the log: a restart
+    assert ev["recovery"] == "restarted", ev
     assert ev["steps_redone"] == ev["step"] - ev["restored_from"]
 
 

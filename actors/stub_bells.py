@@ -1,0 +1,131 @@
+"""A stub's per-step control through doorbells, for one synchronous group whose roles share
+the stub's node: each worker and server runs a ``serve`` call for a whole chunk of steps, and
+the stub rings each step's go and waits for their done messages in shared memory."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from .doorbell import wait_all
+from .errors import get_all
+from .protocol import Go, WorkerDone
+
+ENDED_GRACE_S = 5.0  # how long a doorbell may stay silent after a serve call ended normally
+
+
+class GroupBells:
+    """The doorbell half of :class:`actors.stub.Stub` (its ``bells``, ``workers``,
+    ``servers``, ``server_infos``, ``avg`` and ``group``)."""
+
+    bells: dict[str, Any]
+    workers: list[Any]
+    servers: list[Any]
+    server_infos: list[dict[str, Any]]
+    avg: Any
+    group: int
+    _ended_since: float | None
+
+    def _close_bells(self) -> None:
+        for bell in [
+            *self.bells.get("go_w", []),
+            *self.bells.get("go_s", []),
+            self.bells.get("done_w"),
+            self.bells.get("done_s"),
+        ]:
+            if bell is not None:
+                bell.close()
+                if os.path.exists(bell.path):
+                    os.unlink(bell.path)
+        self.bells = {}
+
+    def _start_serving(self, start: int, stop: int) -> list[Any]:
+        parts = len(self.workers)
+        handles = [s["handle"] for s in self.server_infos]
+        refs = [
+            w.serve.remote(
+                start,
+                stop,
+                i,
+                parts,
+                self.bells["go_w"][i].path,
+                self.bells["done_w"].path,
+                *handles,
+            )
+            for i, w in enumerate(self.workers)
+        ]
+        refs += [
+            s.serve.remote(
+                start,
+                stop,
+                self.bells["go_s"][k].path,
+                self.bells["done_s"].path,
+                self.avg.handle(),
+            )
+            for k, s in enumerate(self.servers)
+        ]
+        return refs
+
+    def _raise_ended(self, serving: list[Any], timeout: float, servers_only: bool = False) -> bool:
+        """Raise the error of a serve call that ended with one (an exception or a death),
+        waiting up to ``timeout`` for one to end. Returns whether a call ended normally.
+
+        ``servers_only``: while the servers apply a chunk's last step, the workers' calls have
+        ended normally; only the servers' calls are watched."""
+        import ray  # noqa: PLC0415
+
+        k = len(self.workers)
+        watch = list(serving[k:] if servers_only else serving)
+        deadline = time.monotonic() + timeout
+        normal = False
+        while watch:
+            left = max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(watch, num_returns=1, timeout=left)
+            if not ready:
+                break
+            watch.remove(ready[0])
+            i = serving.index(ready[0])
+            if i < k:
+                get_all(ready, "worker", self.group, indices=[i])
+            else:
+                get_all(ready, "server", indices=[i - k])
+            normal = True
+        return normal
+
+    def _check(self, serving: list[Any], servers_only: bool = False) -> None:
+        """Run while a doorbell is silent. A call that ended normally is fine when it rang its
+        last message first (a chunk's last step: a worker done before another is still
+        computing); one that still has not been heard from long after is a lost message."""
+        if not self._raise_ended(serving, timeout=0, servers_only=servers_only):
+            return
+        now = time.monotonic()
+        if self._ended_since is None:
+            self._ended_since = now
+        elif now - self._ended_since > ENDED_GRACE_S:
+            raise RuntimeError("a role stopped serving before its last step")
+
+    def _failed(self, serving: list[Any], servers_only: bool = False) -> None:
+        """A role rang 'failed': its serve call is ending with the error; raise that error."""
+        self._raise_ended(serving, timeout=60, servers_only=servers_only)
+        raise RuntimeError("a role reported a failure, but no call ended with it in 60 s")
+
+    def _ring_workers(self, step: int, serving: list[Any]) -> list[tuple[dict, None]]:
+        for bell in self.bells["go_w"]:
+            bell.ring(Go(step))
+        k = len(self.workers)
+        self._ended_since = None
+        msgs = wait_all(self.bells["done_w"], k, lambda: self._check(serving))
+        if any(m.failed for m in msgs):
+            self._failed(serving)
+        in_order = sorted(msgs, key=lambda m: m.part)  # worker order, whatever the arrival order
+        return [({f: getattr(m, f) for f in WorkerDone.STATS}, None) for m in in_order]
+
+    def _ring_servers(self, step: int, serving: list[Any]) -> list[float]:
+        for bell in self.bells["go_s"]:
+            bell.ring(Go(step))
+        self._ended_since = None
+        msgs = wait_all(self.bells["done_s"], len(self.servers), lambda: self._check(serving, True))
+        if any(m.failed for m in msgs):
+            self._failed(serving, servers_only=True)
+        return [m.seconds for m in msgs]

@@ -1,0 +1,127 @@
+"""What a lost server is rebuilt from: a server's copies of itself, and a stub's log of the
+summed gradients since (the rebuild itself, with real processes, is in test_recovery.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from raysinga.actors.buffers import Layout
+from raysinga.actors.protocol import server_layouts
+from raysinga.actors.replay import ReplayLog, ServerCopies, take_state
+from raysinga.actors.slicing import plan_slices
+from raysinga.config import FaultConfig
+from raysinga.optim import make_optimizer
+from raysinga.replace import replay_steps
+
+SHAPES = {"w": (3, 4), "b": (4,)}
+
+
+def flat_row(step: int) -> np.ndarray:
+    return np.arange(16, dtype=np.float32) + 100 * step
+
+
+def test_the_log_plans_a_rebuild_from_the_copy_through_the_steps_since():
+    log = ReplayLog(16, "float32", 4)
+    for step in range(6):
+        log.record(step, flat_row(step))
+    log.copies[0] = (3, {"version": 3})
+    state, rows = log.plan(0, 6)
+    assert state == {"version": 3}
+    assert [int(log.rows[r][0]) for r in rows] == [300, 400, 500]
+    assert log.plan(0, None)[1] == rows  # no live server: up to the newest step logged
+    assert log.plan(0, 3)[1] == []  # the copy is the target
+    assert log.plan(0, 7) is None  # step 6 was never logged
+    assert log.plan(1, 6) is None  # no copy of server 1
+
+
+def test_a_copy_older_than_the_log_reaches_back_is_not_rebuilt_from():
+    log = ReplayLog(16, "float32", 4)
+    for step in range(8):  # steps 0..3 overwritten by 4..7
+        log.record(step, flat_row(step))
+    log.copies[0] = (2, {"version": 2})
+    assert log.plan(0, 8) is None
+    log.copies[0] = (5, {"version": 5})
+    assert log.plan(0, 8) is not None
+
+
+def test_without_a_log_there_is_nothing_to_rebuild_from():
+    log = ReplayLog(16, "float32", 0)
+    log.record(0, flat_row(0))
+    log.copies[0] = (0, {"version": 0})
+    assert log.plan(0, 1) is None
+    assert log.plan(0, 0) is not None  # nothing to replay
+    assert log.nbytes == 0
+
+
+def test_a_logged_step_is_cut_into_a_servers_slices_as_its_update_takes_them():
+    slices = plan_slices(SHAPES, 4, 2, slice_bytes=16)
+    params = Layout.of({p: (s, "float32") for p, s in SHAPES.items()})
+    count = params.nbytes // 4
+    log = ReplayLog(count, "float32", 2)
+    full = np.zeros(count, np.float32)
+    views = params.views(full.view(np.uint8))
+    views["w"][...] = np.arange(12).reshape(3, 4)
+    views["b"][...] = [-1, -2, -3, -4]
+    log.record(0, full)
+    for k, lay in enumerate(server_layouts(slices, 2, "float32")):
+        got = lay.views(log.server_grads(0, params, slices, k, lay))
+        mine = [s for s in slices if s.server == k]
+        assert set(got) == {s.name for s in mine}
+        for s in mine:
+            np.testing.assert_array_equal(got[s.name], views[s.param].reshape(-1)[s.start : s.stop])
+
+
+def test_a_server_copy_is_taken_in_the_background_and_handed_out_once_newer():
+    copies = ServerCopies()
+    values = {"w": np.ones(4, np.float32)}
+    opt = make_optimizer({"name": "adam", "lr": 0.1})
+    opt.update(0, "w", values["w"], np.full(4, 0.5, np.float32))
+    assert not copies.due(1)  # no cadence set: no copies
+    copies.every = 2
+    assert copies.due(1)
+    release = threading.Event()
+
+    def take():
+        release.wait(5)
+        return take_state(values, opt, 1)
+
+    expected = values["w"].tolist()
+    copies.start(1, take)
+    assert not copies.due(2) and copies.due(3)
+    release.set()
+    copies.wait_for_copy()  # an update would wait here
+    values["w"][...] = 9  # the copy is independent of the live arrays
+    state = copies.next_copy(-1)
+    assert state["version"] == 1 and state["values"]["w"].tolist() == expected
+    assert set(state["optimizer"]["slots"]) == {"w/m", "w/v"}
+    assert state["optimizer"]["slots"]["w/m"] is not opt.state_dict()["slots"]["w/m"]
+    copies.close()
+
+
+def test_a_servers_optimizer_state_round_trips_through_its_copy_bit_exact():
+    rng = np.random.default_rng(0)
+    a, b = (make_optimizer({"name": "adam", "lr": 0.01}) for _ in range(2))
+    pa = rng.standard_normal(8).astype(np.float32)
+    grads = [rng.standard_normal(8).astype(np.float32) for _ in range(6)]
+    for step in range(3):
+        a.update(step, "p", pa, grads[step])
+    state = take_state({"p": pa}, a, 3)
+    pb = state["values"]["p"].copy()
+    b.load_state_dict(state["optimizer"])
+    for step in range(3, 6):
+        a.update(step, "p", pa, grads[step])
+        b.update(step, "p", pb, grads[step])
+    assert pa.tobytes() == pb.tobytes()
+
+
+@pytest.mark.parametrize(
+    "steps, mb, expected",
+    [(20, 256, 20), (20, 1, 2), (0, 256, 0), (1, 256, 0)],
+)
+def test_the_log_is_bounded_in_steps_and_bytes(steps, mb, expected):
+    shapes = {"w": (512, 256)}  # 512 KiB of float32: 2 steps in 1 MiB
+    fault = FaultConfig(replay_steps=steps, replay_mb=mb)
+    assert replay_steps(fault, shapes, "float32") == expected
