@@ -4,6 +4,7 @@ More failures than ``fault.max_failures`` stop it with a summary, leaving a chec
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -328,6 +329,36 @@ def test_a_server_lost_while_writing_a_checkpoint_leaves_nothing_used(straight, 
     assert steps(root)[0] == 40 and not list(root.glob("*.tmp-*"))
 
 
+def test_a_worker_lost_while_a_checkpoint_is_written_is_replaced_and_it_commits(straight, tmp_path):
+    """SIGKILL of a worker while the server holds step 20's written shard uncommitted: the
+    worker is replaced alone, the write goes on and step 20 is committed; bit-exact."""
+    import ray
+
+    root = tmp_path / "checkpoints"
+    t = DistributedTrainer(job(tmp_path), classes={"server": SlowCommitServer}, log=None)
+    killed: list[int] = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if list(root.glob("step-20.tmp-*/shard-0.arrow")):
+                killed.append(ray.get(t.workers[0][0].pid.remote()))
+                os.kill(killed[0], signal.SIGKILL)
+                return
+            time.sleep(0.005)
+
+    threading.Thread(target=watch, daemon=True).start()
+    res = t.fit()
+    assert killed, "the write was never caught in flight"
+    (ev,) = events(tmp_path)
+    assert (ev["role"], ev["recovery"], ev["rolled_back"]) == ("worker", "replaced", 0), ev
+    assert 20 in steps(root)  # kept: the newest three are 40, 30 and 20
+    commits = [r["step"] for r in events(tmp_path, ("checkpoint",))]
+    assert 20 in commits, commits
+    for k, a in straight.params.items():
+        assert res.params[k].tobytes() == a.tobytes(), k
+
+
 def test_a_lost_registry_is_replaced_and_the_object_store_copies_go_on(straight, tmp_path):
     """The object-store registry (a detached actor) SIGKILLed after the first checkpoint; later
     checkpoints go to a new one, and a worker lost afterwards is restored from it, bit-exact."""
@@ -573,6 +604,49 @@ def test_a_lost_node_without_spare_room_shrinks_the_group_then_grows_back(tight_
     assert grown["restored_from"] == grown["step"] >= 25  # nothing redone
     assert any("room for 1 group(s) x 1 worker(s) of the configured 1 x 2" in x for x in lines)
     assert lost["detection_s"] is not None and lost["detection_s"] >= 0
+
+
+@pytest.mark.cluster
+def test_a_server_killed_while_the_run_grows_back_is_survived(tight_cluster, tmp_path):
+    """As above, and the server of the grown placement SIGKILLed while it is launched: the
+    launch is done again, and the run ends as close to an uninterrupted one."""
+    import ray
+
+    cluster = tight_cluster
+    want = DistributedTrainer(job(tmp_path / "straight"), log=lambda line: None).fit().params
+    more = ("fault.min_workers=1", "fault.grow_check_s=0")
+    t = DistributedTrainer(job(tmp_path / "elastic", *more), log=lambda line: None)
+    lines, removed, added = lose_a_node_then_regain_one(cluster, t, lambda: t.workers[0][1])
+    killed: list[int] = []
+
+    def kill_the_new_server(old: list) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not killed:
+            new = [s for s in t.servers if s not in old]
+            if new:
+                with contextlib.suppress(Exception):
+                    killed.append(ray.get(new[0].pid.remote(), timeout=10))
+                    os.kill(killed[0], signal.SIGKILL)
+                return
+            time.sleep(0.01)
+
+    def hook(ev: Event) -> None:
+        if isinstance(ev, StateChanged) and ev.state == "resizing" and not killed:
+            old = list(t.servers)
+            threading.Thread(target=kill_the_new_server, args=(old,), daemon=True).start()
+
+    t.hub.subscribe(hook)
+    res = t.fit()
+    assert removed and added and killed, lines
+    assert_close(res.params, want, 1e-5)
+    recs = events(tmp_path / "elastic", ("failure", "resize"))
+    # the resize's record is completed once a launch of the grown placement has succeeded
+    assert [(r["kind"], r.get("role")) for r in recs] == [
+        ("failure", "worker"),
+        ("failure", "server"),
+        ("resize", None),
+    ], recs
+    assert recs[2]["workers"] == 2 and recs[2]["restored_from"] == recs[2]["step"], recs
 
 
 @pytest.mark.cluster

@@ -1,0 +1,72 @@
+"""Chaos: role processes SIGKILLed at seeded random instants, found through Ray's own state,
+some of them while the driver recovers from the kill before; the run ends bit-identical."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from raysinga import config
+from raysinga.chaos import RECOVERY_STATES, Chaos
+from raysinga.distributed import DistributedTrainer
+
+JOB = """
+name: chaos
+seed: 5
+model:
+  input_shape: [64]
+  layers:
+    - {kind: dense, name: fc1, units: 32, activation: relu}
+    - {kind: dropout, name: drop, rate: 0.1}
+    - {kind: dense, name: out, units: 10}
+data: {source: {kind: digits}, batch_size: 32}
+updater: {name: adam, lr: 0.01}
+train_steps: 800
+disp_freq: 10
+test_freq: 0
+checkpoint_frequency: 50
+topology: {preset: sandblaster, n_servers: 2, workers_per_group: 2}
+"""
+
+
+def job(d: Path, *more: str) -> config.JobConfig:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "job.yaml").write_text(JOB)
+    return config.load(d / "job.yaml", [f"run_dir={d}", "fault.max_failures=20", *more])
+
+
+def run_under_chaos(d: Path, seed: int, kills: int, aimed: int, gap: tuple[float, float], *more):
+    want = DistributedTrainer(job(d / "straight", *more), log=None).fit().params
+    t = DistributedTrainer(job(d / "chaos", *more), log=None)
+    lines: list[str] = []
+    chaos = Chaos(t, seed=seed, kills=kills, gap_s=gap, in_recovery=aimed, log=lines.append)
+    with chaos:
+        res = t.fit()
+    for k, a in want.items():
+        assert res.params[k].tobytes() == a.tobytes(), (k, lines)
+    return chaos, lines
+
+
+def test_five_kills_one_in_a_recovery_are_survived_bit_exact(ray_session, tmp_path):
+    chaos, lines = run_under_chaos(tmp_path, 3, 5, 1, (0.3, 1.0))
+    assert len(chaos.done) == 5, lines
+    assert any(k.state in RECOVERY_STATES for k in chaos.done), lines
+    assert chaos.failures, lines
+    report = chaos.report()
+    assert report["seed"] == 3 and len(report["kills"]) == 5
+
+
+@pytest.mark.slow
+def test_twelve_kills_three_in_recoveries_are_survived_bit_exact(ray_session, tmp_path):
+    chaos, lines = run_under_chaos(
+        tmp_path, 11, 12, 3, (0.2, 1.5), "train_steps=3000", "fault.max_failures=40"
+    )
+    assert len(chaos.done) == 12, lines
+    assert sum(k.aimed == "recovery" for k in chaos.done) == 3, lines
+    assert any(k.state in RECOVERY_STATES for k in chaos.done), lines
+
+
+def test_kills_aimed_at_recoveries_must_follow_another():
+    with pytest.raises(ValueError, match="cannot be aimed"):
+        Chaos(None, seed=0, kills=1, in_recovery=1)
