@@ -159,9 +159,13 @@ class Stub(GroupBells):
             grads = [self._grad_flat(i, snap) for i, (_, snap) in enumerate(outs)]
             list(self.pool.map(functools.partial(self._sum, grads), self.ranges))
             norm = clip_grad_norm(self.avg.arrays, self.clip_norm) if self.clip_norm else None
-            self.log.record(step, self.avg_flat)
             t2 = time.perf_counter()
-            seconds = self._ring_servers(step, serving) if serving else self._call_servers(step)
+            # logged while the servers read the same sum (before the next step overwrites it)
+            logged = self.pool.submit(self.log.record, step, self.avg_flat)
+            try:
+                seconds = self._ring_servers(step, serving) if serving else self._call_servers(step)
+            finally:
+                logged.result()
             t3 = time.perf_counter()
             stats = [st for st, _ in outs]
             fetch = max(st["fetch"] for st in stats)

@@ -81,6 +81,7 @@ class Replacer:
         if lost_servers and stub_lost:
             return None  # the copies and the log went with the stub
         new_servers = {k: roles.spawn_server(k) for k in lost_servers}  # they start meanwhile
+        roles.spares += new_servers.values()  # stopped with the others, whatever comes next
         for i in lost:
             worker, info = self._take_worker(g, i, roles.worker_infos[g][i]["node"], timeout_s)
             roles.workers[g][i], roles.worker_infos[g][i] = worker, info
