@@ -4,11 +4,14 @@ same job uninterrupted, and the two runs' final parameters compared bit for bit:
 
     python benchmarks/chaos.py --kills 20 --seed 1
     python benchmarks/chaos.py examples/digits_mlp.yaml --kills 5 --steps 2000 --address auto
+    python benchmarks/chaos.py --nodes 2 --node-share 0.25
 
 Prints the seed, every kill (when, whom, what the driver was doing), every failure record (the
 path taken, steps redone and rolled back, seconds to recover), the seconds from each kill to
 the next step the run reported (median, min, max), and whether the runs ended bit-identical.
-Without ``--address`` it starts a local Ray with the machine's cores. Exits 1 when a kill was
+Without ``--address`` it starts a local Ray with the machine's cores, or with ``--nodes N`` a local
+cluster of a head without CPUs and N nodes of 2 CPUs, where ``--node-share`` of the kills remove
+the chosen role's whole node (a node of the same size then joins). Exits 1 when a kill was
 not survived or the parameters differ.
 """
 
@@ -35,6 +38,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6000, help="train_steps of the job")
     ap.add_argument("--checkpoint-every", type=int, default=50)
     ap.add_argument("--address", default=None, help="a Ray cluster to attach to")
+    ap.add_argument("--nodes", type=int, default=0, help="instead: a local cluster of N nodes")
+    ap.add_argument("--node-share", type=float, default=0.0, help="kills that remove a node")
     args = ap.parse_args()
 
     import ray
@@ -43,8 +48,17 @@ def main() -> int:
     from raysinga.chaos import Chaos
     from raysinga.distributed import DistributedTrainer
 
+    cluster = None
     if args.address:
         ray.init(address=args.address, log_to_driver=False)
+    elif args.nodes:
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        for _ in range(args.nodes):
+            cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
     else:
         ray.init(num_cpus=os.cpu_count(), log_to_driver=False)
     with tempfile.TemporaryDirectory() as d:
@@ -65,7 +79,16 @@ def main() -> int:
             return cfg
 
         t = DistributedTrainer(job("chaos"), log=None)
-        chaos = Chaos(t, args.seed, args.kills, tuple(args.gap), args.in_recovery, log=print)
+        chaos = Chaos(
+            t,
+            args.seed,
+            args.kills,
+            tuple(args.gap),
+            args.in_recovery,
+            print,
+            cluster,
+            args.node_share,
+        )
         t0 = time.perf_counter()
         with chaos:
             got = t.fit().params
@@ -73,6 +96,9 @@ def main() -> int:
         t0 = time.perf_counter()
         want = DistributedTrainer(job("straight"), log=None).fit().params
         straight_s = time.perf_counter() - t0
+    ray.shutdown()
+    if cluster is not None:
+        cluster.shutdown()
 
     report = chaos.report()
     print(f"\n{Path(args.job).name}: {args.steps} steps, checkpoint every {args.checkpoint_every}")

@@ -64,13 +64,19 @@ class Chaos:
         gap_s: tuple[float, float] = (0.5, 2.0),
         in_recovery: int = 1,
         log: Any = None,
+        cluster: Any = None,
+        node_share: float = 0.0,
     ) -> None:
+        """``cluster`` (a ``ray.cluster_utils.Cluster``) and ``node_share``: that share of the
+        kills removes the chosen role's whole node instead (its raylet and every process on
+        it), then adds a node of the same size, so that the run has room again."""
         if kills < 0 or not 0 <= in_recovery <= max(0, kills - 1):
             raise ValueError(f"chaos: {in_recovery} of {kills} kills cannot be aimed at recoveries")
         self.trainer, self.seed, self.kills, self.gap_s = trainer, seed, kills, gap_s
         self.rng = random.Random(seed)
         self.aimed = set(self.rng.sample(range(1, kills), in_recovery)) if kills > 1 else set()
         self.log = log or (lambda line: None)
+        self.cluster, self.node_share = cluster, node_share
         self.done: list[Kill] = []
         self.failures: list[dict[str, Any]] = []
         self.state, self.step = "placing", 0
@@ -171,10 +177,14 @@ class Chaos:
                     self._recovered = False
                     self._going_on.clear()
                 self._killed.add(a["pid"])
-                _sigkill(a["pid"], a["node_id"])
+                node = self._node_to_remove(a["node_id"])
+                if node is not None:
+                    self._remove(node)
+                else:
+                    _sigkill(a["pid"], a["node_id"])
                 kill = Kill(
                     round(time.monotonic() - self._t0, 3),
-                    a["class_name"],
+                    "node" if node is not None else a["class_name"],
                     a["pid"],
                     a["node_id"][:8],
                     state,
@@ -190,6 +200,17 @@ class Chaos:
                 return True
             time.sleep(0.02)
         return False
+
+    def _node_to_remove(self, node_id: str) -> Any:
+        if self.cluster is None or self.rng.random() >= self.node_share:
+            return None
+        found = [n for n in self.cluster.worker_nodes if n.node_id == node_id]
+        return found[0] if found else None  # never the head
+
+    def _remove(self, node: Any) -> None:
+        cpus = node._ray_params.num_cpus
+        self.cluster.remove_node(node)
+        self.cluster.add_node(num_cpus=cpus)
 
     def _role_ids(self) -> set[str]:
         t = self.trainer
