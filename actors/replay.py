@@ -4,9 +4,9 @@ is rebuilt from, with nothing rolled back.
 A server takes a copy of its slices and optimizer state every few updates, on a helper thread
 while the workers compute the next step (the next update waits for the copy if it is not done).
 Its group's stub (the keeper) fetches each copy through a call it keeps waiting on the server
-(:meth:`ServerCopies.next_copy`): the answer is owned by the stub, and held in the stub's
-process or node, so it outlives the server's process, and its node. The stub logs each step's
-summed, clipped gradient before the servers apply it. A new server loads the newest copy and
+(:meth:`ServerCopies.next_copy`): the answer is owned by the stub and held by the stub's
+process, so it outlives the server's process. The stub logs each step's summed, clipped
+gradient while the servers apply it. A new server loads the newest copy and
 applies the logged gradients since, in step order: the optimizer is deterministic, so it ends
 with the lost server's bits.
 

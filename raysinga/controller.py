@@ -42,7 +42,7 @@ from .elastic import Elastic
 from .events import EventHub, RunStarted, StateChanged
 from .failures import FailureBook
 from .metrics import TrainResult, recording
-from .replace import ReplaceFailed, Replacer, replay_steps
+from .replace import ReplaceFailed, Replacer, grad_nbytes, replay_steps
 from .role_group import RoleGroup
 from .session import RunSession
 from .stepping import StepRunner
@@ -175,6 +175,12 @@ class Controller:
         roles.replay = replay_steps(cfg.fault, self.plan.shapes, cfg.dtype) if rebuildable else 0
         roles.wire(prepare_snapshots=periodic and cfg.checkpoint.compression is None)
         roles.keep_copies()
+        if roles.replay and not self.restart:
+            mib = roles.replay * grad_nbytes(self.plan.shapes, cfg.dtype) / 2**20
+            self.hub.notice(
+                f"raysinga: a lost server is rebuilt from copies taken every "
+                f"{roles.replay // 2} steps and a log of {roles.replay} steps ({mib:.1f} MiB)"
+            )
         self.replacer = Replacer(roles, spares=cfg.fault.spares) if replaceable else None
         source = start.source.label if start.source is not None else "the start"
         self.book.relaunched(source, self.progress, self.topo)

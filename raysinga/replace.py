@@ -32,15 +32,25 @@ class Replacer:
         # group -> (actor, its describe() ref), on the node of the group's stub
         self.spare_worker: dict[int, tuple[Any, Any]] = {}
         self.spare_stub: dict[int, tuple[Any, Any]] = {}
+        # server index -> (actor, its describe() ref), for a server rebuilt from its copy
+        self.spare_server: dict[int, tuple[Any, Any]] = {}
 
     def prepare(self) -> None:
-        """Spawn each group's missing spares, in the background (not waited for)."""
+        """Spawn each group's missing spares, in the background (not waited for): a worker
+        and a stub on the group's node, and where servers are rebuilt from copies, one for
+        each server on the stub's node."""
         if self.use_spares:
             for g in range(len(self.roles.stubs)):
                 if g not in self.spare_worker:
                     self._spare_worker(g)
                 if g not in self.spare_stub:
                     self._spare_stub(g)
+            if self.roles.replay:
+                node = self.roles.stub_infos[0]["node"]
+                for k, info in enumerate(self.roles.server_infos):
+                    if k not in self.spare_server and info["node"] == node:
+                        actor = self.roles.spawn_spare("server", node, self.roles.server_spec(k))
+                        self.spare_server[k] = (actor, actor.describe.remote())
 
     def _spare_worker(self, g: int) -> None:
         roles = self.roles
@@ -80,7 +90,7 @@ class Replacer:
         stub_lost = not _answers(roles.stubs[g], timeout_s)
         if lost_servers and stub_lost:
             return None  # the copies and the log went with the stub
-        new_servers = {k: roles.spawn_server(k) for k in lost_servers}  # they start meanwhile
+        new_servers = {k: self._new_server(k) for k in lost_servers}  # they start meanwhile
         roles.spares += new_servers.values()  # stopped with the others, whatever comes next
         for i in lost:
             worker, info = self._take_worker(g, i, roles.worker_infos[g][i]["node"], timeout_s)
@@ -90,6 +100,7 @@ class Replacer:
         replayed = self._rebuild(g, new_servers, timeout_s) if new_servers else 0
         if replayed is None:
             return None
+        sizes = get_all([roles.stubs[g].replay_sizes.remote()], "stub", g)[0] if new_servers else {}
         t3 = time.perf_counter()
         versions = {v for v, _ in get_all([s.latest.remote() for s in roles.servers], "server")}
         if len(versions) != 1:
@@ -106,7 +117,20 @@ class Replacer:
         t4 = time.perf_counter()
         phases = {"stop_s": t1 - t0, "respawn_s": t2 - t1, "rebuild_s": t3 - t2}
         phases["rewire_s"] = t4 - t3
+        phases.update({k: v for k, v in sizes.items() if k.endswith("bytes")})
         return Replaced(versions.pop(), phases, sorted(new_servers), replayed)
+
+    def _new_server(self, k: int) -> Any:
+        """Server ``k``'s spare, where it waits on the lost one's node (the stub's); else a
+        new one in the lost one's bundle. (A spare that died is found out by the rebuild's
+        first call, and the loss then restarts every role.)"""
+        spare = self.spare_server.pop(k, None)
+        if (
+            spare is not None
+            and self.roles.server_infos[k]["node"] == self.roles.stub_infos[0]["node"]
+        ):
+            return spare[0]
+        return self.roles.spawn_server(k)
 
     def _rebuild(self, g: int, new: dict[int, Any], timeout_s: float) -> int | None:
         """Bring each new server in ``new`` (by lost index) to the live servers' version (with
@@ -200,9 +224,13 @@ def replay_steps(fault: Any, shapes: dict[str, tuple[int, ...]], dtype: str) -> 
     """How many steps' summed gradients a stub logs to rebuild a lost server: within
     ``fault.replay_steps`` and ``fault.replay_mb`` (0: no log, a lost server restarts every
     role; at least 2, as the servers copy themselves every half of it)."""
-    nbytes = sum(int(np.prod(s)) for s in shapes.values()) * np.dtype(dtype).itemsize
-    n = min(fault.replay_steps, fault.replay_mb * 2**20 // max(1, nbytes))
+    n = min(fault.replay_steps, fault.replay_mb * 2**20 // max(1, grad_nbytes(shapes, dtype)))
     return n if n >= 2 else 0
+
+
+def grad_nbytes(shapes: dict[str, tuple[int, ...]], dtype: str) -> int:
+    """The bytes of one step's summed gradient (all parameters)."""
+    return sum(int(np.prod(s)) for s in shapes.values()) * np.dtype(dtype).itemsize
 
 
 class Replaced(NamedTuple):

@@ -97,8 +97,11 @@ class RoleGroup:
         self.servers = [self.spawn_server(k) for k in range(self.topo.n_servers)]
 
     def spawn_server(self, k: int) -> Any:
-        p, plan, cfg = self.placement, self.plan, self.cfg
-        spec = ServerSpec(
+        return self._spawn("server", self.placement.servers[k], self.server_spec(k))
+
+    def server_spec(self, k: int) -> ServerSpec:
+        plan, cfg = self.plan, self.cfg
+        return ServerSpec(
             k,
             cfg.model.to_dict(),
             cfg.dtype,
@@ -108,7 +111,6 @@ class RoleGroup:
             self.tag,
             plan.server_device,
         )
-        return self._spawn("server", p.servers[k], spec)
 
     def spawn_workers(self, seed: int) -> None:
         self.seed = seed

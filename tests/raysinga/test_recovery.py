@@ -96,7 +96,8 @@ def events(run_dir: Path, kinds: tuple[str, ...] = ("failure",)) -> list[dict]:
         ("stub", "replace", "true", 20),
         ("worker", "replace", "false", 20),  # a new worker spawned in the lost one's bundle
         ("stub", "replace", "false", 20),
-        ("server", "replace", "true", 20),  # rebuilt from its copy and the stub's log
+        ("server", "replace", "true", 20),  # a spare rebuilt from the copy and the stub's log
+        ("server", "replace", "false", 20),  # a new server spawned in the lost one's bundle
         ("server", "replace", "true", 4),  # a copy every 2 steps: few steps replayed
         ("server", "replace", "true", 0),  # no copies: every role restarts
         ("worker", "restart", "true", 20),
