@@ -105,8 +105,8 @@ FAULT_KEYS = {
     "back (default 30)",
     "recovery": "replace (default): a lost worker or stub is replaced alone and its group redoes "
     "the interrupted step; restart: every loss restarts every role from the newest checkpoint",
-    "spares": "with recovery: replace, keep an idle spare worker and stub on each group's node, "
-    "which take over a lost one's place at once (default true)",
+    "spares": "with recovery: replace, keep an idle spare worker, stub and server on each "
+    "group's node, which take over a lost one's place at once (default true)",
     "replay_steps": "with recovery: replace, log this many steps' summed gradients and keep a copy "
     "of each server every half of them, to rebuild a lost server (default 20; 0: restart)",
     "replay_mb": "at most this many MiB of logged gradients per group (default 256)",
@@ -158,7 +158,7 @@ class FaultConfig:
     min_groups: int | None = None  # None: topology.n_groups
     grow_check_s: float = 30.0
     recovery: str = "replace"  # "restart": every loss restarts every role (for comparison)
-    spares: bool = True  # replace: an idle spare worker and stub wait on each group's node
+    spares: bool = True  # replace: idle spare roles wait on each group's node
     replay_steps: int = 20  # replace: the steps logged to rebuild a lost server (0: restart)
     replay_mb: int = 256  # replace: the bound of that log, per group
 

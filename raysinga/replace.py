@@ -1,12 +1,15 @@
-"""A lost worker or stub of a synchronous group, replaced alone while every other role keeps
-its process, buffers and state.
+"""A lost worker, stub or server of a synchronous group, replaced alone while every other role
+keeps its process, buffers and state.
 
 Workers and stubs hold no training state: a worker's batch and randomness are functions of
 seed, step and part, and a stub's buffer holds one step's summed gradient. So the group needs
 only a new role in the lost one's place, and redoes the step it was interrupted in from the
-servers' update count. Starting a role costs a Python process, its imports and its copy of the
-data (about a second on two loaded cores), so each group keeps a spare worker and a spare stub
-on its node, idle until one takes over; a new spare is then spawned in the background.
+servers' update count. A server holds state: a new one is rebuilt from the copy of the lost
+one that the group's stub keeps, and the summed gradients the stub logged since
+(:mod:`actors.replay`). Starting a role costs a Python process, its imports and its copy of the
+data (about a second on two loaded cores), so each group keeps a spare worker, a spare stub and
+a spare of each server on its node, idle until one takes over; a new spare is then spawned in
+the background.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from .role_group import RoleGroup
 
 
 class Replacer:
-    """Replaces lost workers and stubs of the synchronous group of one role group."""
+    """Replaces lost workers, stubs and servers of the synchronous group of one role group."""
 
     def __init__(self, roles: RoleGroup, spares: bool) -> None:
         self.roles, self.use_spares = roles, spares
