@@ -84,6 +84,7 @@ class Chaos:
         self._awaiting: list[float] = []  # kills not yet followed by a recovery and a step
         self._recovered = False
         self._killed: set[int] = set()
+        self._to_add: list[int] = []  # nodes removed, to be replaced (their CPUs)
         self._lock = threading.Lock()
         self._t0 = 0.0
         self._recovering = threading.Event()
@@ -94,6 +95,8 @@ class Chaos:
 
     # ------------------------------------------------------------------ the run's events
     def _on_event(self, ev: Event) -> None:
+        if self._to_add:
+            self._add_nodes()
         if isinstance(ev, StateChanged):
             self.state = ev.state
             if ev.state == "recovering":
@@ -208,9 +211,20 @@ class Chaos:
         return found[0] if found else None  # never the head
 
     def _remove(self, node: Any) -> None:
+        """Remove ``node``; a node of its size joins from the driver's thread (Ray starts a
+        node only from a process's main thread), at the run's next event."""
         cpus = node._ray_params.num_cpus
         self.cluster.remove_node(node)
-        self.cluster.add_node(num_cpus=cpus)
+        with self._lock:
+            self._to_add.append(cpus)
+
+    def _add_nodes(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        with self._lock:
+            adding, self._to_add = self._to_add, []
+        for cpus in adding:
+            self.cluster.add_node(num_cpus=cpus)
 
     def _role_ids(self) -> set[str]:
         t = self.trainer
