@@ -273,9 +273,10 @@ class Controller:
         return State.PLACING
 
     def _replaceable(self) -> bool:
-        """Whether a lost worker or stub of this run can be replaced alone: a synchronous
-        group (one), workers without state of their own (batch-norm statistics) on the CPU,
-        and ``fault.recovery: replace``."""
+        """Whether a lost worker or stub of this run can be replaced alone (and, with CPU
+        servers and ``fault.replay_steps``, a lost server rebuilt): a synchronous group (one),
+        workers without state of their own (batch-norm statistics) on the CPU, and
+        ``fault.recovery: replace``."""
         return (
             self.cfg.fault.recovery == "replace"
             and self.topo.n_groups == 1
