@@ -158,9 +158,12 @@ class Chaos:
                 return True
         return False
 
-    def _wait(self, event: threading.Event) -> bool:
+    def _wait(self, event: threading.Event, most_s: float = 30.0) -> bool:
+        """Wait for ``event`` (at most ``most_s``: a kill the run never noticed, of a role
+        being stopped anyway, is followed by no recovery); False once the run has ended."""
+        deadline = time.monotonic() + most_s
         while not self._stop.is_set():
-            if event.wait(0.05):
+            if event.wait(0.05) or time.monotonic() > deadline:
                 return True
         return False
 
