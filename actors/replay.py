@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .buffers import Layout
+from .snapshots import CopyGate
 
 POLL_S = 30.0  # how long a keeper's call waits on a server for its next copy
 
@@ -38,11 +39,10 @@ class ServerCopies:
         self.every = 0  # take a copy every this many updates (0: none)
         self.version = -1  # the version of the newest copy started
         self._io = ThreadPoolExecutor(1, thread_name_prefix="copy")
-        self._copied: threading.Event | None = None
+        self.gate = CopyGate()  # the next update waits for a copy being taken
         self._taking: Future[None] | None = None
         self._newest: dict[str, Any] | None = None
         self._cond = threading.Condition()
-        self.copy_wait = 0.0  # seconds the last update waited for a copy
 
     def due(self, version: int) -> bool:
         return self.every > 0 and version - self.version >= self.every
@@ -53,9 +53,9 @@ class ServerCopies:
         again)."""
         if self._taking is not None and not self._taking.done():
             return
-        self.wait_for_copy()
+        self.gate.wait()
         self.version = version
-        self._copied = copied = threading.Event()
+        copied = self.gate.open()
 
         def run() -> None:
             try:
@@ -69,12 +69,7 @@ class ServerCopies:
         self._taking = self._io.submit(run)
 
     def wait_for_copy(self) -> None:
-        if self._copied is None:
-            return
-        t0 = time.perf_counter()
-        self._copied.wait()
-        self._copied = None
-        self.copy_wait = time.perf_counter() - t0
+        self.gate.wait()
 
     def next_copy(self, after: int) -> dict[str, Any] | None:
         """The newest copy once its version is past ``after`` (None after :data:`POLL_S`)."""

@@ -21,6 +21,28 @@ import numpy as np
 from raysinga.server_shard import ShardImage, Tensors, copy_in_chunks
 
 
+class CopyGate:
+    """An update's wait for a background copy of the state it is about to change: :meth:`open`
+    (as the copy starts) gives the event the copy sets once taken, :meth:`wait` (before the
+    update) waits for it and keeps the seconds it waited."""
+
+    def __init__(self) -> None:
+        self._copied: threading.Event | None = None
+        self.waited = 0.0
+
+    def open(self) -> threading.Event:
+        self._copied, self.waited = threading.Event(), 0.0
+        return self._copied
+
+    def wait(self) -> None:
+        if self._copied is None:
+            return
+        t0 = time.perf_counter()
+        self._copied.wait()
+        self._copied = None
+        self.waited = time.perf_counter() - t0
+
+
 class Snapshots:
     """One server's snapshots: at most one background write at a time.
 
@@ -35,8 +57,7 @@ class Snapshots:
         self._image: ShardImage | None = None  # the shard image copied into, reused
         self._preparing: Future[None] | None = None
         self._buffers: dict[tuple[str, int], np.ndarray] = {}  # plain copies, reused
-        self._copied: threading.Event | None = None  # set once a snapshot's copy is taken
-        self.copy_wait = 0.0  # seconds the update after the last snapshot waited for its copy
+        self.gate = CopyGate()  # the update after a snapshot waits for its copy
 
     def prepare(self, placeholders: Tensors) -> None:
         """Lay out and map the shard image for tensors like ``placeholders`` in the
@@ -53,8 +74,7 @@ class Snapshots:
         sets ``copied`` and writes the copy, returning the shard's record. The previous write
         must have been joined (:meth:`join`) before the state was taken."""
         assert self._writer is None, "one background write at a time"
-        self._copied = copied = threading.Event()
-        self.copy_wait = 0.0
+        copied = self.gate.open()
 
         def run() -> dict[str, Any]:
             try:
@@ -66,12 +86,7 @@ class Snapshots:
 
     def wait_for_copy(self) -> None:
         """Before an update: the last snapshot's copy of the values must be taken first."""
-        if self._copied is None:
-            return
-        t0 = time.perf_counter()
-        self._copied.wait()
-        self._copied = None
-        self.copy_wait = time.perf_counter() - t0
+        self.gate.wait()
 
     def copy(self, live: Tensors, compression: str | None) -> tuple[Tensors, ShardImage | None]:
         """Copies of ``live``, and the shard image they are in (None: plain buffers, as for
@@ -116,7 +131,7 @@ class Snapshots:
         if not wait and not self._writer.done():
             return None
         fut, self._writer = self._writer, None
-        return {**fut.result(), "update_waited": self.copy_wait}
+        return {**fut.result(), "update_waited": self.gate.waited}
 
     def join(self) -> None:
         """Wait for the background write, if any; its failure is reported by :meth:`result`
