@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from .buffers import Layout
 from .slicing import Slice
 
@@ -159,3 +161,17 @@ def server_layouts(slices: Sequence[Slice], n_servers: int, dtype: str) -> list[
         Layout.of({s.name: ((s.size,), dtype) for s in slices if s.server == k})
         for k in range(n_servers)
     ]
+
+
+def server_slices(
+    params: dict[str, np.ndarray], slices: Sequence[Slice], server: int, layout: Layout
+) -> np.ndarray:
+    """Server ``server``'s slices of full-parameter arrays ``params`` (a summed gradient),
+    laid out by ``layout`` (its :func:`server_layouts` entry), as its ``update`` takes them
+    from another node."""
+    out = np.zeros(layout.nbytes, np.uint8)
+    views = layout.views(out)
+    for s in slices:
+        if s.server == server:
+            views[s.name][...] = params[s.param].reshape(-1)[s.start : s.stop]
+    return out

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .buffers import Layout
+from .protocol import server_slices
 from .snapshots import CopyGate
 
 POLL_S = 30.0  # how long a keeper's call waits on a server for its next copy
@@ -103,7 +104,7 @@ class ReplayLog:
 
     def __init__(self, count: int, dtype: Any, capacity: int) -> None:
         self.capacity = capacity
-        self.rows = np.zeros((capacity, count), dtype) if capacity else np.zeros((0, count), dtype)
+        self.rows = np.zeros((capacity, count), dtype)
         self.steps = np.full(capacity, -1, np.int64)  # the step each row holds
         self.copies: dict[int, tuple[int, dict[str, Any]]] = {}  # server -> (version, copy)
         self._polls: dict[int, tuple[Any, Any]] = {}  # server -> (actor, its next_copy call)
@@ -233,12 +234,8 @@ class ReplayLog:
     ) -> np.ndarray:
         """Server ``server``'s slices of a logged step (laid out by ``params``, as the stub's
         buffer), laid out by ``layout``, as the server's ``update`` takes them."""
-        out = np.zeros(layout.nbytes, np.uint8)
-        views, logged = layout.views(out), params.views(self.rows[row].view(np.uint8))
-        for s in slices:
-            if s.server == server:
-                views[s.name][...] = logged[s.param].reshape(-1)[s.start : s.stop]
-        return out
+        logged = params.views(self.rows[row].view(np.uint8))
+        return server_slices(logged, slices, server, layout)
 
 
 def _nbytes(state: Any) -> int:

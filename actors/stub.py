@@ -21,7 +21,16 @@ from raysinga.optim import PARALLEL_CHUNK, clip_grad_norm
 from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
 from .doorbell import Doorbell, Message
 from .errors import get_all, reports_role
-from .protocol import Go, ServerDone, StepStats, StubSpec, WorkerDone, node_id, server_layouts
+from .protocol import (
+    Go,
+    ServerDone,
+    StepStats,
+    StubSpec,
+    WorkerDone,
+    node_id,
+    server_layouts,
+    server_slices,
+)
 from .replay import ReplayLog
 from .stub_bells import GroupBells
 
@@ -224,13 +233,7 @@ class Stub(GroupBells):
     def _update_arg(self, k: int) -> ShmHandle | np.ndarray:
         if not self.server_remote[k]:
             return self.avg.handle()
-        lay = self.server_layouts[k]
-        out = np.zeros(lay.nbytes, np.uint8)
-        views = lay.views(out)
-        for s in self.slices:
-            if s.server == k:
-                views[s.name][...] = self.avg.arrays[s.param].reshape(-1)[s.start : s.stop]
-        return out
+        return server_slices(self.avg.arrays, self.slices, k, self.server_layouts[k])
 
     @reports_role
     def evaluate(self, batch_size: int) -> dict[str, float]:

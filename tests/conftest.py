@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -46,6 +47,16 @@ def start_ray():
     if not ray.is_initialized():
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     return ray
+
+
+def load_job(d: Path, text: str, *more: str):
+    """A job from YAML ``text``, written as ``d/job.yaml`` with its run in ``d``, and
+    ``more`` overrides."""
+    from raysinga import config  # noqa: PLC0415
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "job.yaml").write_text(text)
+    return config.load(d / "job.yaml", [f"run_dir={d}", *more])
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import local_cluster
+from conftest import load_job, local_cluster
 
 from raysinga import config
 from raysinga.chaos import RECOVERY_STATES, Chaos
@@ -32,9 +32,7 @@ topology: {preset: sandblaster, n_servers: 2, workers_per_group: 2}
 
 
 def job(d: Path, *more: str) -> config.JobConfig:
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "job.yaml").write_text(JOB)
-    return config.load(d / "job.yaml", [f"run_dir={d}", "fault.max_failures=20", *more])
+    return load_job(d, JOB, "fault.max_failures=20", *more)
 
 
 def run_under_chaos(

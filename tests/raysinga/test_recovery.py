@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import local_cluster, start_ray
+from conftest import load_job, local_cluster, start_ray
 from ray import cloudpickle
 
 from raysinga import config
@@ -45,9 +45,7 @@ topology: {preset: sandblaster, n_servers: 1, workers_per_group: 2}
 
 
 def job(d: Path, *more: str) -> config.JobConfig:
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "job.yaml").write_text(JOB)
-    return config.load(d / "job.yaml", [f"run_dir={d}", *more])
+    return load_job(d, JOB, *more)
 
 
 @pytest.fixture(scope="module")
