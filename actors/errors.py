@@ -117,9 +117,16 @@ def get_all(
 
 
 def _failed_index(refs: list[Any]) -> int:
+    """The position of the first call in ``refs`` that ended in an error (calls still
+    running are not it: a server still waiting on a lost stub did not fail)."""
     import ray  # noqa: PLC0415
 
+    unique = list(dict.fromkeys(refs))
+    ended, _ = ray.wait(unique, num_returns=len(unique), timeout=0)
+    ended_ids = {r.hex() for r in ended}
     for i, r in enumerate(refs):
+        if r.hex() not in ended_ids:
+            continue
         try:
             ray.get(r, timeout=0)
         except Exception:  # noqa: BLE001 - looking for the one that failed

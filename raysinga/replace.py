@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group_table
 
 from .actors.errors import get_all
 from .cursor import DataCursor
@@ -32,11 +33,11 @@ class Replacer:
 
     def __init__(self, roles: RoleGroup, spares: bool) -> None:
         self.roles, self.use_spares = roles, spares
-        # group -> (actor, its describe() ref), on the node of the group's stub
-        self.spare_worker: dict[int, tuple[Any, Any]] = {}
-        self.spare_stub: dict[int, tuple[Any, Any]] = {}
-        # server index -> (actor, its describe() ref), for a server rebuilt from its copy
-        self.spare_server: dict[int, tuple[Any, Any]] = {}
+        # group -> a spare on the node of the group's stub
+        self.spare_worker: dict[int, Spare] = {}
+        self.spare_stub: dict[int, Spare] = {}
+        # server index -> a spare on the stub's node, for a server rebuilt from its copy
+        self.spare_server: dict[int, Spare] = {}
 
     def prepare(self) -> None:
         """Spawn each group's missing spares, in the background (not waited for): a worker
@@ -52,29 +53,39 @@ class Replacer:
                 node = self.roles.stub_infos[0]["node"]
                 for k, info in enumerate(self.roles.server_infos):
                     if k not in self.spare_server and info["node"] == node:
-                        actor = self.roles.spawn_spare("server", node, self.roles.server_spec(k))
-                        self.spare_server[k] = (actor, actor.describe.remote())
+                        self.spare_server[k] = self._spare(
+                            "server", node, self.roles.server_spec(k)
+                        )
 
     def _spare_worker(self, g: int) -> None:
         roles = self.roles
-        node = roles.stub_infos[g]["node"]
-        actor = roles.spawn_spare("worker", node, roles.worker_spec(g, 0))
-        self.spare_worker[g] = (actor, actor.describe.remote())
+        self.spare_worker[g] = self._spare(
+            "worker", roles.stub_infos[g]["node"], roles.worker_spec(g, 0)
+        )
 
     def _spare_stub(self, g: int) -> None:
         roles = self.roles
-        actor = roles.spawn_spare("stub", roles.stub_infos[g]["node"], *roles.stub_args(g))
-        self.spare_stub[g] = (actor, actor.describe.remote())
+        self.spare_stub[g] = self._spare("stub", roles.stub_infos[g]["node"], *roles.stub_args(g))
+
+    def _spare(self, role: str, node: str, *args: Any) -> Spare:
+        actor = self.roles.spawn_spare(role, node, *args)
+        return Spare(actor, actor.describe.remote(), node)
+
+    def _drop_spares_off(self, alive: set[str]) -> None:
+        """Forget the spares that were on a node now gone (they went with it)."""
+        for spares in (self.spare_worker, self.spare_stub, self.spare_server):
+            for key in [key for key, s in spares.items() if s.node not in alive]:
+                del spares[key]
 
     # ------------------------------------------------------------------ replacing
     def replace(self, g: int, cursor: DataCursor, timeout_s: float = 20.0) -> Replaced | None:
         """Replace the lost workers, servers and the stub of group ``g`` in place. A lost
         server is rebuilt from its newest copy and the stub's log of the steps since. Returns
         the step the group stands at (the servers' update count), or None where that cannot
-        be done: a lost role's node is gone, a server was lost with the stub (its log went
-        too) or has no copy to rebuild from, the servers disagree on the step (a stub lost
-        between two servers' updates of one step), or a role does not answer within
-        ``timeout_s`` (the caller then restarts every role)."""
+        be done: a lost node's bundles find no room on the live nodes, a server was lost with
+        the stub (its log went too) or has no copy to rebuild from, the servers disagree on
+        the step (a stub lost between two servers' updates of one step), or a role does not
+        answer within ``timeout_s`` (the caller then restarts every role)."""
         roles = self.roles
         t0 = time.perf_counter()
         stopped = self._stop_serving(g, timeout_s)
@@ -82,17 +93,23 @@ class Replacer:
             return None
         lost, lost_servers = stopped
         t1 = time.perf_counter()
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        if any(roles.worker_infos[g][i]["node"] not in alive for i in lost) or any(
-            roles.server_infos[k]["node"] not in alive for k in lost_servers
-        ):
-            return None  # its bundle must move to another node: a new placement's work
         if lost_servers and not roles.replay:
             return None
-        roles.replaced = True  # the lost roles' shared files go at shutdown, by tag
         stub_lost = not _answers(roles.stubs[g], timeout_s)
         if lost_servers and stub_lost:
             return None  # the copies and the log went with the stub
+        alive = _live_nodes()
+        self._drop_spares_off(alive)
+        was_on = {roles.worker_infos[g][i]["node"] for i in lost}
+        was_on |= {roles.server_infos[k]["node"] for k in lost_servers}
+        was_on |= {roles.stub_infos[g]["node"]} if stub_lost else set()
+        nodes_lost = len(was_on - alive)
+        # A lost node's bundles move to live nodes with room (Ray does so at once), and the
+        # new roles go where their bundles now are; with no room left, the elastic rules
+        # place a smaller topology instead.
+        if nodes_lost and not _rescheduled(roles.placement.pg, RESCHEDULE_S):
+            return None
+        roles.replaced = True  # the lost roles' shared files go at shutdown, by tag
         new_servers = {k: self._new_server(k) for k in lost_servers}  # they start meanwhile
         roles.spares += new_servers.values()  # stopped with the others, whatever comes next
         for i in lost:
@@ -110,6 +127,8 @@ class Replacer:
             return None
         roles.publish_where_read()
         stub = self._take_stub(g, timeout_s) if stub_lost else roles.stubs[g]
+        if stub_lost:
+            roles.stub_infos[g] = get_all([stub.describe.remote()], "stub", g)[0]
         rewire = stub.rewire.remote(
             roles.workers[g], roles.worker_infos[g], roles.servers, roles.server_infos
         )
@@ -120,6 +139,7 @@ class Replacer:
         t4 = time.perf_counter()
         phases = {"stop_s": t1 - t0, "respawn_s": t2 - t1, "rebuild_s": t3 - t2}
         phases["rewire_s"] = t4 - t3
+        phases["nodes_lost"] = nodes_lost
         phases.update({k: v for k, v in sizes.items() if k.endswith("bytes")})
         return Replaced(versions.pop(), phases, sorted(new_servers), replayed)
 
@@ -132,7 +152,7 @@ class Replacer:
             spare is not None
             and self.roles.server_infos[k]["node"] == self.roles.stub_infos[0]["node"]
         ):
-            return spare[0]
+            return spare.actor
         return self.roles.spawn_server(k)
 
     def _rebuild(self, g: int, new: dict[int, Any], timeout_s: float) -> int | None:
@@ -195,7 +215,7 @@ class Replacer:
         on_node = self.roles.stub_infos[g]["node"] == node
         spare = self.spare_worker.pop(g, None) if on_node else None
         if spare is not None:
-            actor, described = spare
+            actor, described, _ = spare
             with contextlib.suppress(RayActorError, GetTimeoutError):
                 info = ray.get(described, timeout=timeout_s)
                 get_all([actor.adopt.remote(i)], "worker", g)
@@ -211,7 +231,7 @@ class Replacer:
         ray.kill(self.roles.stubs[g])
         spare = self.spare_stub.pop(g, None)
         if spare is not None:
-            actor, described = spare
+            actor, described, _ = spare
             with contextlib.suppress(RayActorError, GetTimeoutError):
                 ray.get(described, timeout=timeout_s)
                 return actor
@@ -248,6 +268,37 @@ class Replaced(NamedTuple):
 
 class ReplaceFailed(RuntimeError):
     """A replacement did not come up in time: the run restarts every role instead."""
+
+
+class Spare(NamedTuple):
+    """An idle role waiting to take over from a lost one: the actor, its ``describe()`` ref,
+    and the node it waits on."""
+
+    actor: Any
+    described: Any
+    node: str
+
+
+RESCHEDULE_S = 5.0  # how long a lost node's bundles may take to move to a live node
+
+
+def _live_nodes() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def _rescheduled(pg: Any, timeout_s: float) -> bool:
+    """Whether Ray has moved every bundle of ``pg`` off dead nodes within ``timeout_s`` (it
+    does at once where a live node has room; otherwise the group waits as rescheduling)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        table = placement_group_table(pg)
+        alive = _live_nodes()
+        where = table.get("bundles_to_node_id", {}).values()
+        if table.get("state") == "CREATED" and all(n in alive for n in where):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def _answers(actor: Any, timeout_s: float) -> bool:
