@@ -56,6 +56,9 @@ class ParamServer(Abortable):
         self.snaps = Snapshots(self.pool)
         self.copies = ServerCopies()  # of its state, fetched by its group's stub
         self.remote_readers = False
+        # group -> the last step of it applied: a step applied once is not applied again (a
+        # replaced stub of an asynchronous group redoes its step from the servers' lowest)
+        self.applied: dict[int, int] = {}
         self._published: Any = None
         self._attached = Attachments()
         self.gpu: ServerDevice | None = None  # device "gpu": the optimizer runs on a GPU
@@ -102,16 +105,24 @@ class ParamServer(Abortable):
         return stop - start
 
     @reports_role
-    def update(self, step: int, grads: ShmHandle | np.ndarray) -> tuple[int, Any, float]:
-        return self._update(step, grads)
+    def update(
+        self, step: int, grads: ShmHandle | np.ndarray, group: int = 0
+    ) -> tuple[int, Any, float]:
+        return self._update(step, grads, group)
 
-    def _update(self, step: int, grads: ShmHandle | np.ndarray) -> tuple[int, Any, float]:
-        """Apply a summed gradient; ``grads`` is the stub's full-parameter buffer (same node) or
-        this server's slices laid out as in :attr:`layout` (another node).
+    def _update(
+        self, step: int, grads: ShmHandle | np.ndarray, group: int = 0
+    ) -> tuple[int, Any, float]:
+        """Apply group ``group``'s summed gradient of ``step`` (once: a step of the group
+        already applied is skipped); ``grads`` is the stub's full-parameter buffer (same
+        node) or this server's slices laid out as in :attr:`layout` (another node).
 
         Returns ``(version, snapshot ref or None, seconds spent)``.
         """
         t0 = time.perf_counter()
+        if step <= self.applied.get(group, -1):
+            return self.guard.version, self._published, 0.0
+        self.applied[group] = step
         self.snaps.wait_for_copy()  # a checkpoint's copy of the values must come first
         self.copies.wait_for_copy()  # and a copy kept for a rebuild
         if isinstance(grads, ShmHandle):
@@ -166,6 +177,13 @@ class ParamServer(Abortable):
         self.guard.set_version(int(state["version"]))
         self._publish()
         return int(state["version"])
+
+    @reports_role
+    def next_step(self, group: int) -> int | None:
+        """The first step of ``group`` this server has not applied (None: none applied since
+        it started or loaded a checkpoint)."""
+        last = self.applied.get(group)
+        return None if last is None else last + 1
 
     @reports_role
     def latest(self) -> tuple[int, Any]:
@@ -273,6 +291,7 @@ class ParamServer(Abortable):
         ``names`` (model name -> checkpoint name); the rest keep their initial values.
         Returns the number of elements loaded.
         """
+        self.applied = {}
         loaded, opt = server_shard.load_slices(source, self.slices, self.buf.arrays, resume, names)
         if opt is not None:
             self.optimizer.load_state_dict(opt)

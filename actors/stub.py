@@ -214,7 +214,10 @@ class Stub(GroupBells):
         return get_all(futs, "worker", self.group)
 
     def _call_servers(self, step: int) -> list[float]:
-        ups = [s.update.remote(step, self._update_arg(k)) for k, s in enumerate(self.servers)]
+        ups = [
+            s.update.remote(step, self._update_arg(k), self.group)
+            for k, s in enumerate(self.servers)
+        ]
         results = get_all(ups, "server")
         self.refs = [ref for _, ref, _ in results]
         return [t for _, _, t in results]

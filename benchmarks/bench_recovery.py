@@ -5,9 +5,11 @@ its copy and the stub's log of the steps since, where that can be done), in one 
 
 A head with no CPUs and two 2-CPU nodes (``ray.cluster_utils.Cluster``) on this machine; the
 digits MLP with one group of two workers and one server, checkpointing every 20 steps into the
-object store and to disk. In each run one role's process is SIGKILLed (or the node holding the
-workers and the server is removed) once step 30 is reported; the time is taken from the kill to
-the next step the run completes after it recovered::
+object store and to disk. In each run one role's process is SIGKILLed (``node-all``: the node
+holding every role is removed) once step 30 is reported; the time is taken from the kill to
+the next step the run completes after it recovered. ``node``: three 1-CPU nodes and two
+servers; the node holding worker 1 and server 1 (not the stub, which keeps server 1's copy) is
+removed, and the third node has room for its roles::
 
     pip install -e '.[bench,examples]'
     python benchmarks/bench_recovery.py [--runs 5]
@@ -30,12 +32,13 @@ import time
 from pathlib import Path
 
 KILL_AT = 30
-KINDS = ("worker", "stub", "server", "node")
+KINDS = ("worker", "stub", "server", "node", "node-all")
+NODES = {"node": (1, 1, 1)}  # the nodes of a kind's cluster (default two of 2 CPUs)
 # seconds, steps redone (a rebuilt server's group may redo the step it was interrupted in)
 GOALS = {"worker": (1.5, 1), "stub": (1.5, 1), "server": (2.5, 1)}
 
 
-def job(run_dir: Path, recovery: str):
+def job(run_dir: Path, recovery: str, *more: str):
     from raysinga import config
 
     examples = Path(__file__).resolve().parents[1] / "examples"
@@ -51,6 +54,7 @@ def job(run_dir: Path, recovery: str):
             "checkpoint.final=false",
             "fault.max_failures=1",
             f"fault.recovery={recovery}",
+            *more,
         ],
     )
 
@@ -61,12 +65,14 @@ def one_run(cluster, kind: str, recovery: str, run_dir: Path) -> dict[str, float
     from raysinga.distributed import DistributedTrainer
     from raysinga.events import Event, Recovered, TrainStep
 
-    t = DistributedTrainer(job(run_dir, recovery), log=None, gather=False)
+    more = ("topology.n_servers=2",) if kind == "node" else ()
+    t = DistributedTrainer(job(run_dir, recovery, *more), log=None, gather=False)
     marks: dict[str, float] = {}
 
     def kill() -> None:
-        if kind == "node":
-            node_id = ray.get(t.servers[0].describe.remote())["node"]
+        if kind.startswith("node"):
+            victim = t.workers[0][1] if kind == "node" else t.servers[0]
+            node_id = ray.get(victim.describe.remote())["node"]
             (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
             marks["kill"] = time.time()
             cluster.remove_node(node)
@@ -89,8 +95,8 @@ def one_run(cluster, kind: str, recovery: str, run_dir: Path) -> dict[str, float
     if len(t.failures) != 1:
         raise RuntimeError(f"expected one failure, the run had {t.failures}")
     ev = t.failures[0]
-    if kind == "node":  # give the cluster its node back for the next run
-        cluster.add_node(num_cpus=2)
+    if kind.startswith("node"):  # give the cluster its node back for the next run
+        cluster.add_node(num_cpus=NODES.get(kind, (2,))[0])
         cluster.wait_for_nodes()
     return {
         "to next step": marks["next"] - marks["kill"],
@@ -114,26 +120,26 @@ def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(2):
-        cluster.add_node(num_cpus=2)
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
     work = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     out: dict[tuple[str, str], list[dict[str, float]]] = {}
-    try:
-        for kind in args.kinds.split(","):
+    for kind in args.kinds.split(","):
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        for cpus in NODES.get(kind, (2, 2)):
+            cluster.add_node(num_cpus=cpus)
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        try:
             for r in range(args.runs):  # the two paths alternate, so both see the same noise
                 for path in ("restart", "replace"):
                     run = one_run(cluster, kind, path, work / f"{kind}-{path}{r}")
                     out.setdefault((kind, path), []).append(run)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
     print(
-        f"digits MLP, 1 group x 2 workers + 1 server on a local 2-node cluster (2 cores); kill "
-        f"at step {KILL_AT}; checkpoints every 20 steps (object store and disk); "
-        f"median (min-max) of {args.runs} runs"
+        f"digits MLP, 1 group x 2 workers + 1 server on a local 2-node cluster (2 cores; "
+        f"node: three 1-CPU nodes, 2 servers); kill at step {KILL_AT}; checkpoints every 20 "
+        f"steps (object store and disk); median (min-max) of {args.runs} runs"
     )
     for (kind, path), runs in out.items():
         med, lo, hi = spread(runs, "to next step")

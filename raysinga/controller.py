@@ -15,8 +15,9 @@
 - **running**: the groups run chunks of steps until every group stands at a step boundary.
 - **checkpointing**: begin a checkpoint of that boundary (the servers write it in the
   background), or at the end or on a stop finish it; then run on, resize, finish or stop.
-- **recovering**: count the loss against ``fault.max_failures``. A lost worker or stub of a
-  synchronous group is replaced alone (:mod:`raysinga.replace`) and the run goes on running;
+- **recovering**: count the loss against ``fault.max_failures``. A lost worker or stub is
+  replaced alone, and a synchronous group's lost server rebuilt (:mod:`raysinga.replace`),
+  and the run goes on running (other asynchronous groups' chunks never stopped);
   otherwise stop every role, abandon a checkpoint in flight, and place again from the newest
   committed checkpoint.
 - **resizing**: stop every role at a committed boundary and place the larger topology.
@@ -171,7 +172,7 @@ class Controller:
             session.log(f"raysinga: loaded {start.source.label} in {dt:.2f} s")
         periodic = bool(cfg.checkpoint_frequency or cfg.checkpoint_every_seconds)
         replaceable = self._replaceable()
-        rebuildable = replaceable and self.plan.server_device == "cpu"
+        rebuildable = replaceable and self.plan.server_device == "cpu" and self.topo.n_groups == 1
         roles.replay = replay_steps(cfg.fault, self.plan.shapes, cfg.dtype) if rebuildable else 0
         roles.wire(prepare_snapshots=periodic and cfg.checkpoint.compression is None)
         roles.keep_copies()
@@ -273,13 +274,12 @@ class Controller:
         return State.PLACING
 
     def _replaceable(self) -> bool:
-        """Whether a lost worker or stub of this run can be replaced alone (and, with CPU
-        servers and ``fault.replay_steps``, a lost server rebuilt): a synchronous group (one),
-        workers without state of their own (batch-norm statistics) on the CPU, and
-        ``fault.recovery: replace``."""
+        """Whether a lost worker or stub of this run can be replaced alone (and, in a
+        synchronous run (one group) with CPU servers and ``fault.replay_steps``, a lost
+        server rebuilt): workers without state of their own (batch-norm statistics) on the
+        CPU, and ``fault.recovery: replace``."""
         return (
             self.cfg.fault.recovery == "replace"
-            and self.topo.n_groups == 1
             and not self.plan.state_names
             and self.plan.worker_device == "cpu"
         )
@@ -298,9 +298,12 @@ class Controller:
             and self.replacer is not None
         ):
             return False
+        g = e.group if e.group is not None else 0  # a server's: the synchronous group's
+        if not 0 <= g < self.topo.n_groups:
+            return False
         lost = roles.actors
         try:
-            done = self.replacer.replace(0, self.cursor)
+            done = self.replacer.replace(g, self.cursor, steps.done[g])
         except (*LOSSES, ReplaceFailed):
             done = None  # another role went too, or the new one did not come: restart all
         if done is None:
@@ -308,7 +311,8 @@ class Controller:
         self.coordinator.drop_if_lost(roles, done.rebuilt)
         redone = 1 if steps.interrupted is not None else 0
         steps.interrupted = None
-        steps.done[0] = self.progress = done.at
+        steps.done[g] = done.at
+        self.progress = steps.progress
         self.book.replaced(rec, t0, lost, done, redone, self.topo)
         return True
 

@@ -29,7 +29,7 @@ from .role_group import RoleGroup
 
 
 class Replacer:
-    """Replaces lost workers, stubs and servers of the synchronous group of one role group."""
+    """Replaces lost workers, stubs and servers of one role group's groups."""
 
     def __init__(self, roles: RoleGroup, spares: bool) -> None:
         self.roles, self.use_spares = roles, spares
@@ -78,17 +78,26 @@ class Replacer:
                 del spares[key]
 
     # ------------------------------------------------------------------ replacing
-    def replace(self, g: int, cursor: DataCursor, timeout_s: float = 20.0) -> Replaced | None:
+    def replace(
+        self, g: int, cursor: DataCursor, done: int, timeout_s: float = 20.0
+    ) -> Replaced | None:
         """Replace the lost workers, servers and the stub of group ``g`` in place. A lost
         server is rebuilt from its newest copy and the stub's log of the steps since. Returns
         the step the group stands at (the servers' update count), or None where that cannot
         be done: a lost node's bundles find no room on the live nodes, a server was lost with
         the stub (its log went too) or has no copy to rebuild from, the servers disagree on
         the step (a stub lost between two servers' updates of one step), or a role does not
-        answer within ``timeout_s`` (the caller then restarts every role)."""
+        answer within ``timeout_s`` (the caller then restarts every role).
+
+        Of several (asynchronous) groups, only group ``g``'s workers and stub are replaced,
+        while the others run on; it goes on from the first step of it that not every server
+        has applied (at least ``done``, the step its last finished chunk ended at). A lost
+        server then restarts every role: its updates interleave every group's, so no log
+        replays them."""
         roles = self.roles
         t0 = time.perf_counter()
-        stopped = self._stop_serving(g, timeout_s)
+        sync = len(roles.stubs) == 1
+        stopped = self._stop_serving(g, timeout_s, servers=sync)
         if stopped is None:
             return None
         lost, lost_servers = stopped
@@ -122,8 +131,8 @@ class Replacer:
             return None
         sizes = get_all([roles.stubs[g].replay_sizes.remote()], "stub", g)[0] if new_servers else {}
         t3 = time.perf_counter()
-        versions = {v for v, _ in get_all([s.latest.remote() for s in roles.servers], "server")}
-        if len(versions) != 1:
+        at = self._sync_position() if sync else self._async_position(g, done)
+        if at is None:
             return None
         roles.publish_where_read()
         stub = self._take_stub(g, timeout_s) if stub_lost else roles.stubs[g]
@@ -141,7 +150,21 @@ class Replacer:
         phases["rewire_s"] = t4 - t3
         phases["nodes_lost"] = nodes_lost
         phases.update({k: v for k, v in sizes.items() if k.endswith("bytes")})
-        return Replaced(versions.pop(), phases, sorted(new_servers), replayed)
+        return Replaced(at, phases, sorted(new_servers), replayed)
+
+    def _sync_position(self) -> int | None:
+        """Where the synchronous group stands: the servers' update count, which must be the
+        same on every server (else a stub died between two servers' updates of one step)."""
+        versions = {
+            v for v, _ in get_all([s.latest.remote() for s in self.roles.servers], "server")
+        }
+        return versions.pop() if len(versions) == 1 else None
+
+    def _async_position(self, g: int, done: int) -> int:
+        """Where asynchronous group ``g`` stands: the first of its steps some server has not
+        applied (a server that has goes past it when the group redoes it)."""
+        firsts = get_all([s.next_step.remote(g) for s in self.roles.servers], "server")
+        return max(done, min((f for f in firsts if f is not None), default=done))
 
     def _new_server(self, k: int) -> Any:
         """Server ``k``'s spare, where it waits on the lost one's node (the stub's); else a
@@ -177,12 +200,14 @@ class Replacer:
             roles.servers[k], roles.server_infos[k], most = actor, info, max(most, n)
         return most
 
-    def _stop_serving(self, g: int, timeout_s: float) -> tuple[list[int], list[int]] | None:
-        """Bring the group's workers and the servers out of their serve loops (they may wait
-        for a stub that is gone); returns the indices of the group's lost workers and of the
-        lost servers, or None if a role does not answer."""
+    def _stop_serving(
+        self, g: int, timeout_s: float, servers: bool
+    ) -> tuple[list[int], list[int]] | None:
+        """Bring the group's workers and (``servers``) the servers out of their serve loops
+        (they may wait for a stub that is gone); returns the indices of the group's lost
+        workers and of the lost servers, or None if a role does not answer."""
         roles = self.roles
-        group = [*roles.workers[g], *roles.servers]
+        group = [*roles.workers[g], *(roles.servers if servers else [])]
         aborts = [a.abort.options(concurrency_group="control").remote() for a in group]
         # Each abort applied (or its role found gone) before the flag is cleared: a clear that
         # overtook its abort would leave the flag set, and the next chunk would abort itself.

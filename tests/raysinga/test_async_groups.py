@@ -183,6 +183,56 @@ def test_fewer_groups_on_resume_take_no_batch_twice(ray_session, tmp_path):
     ]
 
 
+@pytest.mark.parametrize("role", ["worker", "stub"])
+def test_a_lost_role_of_one_group_is_replaced_while_the_other_group_runs_on(
+    ray_session, tmp_path, role
+):
+    """Downpour, two groups of two workers, two servers: group 1's worker 1 (or its stub)
+    SIGKILLed mid-run. Only that role is replaced; group 0's workers and stub and the servers
+    keep their processes; every server applies each step of each group exactly once (the
+    update counts), and every batch is trained (the interrupted step's again)."""
+    import os
+    import signal
+    import threading
+
+    import ray
+
+    from raysinga.events import TrainStep
+
+    total = 40
+    topo = "{preset: downpour, n_servers: 2, n_groups: 2, workers_per_group: 2}"
+    cfg = job(tmp_path, total, topo, 0)
+    t = DistributedTrainer(cfg, classes={"worker": RecordingWorker}, **QUIET)
+    before: list[list[int]] = []
+    after: list[list[int]] = []
+
+    def pids(actors):
+        return ray.get([a.pid.remote() for a in actors])
+
+    def hook(ev) -> None:
+        if not isinstance(ev, TrainStep):
+            return
+        if ev.step == 35:  # long after the replacement
+            after.append(pids([*t.workers[0], t.stubs[0], *t.servers]))
+        if before or ev.step != 15:
+            return
+        before.append(pids([*t.workers[0], t.stubs[0], *t.servers]))
+        victim = pids([t.workers[1][1] if role == "worker" else t.stubs[1]])[0]
+        threading.Timer(0.01, os.kill, (victim, signal.SIGKILL)).start()
+
+    t.hub.subscribe(hook)
+    res = t.fit()
+    assert before and after == before
+    (ev,) = [r for r in res.history if r["kind"] == "failure"]
+    assert ev["recovery"] == "replaced" and ev["rolled_back"] == 0, ev
+    assert ev["role"] == role and ev["group"] == 1 and ev["steps_redone"] <= 1, ev
+    ck = Checkpoint.open(tmp_path / "checkpoints" / f"step-{total}", verify="full")
+    assert ck.meta["run"]["steps"] == [total, total]
+    assert set(ck.meta["run"]["optimizer"]["counts"].values()) == {2 * total}
+    batches = [r["batch"] for r in recorded(cfg)]
+    assert set(batches) == set(range(2 * total)), "a batch was left out"
+
+
 @pytest.fixture(autouse=True)
 def _clean_logs():
     yield
