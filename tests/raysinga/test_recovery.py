@@ -544,30 +544,32 @@ def test_a_lost_node_with_the_workers_and_the_server_is_recovered(spare_node_clu
 
 
 @pytest.mark.cluster
-def test_a_lost_node_with_a_worker_and_a_server_is_replaced_and_rebuilt_bit_exact(tmp_path):
-    """Three 1-CPU nodes; two workers, two servers: worker 1 and server 1 share a node, the
-    stub (with server 1's copy and the log) another. That node removed, Ray moves its bundle
-    to the third node, where a new worker and a server rebuilt from the copy take over:
-    nothing rolled back, bit-identical to an uninterrupted run."""
-    with local_cluster(1, 1, 1) as (cluster, _):
-        two = ("topology.n_servers=2",)
-        want = DistributedTrainer(job(tmp_path / "straight", *two), log=None).fit().params
-        t = DistributedTrainer(job(tmp_path / "lost", *two), log=None)
-        removed, shared = [], []
+def test_a_lost_node_with_workers_and_a_server_is_replaced_and_rebuilt_bit_exact(tmp_path):
+    """Three 2-CPU nodes; four workers, three servers: one node holds workers 2 and 3 and
+    server 2, another the stub (with server 2's copy and the log), workers 0 and 1 and servers
+    0 and 1. That node removed, Ray moves its bundles to the third node, where new workers and
+    a server rebuilt from the copy take over: nothing rolled back, bit-identical to an
+    uninterrupted run."""
+    import ray
+
+    more = ("topology.n_servers=3", "topology.workers_per_group=4")
+    with local_cluster(2, 2, 2) as (cluster, _):
+        want = DistributedTrainer(job(tmp_path / "straight", *more), log=None).fit().params
+        t = DistributedTrainer(job(tmp_path / "lost", *more), log=None)
+        removed, held = [], []
 
         def hook(ev: Event) -> None:
             if not removed and isinstance(ev, TrainStep) and ev.step == 15:
-                import ray
-
-                w, s = (
-                    ray.get(a.describe.remote())["node"] for a in (t.workers[0][1], t.servers[1])
-                )
-                shared.append(w == s != ray.get(t.stubs[0].describe.remote())["node"])
-                removed.append(remove_node_of(cluster, t.workers[0][1]))
+                on = ray.get([a.describe.remote() for a in (*t.workers[0], *t.servers)])
+                victim = on[3]["node"]  # worker 3's
+                held.append([i for i, d in enumerate(on) if d["node"] == victim])
+                held.append(ray.get(t.stubs[0].describe.remote())["node"] != victim)
+                removed.append(remove_node_of(cluster, t.workers[0][3]))
 
         t.hub.subscribe(hook)
         res = t.fit()
-    assert removed and shared == [True], shared
+    # workers 2 and 3 and server 2 (index 4 + 2) on the node removed, not the stub
+    assert removed and held == [[2, 3, 6], True], held
     for k, a in want.items():
         assert res.params[k].tobytes() == a.tobytes(), k
     (ev,) = events(tmp_path / "lost")
