@@ -71,7 +71,7 @@ def reports_role(method: F) -> F:
             raise
         except Exception as e:
             inner = unwrap(e)
-            if isinstance(inner, (RoleError, ActorLost)):
+            if isinstance(inner, (RoleError, ActorLost)) or _object_lost(inner):
                 raise inner from None
             raise RoleError(
                 self.role,
@@ -82,6 +82,33 @@ def reports_role(method: F) -> F:
             ) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _object_lost(e: BaseException) -> bool:
+    """An object lost with its owner or node: a loss (the driver recovers), not a bug."""
+    from ray.exceptions import ObjectLostError  # noqa: PLC0415
+
+    return isinstance(e, ObjectLostError)
+
+
+def lost_server(e: BaseException, servers: list[Any]) -> int | None:
+    """Where ``e`` is an object lost (an argument a server owned), the index of the first of
+    ``servers`` that is gone; else None."""
+    import ray  # noqa: PLC0415
+    from ray.exceptions import RayActorError  # noqa: PLC0415
+
+    if not _object_lost(e):
+        return None
+    checks = [s.describe.remote() for s in servers]
+    ray.wait(checks, num_returns=len(checks), timeout=10)
+    for k, ref in enumerate(checks):
+        try:
+            ray.get(ref, timeout=0)
+        except RayActorError:
+            return k
+        except Exception:  # noqa: BLE001 - not answering yet: not known to be lost
+            continue
+    return None
 
 
 def get_all(
@@ -98,14 +125,14 @@ def get_all(
     instance whose call died.
     """
     import ray  # noqa: PLC0415
-    from ray.exceptions import RayActorError, RayTaskError  # noqa: PLC0415
+    from ray.exceptions import ObjectLostError, RayActorError, RayTaskError  # noqa: PLC0415
 
     try:
         return ray.get(refs, timeout=timeout)
     except RayTaskError as e:
         inner = unwrap(e)
-        if isinstance(inner, (RoleError, ActorLost)):
-            raise inner from None
+        if isinstance(inner, (RoleError, ActorLost, ObjectLostError)):
+            raise inner from None  # an object lost: an argument whose owner or node died
         text = str(e)  # Ray's own rendering carries the remote traceback
         i = _failed_index(refs)
         raise RoleError(

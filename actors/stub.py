@@ -8,9 +8,11 @@ synchronous; groups are asynchronous to one another and meet only at the servers
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -20,7 +22,7 @@ from raysinga.optim import PARALLEL_CHUNK, clip_grad_norm
 
 from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
 from .doorbell import Doorbell, Message
-from .errors import get_all, reports_role
+from .errors import ActorLost, get_all, lost_server, reports_role
 from .protocol import (
     Go,
     ServerDone,
@@ -211,7 +213,8 @@ class Stub(GroupBells):
             w.compute.remote(step, i, parts, self.snapshot[i], *self._sources(i))
             for i, w in enumerate(self.workers)
         ]
-        return get_all(futs, "worker", self.group)
+        with self._server_snapshots():
+            return get_all(futs, "worker", self.group)
 
     def _call_servers(self, step: int) -> list[float]:
         ups = [
@@ -244,7 +247,20 @@ class Stub(GroupBells):
         if self.n_groups > 1 and any(r is not None for r in self.refs):
             self.refs = [r for _, r in get_all([s.latest.remote() for s in self.servers], "server")]
         src = self._sources(0)
-        return get_all([self.workers[0].evaluate.remote(batch_size, *src)], "worker", 0)[0]
+        with self._server_snapshots():
+            return get_all([self.workers[0].evaluate.remote(batch_size, *src)], "worker", 0)[0]
+
+    @contextlib.contextmanager
+    def _server_snapshots(self) -> Iterator[None]:
+        """A worker on another node reads a server's published snapshot, which the server
+        owns: a lost snapshot means a lost server, named as such (the driver rebuilds it)."""
+        try:
+            yield
+        except Exception as e:
+            k = lost_server(e, self.servers)
+            if k is None:
+                raise
+            raise ActorLost("server", k, None, "its published values went with it") from e
 
     @reports_role
     def pid(self) -> int:

@@ -585,14 +585,16 @@ def tight_cluster():
 
 
 @pytest.mark.cluster
-def test_a_worker_on_another_node_than_its_stub_is_replaced_bit_exact(tight_cluster, tmp_path):
-    """Workers on two nodes: the stub drives them by Ray calls, not doorbells. Worker 1,
-    SIGKILLed, is replaced on its own node; the run ends bit-identical, nothing rolled back."""
+@pytest.mark.parametrize("role", ["worker", "stub", "server"])
+def test_a_role_of_a_group_over_two_nodes_is_replaced_bit_exact(tight_cluster, tmp_path, role):
+    """Workers on two nodes: the stub drives them by Ray calls, not doorbells. Worker 1 (on
+    the other node than the stub), the stub or the server, SIGKILLed, is replaced (the server
+    rebuilt) on its own node; the run ends bit-identical, nothing rolled back."""
     import ray
 
     want = DistributedTrainer(job(tmp_path / "straight"), log=None).fit().params
     t = DistributedTrainer(job(tmp_path / "lost"), log=None)
-    hook, fired = kill_at(t, "worker", 15)
+    hook, fired = kill_at(t, role, 15)
     t.hub.subscribe(hook)
     nodes: list[set] = []
     t.hub.subscribe(
@@ -607,7 +609,8 @@ def test_a_worker_on_another_node_than_its_stub_is_replaced_bit_exact(tight_clus
     for k, a in want.items():
         assert res.params[k].tobytes() == a.tobytes(), k
     (ev,) = events(tmp_path / "lost")
-    assert ev["recovery"] == "replaced" and ev["rolled_back"] == 0, ev
+    assert ev["recovery"] in ("replaced", "rebuilt and replayed") and ev["rolled_back"] == 0, ev
+    assert ev["role"] == role and ev["steps_redone"] <= 1, ev
 
 
 def assert_close(got: dict, want: dict, rel: float) -> None:
