@@ -24,17 +24,34 @@ class ConnectError(RuntimeError):
     """The cluster named cannot be reached or joined."""
 
 
-def connect(address: str | None = None) -> None:
+def joins_cluster(address: str | None = None) -> bool:
+    """Whether :func:`connect` joins a running cluster (``address``, ``RAY_ADDRESS``, or the
+    one ``ray start`` runs on this machine) rather than starting an embedded local Ray."""
+    if address or os.environ.get("RAY_ADDRESS"):
+        return True
+    try:  # where ray.init() finds the cluster `ray start` left its address for
+        from ray._private.services import find_bootstrap_address  # noqa: PLC0415
+
+        return bool(find_bootstrap_address(None))
+    except Exception:  # noqa: BLE001 - Ray's internals moved: as if there were none
+        return False
+
+
+def connect(address: str | None = None, runtime_env: dict[str, Any] | None = None) -> bool:
     """Join the cluster at ``address`` / ``RAY_ADDRESS`` (else the one ``ray start`` runs on
-    this machine, as Ray does), or start an embedded local one."""
+    this machine, as Ray does), or start an embedded local one; ``runtime_env``: what every
+    task and actor of this driver gets on a cluster joined. Returns whether this call
+    connected (False: Ray was already initialized, by the caller)."""
     import ray  # noqa: PLC0415
 
     if ray.is_initialized():
-        return
+        return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         _check_reachable(address)
     kwargs: dict[str, Any] = {"include_dashboard": False} if not address else {}
+    if runtime_env:
+        kwargs["runtime_env"] = runtime_env
     try:
         ray.init(address=address, log_to_driver=True, **kwargs)
     except ConnectionError as e:
@@ -47,6 +64,7 @@ def connect(address: str | None = None) -> None:
         )
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConnectError(f"cannot join the Ray cluster at {address}: {first}{hint}") from e
+    return True
 
 
 def _check_reachable(address: str, timeout: float = 5.0) -> None:

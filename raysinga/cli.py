@@ -91,7 +91,13 @@ def _train(args: argparse.Namespace) -> int:
             from .distributed import DistributedTrainer  # noqa: PLC0415 - imports Ray
 
             result = DistributedTrainer(
-                cfg, log=None, on_event=log, address=args.address, gather=False, **start
+                cfg,
+                log=None,
+                on_event=log,
+                address=args.address,
+                gather=False,
+                ship=not args.no_ship,
+                **start,
             ).fit()
     except Preempted as e:
         log.close()
@@ -245,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ADDR",
         default=None,
         help="Ray cluster to join (default: RAY_ADDRESS, else start an embedded local Ray)",
+    )
+    t.add_argument(
+        "--no-ship",
+        action="store_true",
+        help="on a cluster joined, use the raysinga installed on every node instead of "
+        "handing the roles this one's code",
     )
     t.add_argument(
         "--resume",

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from . import data_identity
+from . import data_identity, shipping
 from .actors import cluster
 from .actors.server import ParamServer
 from .actors.slicing import plan_slices
@@ -50,15 +50,18 @@ class DistributedTrainer:
         fresh: bool = False,
         gather: bool = True,
         on_event: Subscriber | Iterable[Subscriber] | None = None,
+        ship: bool = True,
     ) -> None:
         """``resume``: True continues the newest valid checkpoint of the run (an error if there
         is none), ``"auto"`` continues one if there is one; ``init_from``: a checkpoint whose
         parameters start a new run, matched by name; ``fresh``: delete the run's checkpoints
         first; ``gather``: return the final parameters in the result (small models). ``log``
         gets the run's events as console lines, ``on_event`` the events themselves
-        (:mod:`raysinga.events`); more subscribers can join :attr:`hub` before :meth:`fit`."""
+        (:mod:`raysinga.events`); more subscribers can join :attr:`hub` before :meth:`fit`.
+        ``ship``: on a cluster joined, hand raysinga's code to the roles (:mod:`.shipping`);
+        off where every node has raysinga installed."""
         check_start_options(resume, init_from, fresh)
-        self.cfg, self.address, self.gather = cfg, address, gather
+        self.cfg, self.address, self.gather, self.ship = cfg, address, gather, ship
         self.resume, self.init_from, self.fresh = resume, init_from, fresh
         self.hub = hub_for(log, on_event)
         self.classes = {**ROLE_CLASSES, **(classes or {})}
@@ -90,7 +93,12 @@ class DistributedTrainer:
         self.controller: Controller | None = None
 
     def fit(self) -> TrainResult:
-        cluster.connect(self.address)
+        import ray  # noqa: PLC0415
+
+        joins = cluster.joins_cluster(self.address) and not ray.is_initialized()
+        env = shipping.runtime_env() if joins and self.ship else None
+        if cluster.connect(self.address, env) and joins:
+            shipping.check_nodes()  # before any role: one line for a node that cannot run one
         cfg = self.cfg
         self.session = RunSession(
             cfg,

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import Checkpoint, CheckpointError
+from .checkpoint import Checkpoint, CheckpointError, storage
 from .checkpoint.finetune import MatchReport
 from .checkpoint.format import TensorInfo
 from .cursor import DataCursor
@@ -145,7 +145,7 @@ def run_meta(
             "data": data,
             "history": history,
             "best": best_eval(history),
-            "config": cfg.raw,
+            "config": storage.redact_all(cfg.raw),  # the job, without credentials
         }
     }
 

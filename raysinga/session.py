@@ -112,7 +112,7 @@ class RunSession:
 
     # ------------------------------------------------------------------ the start
     def __enter__(self) -> RunSession:
-        self.lock = RunLock(self.root).acquire()
+        self.lock = RunLock(self.root, notice=self.log).acquire()
         try:
             self.start = self._decide()
         except BaseException:

@@ -190,3 +190,105 @@ def trained_to(run_dir, step: int) -> bool:
             if rec.get("kind") == "train" and rec["step"] >= step:
                 return True
     return False
+
+
+def free_port() -> int:
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_of(pid: int) -> list[int]:
+    """The live processes of process group ``pid``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pid:
+            out.append(int(d.name))
+    return out
+
+
+def stop_group(pgid: int, grace: float = 15.0) -> None:
+    """End the processes ``ray start`` left in its own group (the daemons and the workers they
+    started): SIGTERM, then SIGKILL for what is left after ``grace`` seconds."""
+    import os  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while group_of(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def ray_start_cluster(nodes: list[tuple[str, int]], env: dict[str, str]):
+    """A cluster of ``ray start`` processes as a user starts one: a head without CPUs (this
+    environment's Ray), then one node per ``(python, cpus)``, each with ports of its own and
+    in a process group of its own, so that exactly these are stopped afterwards (a user's Ray
+    beside the suite holds the default ports and lives on). Yields the head's address."""
+    import shutil  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    port = free_port()
+    temp = tempfile.mkdtemp(prefix="rs-", dir="/tmp")  # short: Ray's socket paths must fit
+    own = ("--disable-usage-stats", f"--dashboard-agent-listen-port={free_port()}")
+    head = [
+        sys.executable,
+        "-c",
+        "from ray.scripts.scripts import main; main()",
+        "start",
+        "--head",
+        f"--port={port}",
+        f"--dashboard-port={free_port()}",
+        f"--ray-client-server-port={free_port()}",
+        "--num-cpus=0",
+        f"--temp-dir={temp}",
+        *own,
+    ]
+    started = []
+    try:
+        for i, cmd in enumerate(
+            [head]
+            + [
+                [
+                    py,
+                    "-c",
+                    "from ray.scripts.scripts import main; main()",
+                    "start",
+                    f"--address=127.0.0.1:{port}",
+                    f"--num-cpus={cpus}",
+                    "--disable-usage-stats",
+                    f"--dashboard-agent-listen-port={free_port()}",
+                ]
+                for py, cpus in nodes
+            ]
+        ):
+            p = subprocess.Popen(
+                cmd,
+                cwd=temp,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            started.append(p.pid)
+            out, _ = p.communicate(timeout=180)
+            assert p.returncode == 0, f"ray start ({'head' if i == 0 else f'node {i}'}): {out}"
+        yield f"127.0.0.1:{port}"
+    finally:
+        for pid in reversed(started):
+            stop_group(pid)
+        shutil.rmtree(temp, ignore_errors=True)
+    assert not any(group_of(pid) for pid in started), "a node's processes outlived the stop"

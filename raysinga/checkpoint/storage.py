@@ -52,6 +52,57 @@ def resolve(where: str | os.PathLike | Location, fs: pafs.FileSystem | None = No
     return Location(pafs.LocalFileSystem(), os.path.abspath(where))
 
 
+# query parameters of a storage URI that carry a credential (pyarrow's and the usual clouds')
+SECRET_PARAMS = frozenset(
+    {
+        "access_key",
+        "secret_key",
+        "session_token",
+        "password",
+        "token",
+        "credential",
+        "credentials",
+        "sig",
+        "signature",
+        "x-amz-credential",
+        "x-amz-signature",
+        "x-amz-security-token",
+        "sas_token",
+        "account_key",
+    }
+)
+
+
+def redact(uri: str) -> str:
+    """``uri`` without credentials: no user info (``s3://KEY:SECRET@bucket``), and the value
+    of every query parameter that carries one replaced by ``***``. Anything not a URI is
+    returned as it is."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep or not scheme.replace("+", "").replace("-", "").replace(".", "").isalnum():
+        return uri
+    rest, qsep, query = rest.partition("?")
+    authority, slash, path = rest.partition("/")
+    authority = authority.rpartition("@")[2]
+    if qsep:
+        parts = []
+        for item in query.split("&"):
+            name, eq, _ = item.partition("=")
+            parts.append(f"{name}=***" if eq and name.lower() in SECRET_PARAMS else item)
+        query = "&".join(parts)
+    return f"{scheme}://{authority}{slash}{path}{qsep}{query}"
+
+
+def redact_all(value: Any) -> Any:
+    """``value`` (nested dicts, lists, strings) with every URI string :func:`redact`-ed."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: redact_all(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact_all(v) for v in value)
+    return value
+
+
 def exists(loc: Location) -> bool:
     return loc.fs.get_file_info(loc.path).type != pafs.FileType.NotFound
 

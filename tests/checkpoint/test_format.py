@@ -466,6 +466,24 @@ def test_lock_of_a_live_or_foreign_holder_is_respected(tmp_path, holder):
     assert (tmp_path / ".writer.lock").read_text() == text
 
 
+def test_a_lease_of_a_writer_elsewhere_that_ran_out_is_taken_over(tmp_path):
+    """On a filesystem other machines share: a writer of another host stopped renewing. Its
+    lease ran out a second ago (its clock), or is seen unrenewed for a lease period (ours)."""
+    import json
+    import time
+
+    gone = {"host": "another-machine", "pid": 1, "token": "x", "until": time.time() - 1}
+    (tmp_path / ".writer.lock").write_text(json.dumps(gone))
+    save(tmp_path, 1, {"w": np.ones(2)})
+    assert steps(tmp_path) == [1] and not (tmp_path / ".writer.lock").exists()
+    skewed = {**gone, "until": time.time() + 3600}  # its clock an hour ahead of ours
+    (tmp_path / ".writer.lock").write_text(json.dumps(skewed))
+    t0 = time.monotonic()
+    with RunLock(resolve(tmp_path), lease_s=1.0):
+        assert 1.0 <= time.monotonic() - t0 < 5.0
+        assert json.loads((tmp_path / ".writer.lock").read_text())["host"] == socket.gethostname()
+
+
 def test_lock_left_half_taken_by_a_killed_writer_is_cleared(tmp_path):
     # a writer SIGKILLed while taking the lock leaves at most its temporary file, never an
     # empty lock that would refuse every later writer

@@ -8,8 +8,13 @@ place, the manifest last), prefixes as directories, and no O_EXCL for the run lo
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -40,6 +45,7 @@ from raysinga.checkpoint import (  # noqa: E402
     write_shard,
 )
 from raysinga.checkpoint.format import DTYPES  # noqa: E402
+from raysinga.checkpoint.lock import LEASE_S  # noqa: E402
 from raysinga.checkpoint.manage import recover  # noqa: E402
 from raysinga.checkpoint.storage import Location  # noqa: E402
 
@@ -544,3 +550,122 @@ def test_resume_finishes_a_replace_cut_short(s3, tmp_path):
     assert any("checkpoint's seed 5" in line for line in lines), lines
     assert steps(run) == [30, 20, 10]
     assert not any(".tmp-" in n for n in _names(fs, run))
+
+
+# --------------------------------------------------------------------------- the lease
+
+
+def test_a_live_writer_elsewhere_renewing_its_lease_is_refused(s3):
+    """A holder on another machine renews its lease: a second writer sees the renewal and is
+    refused within a lease period, the lock left as it was."""
+    fs, _ = s3
+    run = _run(fs, "lease")
+    holder = RunLock(run, lease_s=1.5)
+    holder.host = "another-machine"
+    holder.acquire()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointError, match="renews its lease"):
+            RunLock(run, lease_s=1.5).acquire()
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        holder.release()
+    assert fs.get_file_info(f"{run.path}/.writer.lock").type == pafs.FileType.NotFound
+
+
+@pytest.mark.slow
+def test_a_writer_killed_on_s3_is_resumed_without_touching_the_lock(s3, tmp_path):
+    """A writer SIGKILLed mid-run leaves its lock on S3. A writer of this machine takes a dead
+    process's lock over at once; one left by a writer on another machine (its host rewritten
+    so) is taken over once its lease runs out, and the run resumes."""
+    fs, port = s3
+    run = _run(fs, "killed")
+    d = tmp_path / "w"
+    d.mkdir()
+    (d / "job.yaml").write_text(JOB)
+    query = f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+    uri = f"s3://{KEYS['access_key']}:{KEYS['secret_key']}@{run.path}?{query}"
+    writer = subprocess.Popen(
+        [sys.executable, "-m", "raysinga.cli", "train", str(d / "job.yaml"), "--local"]
+        + [
+            "--set",
+            f"run_dir={d}",
+            "--set",
+            f"checkpoint.dir={uri}",
+            "--set",
+            "train_steps=100000",
+        ],
+        env={**os.environ, "AWS_EC2_METADATA_DISABLED": "true", "NO_PROXY": "127.0.0.1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while not steps(run) or steps(run)[0] < 20:
+        assert time.monotonic() < deadline and writer.poll() is None
+        time.sleep(0.1)
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    lock = f"{run.path}/.writer.lock"
+    left = json.loads(fs.open_input_stream(lock).read())
+    assert left["pid"] == writer.pid  # the dead writer's lease is still there
+    with fs.open_output_stream(lock) as f:  # as a writer on another machine leaves it
+        f.write(json.dumps({**left, "host": "another-machine"}).encode())
+    lines: list[str] = []
+    t0 = time.monotonic()
+    end = steps(run)[0] + 10
+    _train(port, run, tmp_path / "r", f"train_steps={end}", lines=lines, resume=True)
+    waited = time.monotonic() - t0
+    assert any("waiting up to" in line for line in lines), lines
+    assert any("resuming 's3run' at step" in line for line in lines), lines
+    assert waited < LEASE_S + 30, waited
+    assert latest(run).checkpoint.step == end
+    assert fs.get_file_info(lock).type == pafs.FileType.NotFound
+
+
+# --------------------------------------------------------------------------- no secrets at rest
+
+
+@pytest.mark.slow
+def test_credentials_in_the_uri_are_kept_out_of_every_file_log_and_inspect_output(s3, tmp_path):
+    """A run whose ``checkpoint.dir`` carries its keys in the URI (user info): the keys reach
+    no file of the run (local or on S3), no line it prints, no ``inspect --json`` output."""
+    fs, port = s3
+    run = _run(fs, "secret")
+    key, secret = "AKIASECRETKEYID00001", "s3cr3t+v4lue/NEVER-WRITTEN"
+    quoted = secret.replace("+", "%2B").replace("/", "%2F")
+    query = f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+    uri = f"s3://{key}:{quoted}@{run.path}?{query}"
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "job.yaml").write_text(JOB)
+    env = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true", "NO_PROXY": "127.0.0.1"}
+    cli = [sys.executable, "-m", "raysinga.cli"]
+    sets = ["--set", f"run_dir={d}", "--set", f"checkpoint.dir={uri}", "--set", "tensorboard=true"]
+    outs = [
+        subprocess.run(
+            [*cli, "train", str(d / "job.yaml"), "--local", *sets, *more],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        for more in ([], ["--set", "train_steps=40", "--resume"])
+    ]
+    ck = uri.replace("?", "/step-40?")
+    outs += [
+        subprocess.run([*cli, c, ck, *j], env=env, capture_output=True, text=True, timeout=300)
+        for c, j in (("inspect", ["--json"]), ("inspect", []), ("verify", []))
+    ]
+    for o in outs:
+        assert o.returncode == 0, o.stdout + o.stderr
+    texts = {f"output {i}": o.stdout + o.stderr for i, o in enumerate(outs)}
+    for f in d.rglob("*"):
+        if f.is_file():
+            texts[str(f)] = f.read_bytes().decode("latin-1")
+    for info in fs.get_file_info(pafs.FileSelector(run.path, recursive=True)):
+        if info.type == pafs.FileType.File:
+            texts[info.path] = fs.open_input_stream(info.path).read().decode("latin-1")
+    assert any(run.path in t for t in texts.values())  # the location itself is named
+    for where, text in texts.items():
+        for s in (key, secret, quoted):
+            assert s not in text, f"{s!r} in {where}"

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,16 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import local_cluster, trained_to
+from conftest import free_port, group_of, local_cluster, stop_group, trained_to
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ray_cli(*args: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
@@ -37,32 +29,6 @@ def ray_cli(*args: str, env: dict, timeout: float) -> subprocess.CompletedProces
         text=True,
         timeout=timeout,
     )
-
-
-def group_of(pid: int) -> list[int]:
-    """The live processes of process group ``pid``."""
-    out = []
-    for d in Path("/proc").iterdir():
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pid:
-            out.append(int(d.name))
-    return out
-
-
-def stop_group(pgid: int, grace: float = 15.0) -> None:
-    """End the processes ``ray start`` left in its own group (the head's daemons and the
-    workers they started): SIGTERM, then SIGKILL for what is left after ``grace`` seconds."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + grace
-        while group_of(pgid) and time.monotonic() < deadline:
-            time.sleep(0.2)
 
 
 @pytest.mark.slow
