@@ -400,8 +400,11 @@ def test_a_lost_registry_is_replaced_and_the_object_store_copies_go_on(straight,
             # directory's copy (right, but not what this test is about)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                reg = objstore.registry(create=False)
-                if 20 in [e["step"] for e in ray.get(reg.list.remote())]:
+                try:  # its name appears once Ray has created it
+                    reg = objstore.registry(create=False)
+                except ValueError:
+                    reg = None
+                if reg is not None and 20 in [e["step"] for e in ray.get(reg.list.remote())]:
                     break
                 time.sleep(0.05)
         kill_worker(ev)

@@ -1,0 +1,46 @@
+"""Storage locations: credentials written into a URI are never shown or stored."""
+
+from __future__ import annotations
+
+import pytest
+
+from raysinga.checkpoint.storage import redact, redact_all
+
+
+@pytest.mark.parametrize(
+    "uri, shown",
+    [
+        ("s3://KEY:SECRET@bucket/run", "s3://bucket/run"),
+        ("s3://KEY@bucket/run?region=eu", "s3://bucket/run?region=eu"),
+        (
+            "s3://bucket/run?access_key=K&secret_key=S&session_token=T&scheme=http",
+            "s3://bucket/run?access_key=***&secret_key=***&session_token=***&scheme=http",
+        ),
+        ("gs://bucket/p?Token=abc", "gs://bucket/p?Token=***"),
+        ("hdfs://user:pw@namenode:8020/p", "hdfs://namenode:8020/p"),
+        (
+            "https://acct.blob.core.windows.net/c?sig=xyz&sv=1",
+            "https://acct.blob.core.windows.net/c?sig=***&sv=1",
+        ),
+        ("/local/path/with@sign", "/local/path/with@sign"),
+        ("runs/digits", "runs/digits"),
+        ("s3://bucket/key@with-at", "s3://bucket/key@with-at"),
+    ],
+)
+def test_a_uri_is_shown_without_its_credentials(uri, shown):
+    assert redact(uri) == shown
+
+
+def test_every_uri_of_a_job_is_redacted_and_nothing_else_changes():
+    job = {
+        "checkpoint": {"dir": "s3://K:S@b/r", "keep_last": 3},
+        "data": {"source": {"kind": "npy", "x": "s3://b/x.npy?secret_key=S"}},
+        "layers": [{"name": "fc@1"}],
+        "lr": 0.1,
+    }
+    assert redact_all(job) == {
+        "checkpoint": {"dir": "s3://b/r", "keep_last": 3},
+        "data": {"source": {"kind": "npy", "x": "s3://b/x.npy?secret_key=***"}},
+        "layers": [{"name": "fc@1"}],
+        "lr": 0.1,
+    }
