@@ -202,7 +202,12 @@ def _plot(args: argparse.Namespace) -> int:
 
     if args.output is not None:
         _dir_usable(Path(args.output), "-o")
-    for path in plot_run(args.run, args.output):
+    run = args.run
+    if "://" in run:  # a record beside checkpoints in shared storage: plotted here
+        from .run_record import fetch_metrics  # noqa: PLC0415
+
+        run = str(fetch_metrics(run, Path(args.output or ".")))
+    for path in plot_run(run, args.output):
         print(f"wrote {path}")
     return 0
 
@@ -325,9 +330,18 @@ def build_parser() -> argparse.ArgumentParser:
         "(throughput.png) from a run's metrics.jsonl, with checkpoints, failures and resizes "
         "marked. Needs matplotlib (pip install 'raysinga[plot]').",
     )
-    pl.add_argument("run", metavar="RUN", help="run directory (holding metrics.jsonl) or the file")
     pl.add_argument(
-        "-o", "--output", metavar="DIR", default=None, help="where to write (default: RUN)"
+        "run",
+        metavar="RUN",
+        help="run directory (holding metrics.jsonl), the file, or a checkpoint directory's URI "
+        "(its record/, where a run with checkpoints in shared storage copies metrics.jsonl)",
+    )
+    pl.add_argument(
+        "-o",
+        "--output",
+        metavar="DIR",
+        default=None,
+        help="where to write (default: RUN; for a URI, the current directory)",
     )
     pl.set_defaults(func=_plot)
 

@@ -15,9 +15,10 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from . import data_identity, run_registry, run_sources
+from . import data_identity, run_record, run_registry, run_sources
 from .checkpoint import Checkpoint, CheckpointError, storage
 from .checkpoint.lock import RunLock
 from .checkpoint.manage import prune
@@ -123,8 +124,17 @@ class RunSession:
     def __exit__(self, *exc: object) -> None:
         try:
             run_registry.wait_adopted(self.adopting, self.log)
+            self.keep_record()
         finally:
             self._release()
+
+    def keep_record(self) -> None:
+        """Copy the run's record beside its checkpoints (:mod:`.run_record`); a failure is
+        told, not raised: the checkpoints themselves are what a resume needs."""
+        try:
+            run_record.mirror(Path(self.cfg.run_path), self.root)
+        except OSError as e:
+            self.log(f"raysinga: could not copy the run's record to {self.root}: {e}")
 
     def _release(self) -> None:
         if self.lock is not None:
@@ -248,6 +258,7 @@ class RunSession:
         if c.object_store:
             key = run_registry.key(self.cfg.name, self.root)
             run_registry.keep_in_object_store(key, step, path, deleted, self.adopting)
+        self.keep_record()
 
 
 def _in_ray_worker() -> bool:

@@ -231,16 +231,19 @@ def stop_group(pgid: int, grace: float = 15.0) -> None:
 
 
 @contextlib.contextmanager
-def ray_start_cluster(nodes: list[tuple[str, int]], env: dict[str, str]):
-    """A cluster of ``ray start`` processes as a user starts one: a head without CPUs (this
-    environment's Ray), then one node per ``(python, cpus)``, each with ports of its own and
-    in a process group of its own, so that exactly these are stopped afterwards (a user's Ray
-    beside the suite holds the default ports and lives on). Yields the head's address."""
+def ray_start_cluster(nodes: list[tuple[str, int]], env: dict[str, str], head_cpus: int = 0):
+    """A cluster of ``ray start`` processes as a user starts one: a head with ``head_cpus``
+    (this environment's Ray), then one node per ``(python, cpus)``, each with ports of its own
+    and in a process group of its own, so that exactly these are stopped afterwards (a user's
+    Ray beside the suite holds the default ports and lives on). Yields the head's address and
+    its dashboard's port."""
     import shutil  # noqa: PLC0415
     import sys  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
 
-    port = free_port()
+    port, dash = free_port(), free_port()
+    # Its own temp dir keeps its address file out of /tmp/ray, where a later ray.init() would
+    # find the stopped head (`ray stop` removes that file; stopping the group does not).
     temp = tempfile.mkdtemp(prefix="rs-", dir="/tmp")  # short: Ray's socket paths must fit
     own = ("--disable-usage-stats", f"--dashboard-agent-listen-port={free_port()}")
     head = [
@@ -250,9 +253,9 @@ def ray_start_cluster(nodes: list[tuple[str, int]], env: dict[str, str]):
         "start",
         "--head",
         f"--port={port}",
-        f"--dashboard-port={free_port()}",
+        f"--dashboard-port={dash}",
         f"--ray-client-server-port={free_port()}",
-        "--num-cpus=0",
+        f"--num-cpus={head_cpus}",
         f"--temp-dir={temp}",
         *own,
     ]
@@ -286,7 +289,7 @@ def ray_start_cluster(nodes: list[tuple[str, int]], env: dict[str, str]):
             started.append(p.pid)
             out, _ = p.communicate(timeout=180)
             assert p.returncode == 0, f"ray start ({'head' if i == 0 else f'node {i}'}): {out}"
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", dash
     finally:
         for pid in reversed(started):
             stop_group(pid)

@@ -666,6 +666,27 @@ def test_credentials_in_the_uri_are_kept_out_of_every_file_log_and_inspect_outpu
         if info.type == pafs.FileType.File:
             texts[info.path] = fs.open_input_stream(info.path).read().decode("latin-1")
     assert any(run.path in t for t in texts.values())  # the location itself is named
+    # the run's record beside its checkpoints, as written at the end of the resumed run
+    record = f"{run.path}/record"
+    local = (d / "metrics.jsonl").read_bytes()
+    assert fs.open_input_stream(f"{record}/metrics.jsonl").read() == local
+    events = fs.get_file_info(pafs.FileSelector(f"{record}/tensorboard"))
+    assert len(events) == len(list((d / "tensorboard").iterdir())) >= 1
     for where, text in texts.items():
         for s in (key, secret, quoted):
             assert s not in text, f"{s!r} in {where}"
+
+
+def test_a_record_in_shared_storage_is_plotted_from_its_uri(s3, tmp_path):
+    pytest.importorskip("matplotlib")
+    from raysinga import cli
+
+    fs, port = s3
+    run = _run(fs, "plotted")
+    _train(port, run, tmp_path / "w", "train_steps=20")
+    assert fs.get_file_info(f"{run.path}/record/metrics.jsonl").type == pafs.FileType.File
+    query = f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+    uri = f"s3://{KEYS['access_key']}:{KEYS['secret_key']}@{run.path}?{query}"
+    out = tmp_path / "plots"
+    assert cli.main(["plot", uri, "-o", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["loss.png", "metrics.jsonl", "throughput.png"]

@@ -6,15 +6,13 @@ group is stopped."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port, group_of, local_cluster, stop_group, trained_to
+from conftest import free_port, local_cluster, ray_start_cluster, trained_to
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -39,35 +37,7 @@ def test_ray_job_submit_of_the_example_succeeds_and_logs_the_accuracy():
     ray.shutdown()  # two clusters at once are too much for two cores; later tests restart it
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
-    port, dash = free_port(), free_port()
-    # `ray start` leads a new session: every daemon it starts stays in its process group. Its
-    # own temp dir keeps its address file out of /tmp/ray, where a later ray.init() would find
-    # the stopped head (`ray stop` removed that file; stopping the group does not).
-    temp = tempfile.mkdtemp(prefix="rs-", dir="/tmp")  # short: Ray's socket paths must fit
-    start = subprocess.Popen(
-        [
-            str(BIN / "ray"),
-            "start",
-            "--head",
-            f"--port={port}",
-            f"--dashboard-port={dash}",
-            # ports of their own: a user's Ray beside the suite holds the default ones
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--ray-client-server-port={free_port()}",
-            "--num-cpus=2",
-            "--disable-usage-stats",
-            f"--temp-dir={temp}",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = start.communicate(timeout=180)
-        assert start.returncode == 0, out
+    with ray_start_cluster([], env, head_cpus=2) as (_, dash):
         submit = ray_cli(
             "job",
             "submit",
@@ -84,15 +54,11 @@ def test_ray_job_submit_of_the_example_succeeds_and_logs_the_accuracy():
             env={**env, "RAY_AUTH_MODE": "token"},
             timeout=600,
         )
-        log = submit.stdout + submit.stderr
-        assert submit.returncode == 0, log
-        assert "succeeded" in log
-        acc = float(log.split("final test accuracy: ")[1].split()[0])
-        assert acc >= 0.9, log
-    finally:
-        stop_group(start.pid)
-        shutil.rmtree(temp, ignore_errors=True)
-    assert not group_of(start.pid), "the head's processes outlived the stop"
+    log = submit.stdout + submit.stderr
+    assert submit.returncode == 0, log
+    assert "succeeded" in log
+    acc = float(log.split("final test accuracy: ")[1].split()[0])
+    assert acc >= 0.9, log
 
 
 @pytest.mark.slow

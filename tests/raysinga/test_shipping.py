@@ -63,7 +63,7 @@ def cluster_without_raysinga(node_python):
     pytest.importorskip("ray").shutdown()  # two clusters at once are too much for two cores
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     env.pop("RAY_ADDRESS", None)
-    with ray_start_cluster([(node_python, 2)], env) as address:
+    with ray_start_cluster([(node_python, 2)], env) as (address, _):
         yield address, env
 
 
