@@ -38,22 +38,26 @@ def test_ray_job_submit_of_the_example_succeeds_and_logs_the_accuracy():
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
     with ray_start_cluster([], env, head_cpus=2) as (_, dash):
-        submit = ray_cli(
-            "job",
-            "submit",
-            f"--address=http://127.0.0.1:{dash}",
-            "--working-dir",
-            ".",
-            "--",
-            "python",
-            "examples/cluster_digits.py",
-            "--set",
-            "train_steps=300",
-            "--set",
-            "disp_freq=100",
-            env={**env, "RAY_AUTH_MODE": "token"},
-            timeout=600,
-        )
+        for _ in range(6):  # the head's job agent may come up a moment after `ray start`
+            submit = ray_cli(
+                "job",
+                "submit",
+                f"--address=http://127.0.0.1:{dash}",
+                "--working-dir",
+                ".",
+                "--",
+                "python",
+                "examples/cluster_digits.py",
+                "--set",
+                "train_steps=300",
+                "--set",
+                "disp_freq=100",
+                env={**env, "RAY_AUTH_MODE": "token"},
+                timeout=600,
+            )
+            if "No available agent to submit job" not in submit.stdout + submit.stderr:
+                break
+            time.sleep(5)
     log = submit.stdout + submit.stderr
     assert submit.returncode == 0, log
     assert "succeeded" in log
