@@ -105,7 +105,11 @@ class RunLock:
     def _try_remote(self, seen: dict[str, Any]) -> bool:
         # An object store has no create-if-absent: write, wait, and read back who won (the
         # last writer of two racing takers; the other sees its token gone and backs off).
-        if exists(self.file) and not self._free(read_bytes(self.file), seen):
+        try:
+            held = read_bytes(self.file) if exists(self.file) else None
+        except FileNotFoundError:  # let go of between the two calls
+            held = None
+        if held is not None and not self._free(held, seen):
             return False
         write_bytes(self.file, self._record())
         time.sleep(SETTLE_S)
