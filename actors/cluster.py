@@ -37,15 +37,14 @@ def joins_cluster(address: str | None = None) -> bool:
         return False
 
 
-def connect(address: str | None = None, runtime_env: dict[str, Any] | None = None) -> bool:
+def connect(address: str | None = None, runtime_env: dict[str, Any] | None = None) -> None:
     """Join the cluster at ``address`` / ``RAY_ADDRESS`` (else the one ``ray start`` runs on
     this machine, as Ray does), or start an embedded local one; ``runtime_env``: what every
-    task and actor of this driver gets on a cluster joined. Returns whether this call
-    connected (False: Ray was already initialized, by the caller)."""
+    task and actor of this driver gets. Nothing where Ray is already initialized."""
     import ray  # noqa: PLC0415
 
     if ray.is_initialized():
-        return False
+        return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         _check_reachable(address)
@@ -64,7 +63,6 @@ def connect(address: str | None = None, runtime_env: dict[str, Any] | None = Non
         )
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConnectError(f"cannot join the Ray cluster at {address}: {first}{hint}") from e
-    return True
 
 
 def _check_reachable(address: str, timeout: float = 5.0) -> None:

@@ -125,13 +125,13 @@ def get_all(
     instance whose call died.
     """
     import ray  # noqa: PLC0415
-    from ray.exceptions import ObjectLostError, RayActorError, RayTaskError  # noqa: PLC0415
+    from ray.exceptions import RayActorError, RayTaskError  # noqa: PLC0415
 
     try:
         return ray.get(refs, timeout=timeout)
     except RayTaskError as e:
         inner = unwrap(e)
-        if isinstance(inner, (RoleError, ActorLost, ObjectLostError)):
+        if isinstance(inner, (RoleError, ActorLost)) or _object_lost(inner):
             raise inner from None  # an object lost: an argument whose owner or node died
         text = str(e)  # Ray's own rendering carries the remote traceback
         i = _failed_index(refs)

@@ -96,8 +96,8 @@ class DistributedTrainer:
         import ray  # noqa: PLC0415
 
         joins = cluster.joins_cluster(self.address) and not ray.is_initialized()
-        env = shipping.runtime_env() if joins and self.ship else None
-        if cluster.connect(self.address, env) and joins:
+        cluster.connect(self.address, shipping.runtime_env() if joins and self.ship else None)
+        if joins:
             shipping.check_nodes()  # before any role: one line for a node that cannot run one
         cfg = self.cfg
         self.session = RunSession(

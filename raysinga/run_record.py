@@ -37,12 +37,7 @@ def mirror(run_dir: Path, root: Location) -> list[str]:
                 rel = f.relative_to(run_dir).as_posix()
                 dest = root.join(RECORD, *rel.split("/"))
                 root.fs.create_dir(dest.path.rsplit("/", 1)[0], recursive=True)
-                if root.local:  # written aside, then renamed over the older copy
-                    tmp = Location(dest.fs, dest.path + ".tmp")
-                    storage.write_bytes(tmp, f.read_bytes())
-                    dest.fs.move(tmp.path, dest.path)
-                else:  # an object store's put replaces the object whole
-                    storage.write_bytes(dest, f.read_bytes())
+                storage.replace_bytes(dest, f.read_bytes())
                 copied.append(rel)
     _drop_stale(root.join(RECORD), set(copied))
     return copied

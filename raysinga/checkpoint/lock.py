@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .format import CheckpointError
-from .storage import Location, exists, read_bytes, write_bytes
+from .storage import Location, exists, read_bytes, replace_bytes
 
 LEASE_S = 15.0  # a writer that stops renewing loses the lock this long after its last renewal
 SETTLE_S = 0.5  # on an object store: how long a taker waits before reading back who won
@@ -46,7 +46,6 @@ class RunLock:
         self.token = uuid.uuid4().hex
         self.lease_s = lease_s
         self.held = False
-        self.lost: str | None = None  # why this holder lost the lock (another took it over)
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
@@ -91,16 +90,10 @@ class RunLock:
                 holder = None
             if holder is not None and not self._free(holder, seen):
                 return False
-            self._write_local(self._record())
+            replace_bytes(self.file, self._record())  # whole, as .writer.lock.tmp-<pid> first
             return True
         finally:
             os.close(guard)  # also releases the flock
-
-    def _write_local(self, data: bytes) -> None:
-        tmp = f"{self.file.path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.rename(tmp, self.file.path)
 
     def _try_remote(self, seen: dict[str, Any]) -> bool:
         # An object store has no create-if-absent: write, wait, and read back who won (the
@@ -111,7 +104,7 @@ class RunLock:
             held = None
         if held is not None and not self._free(held, seen):
             return False
-        write_bytes(self.file, self._record())
+        replace_bytes(self.file, self._record())
         time.sleep(SETTLE_S)
         return self._parse(read_bytes(self.file)).get("token") == self.token
 
@@ -170,12 +163,8 @@ class RunLock:
             try:
                 current = self._parse(read_bytes(self.file)) if exists(self.file) else {}
                 if current.get("token") != self.token:
-                    self.lost = f"{self.file} was taken over by {current or 'nobody'}"
-                    return
-                if self.root.local:
-                    self._write_local(self._record())
-                else:
-                    write_bytes(self.file, self._record())
+                    return  # another writer took it over: stop renewing theirs
+                replace_bytes(self.file, self._record())
             except OSError:
                 continue  # storage unreachable for now: the next renewal tries again
 

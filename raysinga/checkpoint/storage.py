@@ -159,6 +159,17 @@ def write_bytes(loc: Location, data: bytes) -> None:
         fsync_path(loc.path)
 
 
+def replace_bytes(loc: Location, data: bytes) -> None:
+    """Write ``data`` as ``loc`` whole: a reader sees the older content or the new, never a
+    part (locally written aside, then renamed over it; an object store's put is whole)."""
+    if not loc.local:
+        write_bytes(loc, data)
+        return
+    tmp = Location(loc.fs, f"{loc.path}.tmp-{os.getpid()}")
+    write_bytes(tmp, data)
+    os.replace(tmp.path, loc.path)
+
+
 def read_bytes(loc: Location, limit: int | None = None) -> bytes:
     with loc.fs.open_input_stream(loc.path) as f:
         return f.read(limit) if limit is not None else f.read()
