@@ -26,9 +26,11 @@ class ConnectError(RuntimeError):
 
 def joins_cluster(address: str | None = None) -> bool:
     """Whether :func:`connect` joins a running cluster (``address``, ``RAY_ADDRESS``, or the
-    one ``ray start`` runs on this machine) rather than starting an embedded local Ray."""
-    if address or os.environ.get("RAY_ADDRESS"):
-        return True
+    one ``ray start`` runs on this machine) rather than starting an embedded local Ray
+    (``local``, as Ray spells it, asks for the embedded one even where a cluster runs)."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        return address != "local"
     try:  # where ray.init() finds the cluster `ray start` left its address for
         from ray._private.services import find_bootstrap_address  # noqa: PLC0415
 
@@ -45,10 +47,11 @@ def connect(address: str | None = None, runtime_env: dict[str, Any] | None = Non
 
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
+    embedded = not joins_cluster(address)
+    address = "local" if embedded else address or os.environ.get("RAY_ADDRESS")
+    if address and not embedded:
         _check_reachable(address)
-    kwargs: dict[str, Any] = {"include_dashboard": False} if not address else {}
+    kwargs: dict[str, Any] = {"include_dashboard": False} if embedded else {}
     if runtime_env:
         kwargs["runtime_env"] = runtime_env
     try:

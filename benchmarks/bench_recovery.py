@@ -117,25 +117,16 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated: " + ", ".join(KINDS))
     args = ap.parse_args()
 
-    import ray
-    from ray.cluster_utils import Cluster
+    from raysinga.local_cluster import local_cluster
 
     work = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     out: dict[tuple[str, str], list[dict[str, float]]] = {}
     for kind in args.kinds.split(","):
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-        for cpus in NODES.get(kind, (2, 2)):
-            cluster.add_node(num_cpus=cpus)
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
-        try:
+        with local_cluster(*NODES.get(kind, (2, 2))) as (cluster, _):
             for r in range(args.runs):  # the two paths alternate, so both see the same noise
                 for path in ("restart", "replace"):
                     run = one_run(cluster, kind, path, work / f"{kind}-{path}{r}")
                     out.setdefault((kind, path), []).append(run)
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
     print(
         f"digits MLP, 1 group x 2 workers + 1 server on a local 2-node cluster (2 cores; "
         f"node: three 1-CPU nodes, 2 servers); kill at step {KILL_AT}; checkpoints every 20 "

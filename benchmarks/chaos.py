@@ -18,6 +18,7 @@ not survived or the parameters differ.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -47,21 +48,18 @@ def main() -> int:
     from raysinga import config
     from raysinga.chaos import Chaos
     from raysinga.distributed import DistributedTrainer
+    from raysinga.local_cluster import local_cluster
 
     cluster = None
-    if args.address:
-        ray.init(address=args.address, log_to_driver=False)
-    elif args.nodes:
-        from ray.cluster_utils import Cluster
-
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-        for _ in range(args.nodes):
-            cluster.add_node(num_cpus=2)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False)
-    else:
-        ray.init(num_cpus=os.cpu_count(), log_to_driver=False)
-    with tempfile.TemporaryDirectory() as d:
+    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as d:
+        if args.address:
+            ray.init(address=args.address, log_to_driver=False)
+            stack.callback(ray.shutdown)
+        elif args.nodes:
+            cluster, _ = stack.enter_context(local_cluster(*[2] * args.nodes))
+        else:
+            ray.init(address="local", num_cpus=os.cpu_count(), log_to_driver=False)
+            stack.callback(ray.shutdown)
 
         def job(name: str) -> config.JobConfig:
             over = [
@@ -96,9 +94,6 @@ def main() -> int:
         t0 = time.perf_counter()
         want = DistributedTrainer(job("straight"), log=None).fit().params
         straight_s = time.perf_counter() - t0
-    ray.shutdown()
-    if cluster is not None:
-        cluster.shutdown()
 
     report = chaos.report()
     print(f"\n{Path(args.job).name}: {args.steps} steps, checkpoint every {args.checkpoint_every}")

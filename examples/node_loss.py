@@ -27,11 +27,11 @@ import tempfile
 from pathlib import Path
 
 import ray
-from ray.cluster_utils import Cluster
 
 from raysinga import config
 from raysinga.distributed import DistributedTrainer
 from raysinga.events import Event, TrainStep
+from raysinga.local_cluster import local_cluster
 
 JOB = Path(__file__).resolve().parent / "digits_mlp.yaml"
 
@@ -51,13 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
         sets += ["fault.min_workers=1", "fault.grow_check_s=1"]
     cfg = config.load(JOB, [*sets, *args.set])
 
-    ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(2):
-        cluster.add_node(num_cpus=cpus)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    try:
+    with local_cluster(cpus, cpus) as (cluster, _):
         trainer = DistributedTrainer(cfg, log=lambda line: print(line, flush=True))
         removed, added = [], []
 
@@ -78,9 +72,6 @@ def main(argv: list[str] | None = None) -> dict:
 
         trainer.hub.subscribe(hook)
         result = trainer.fit()
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     events = [r for r in result.history if r.get("kind") in ("failure", "resize")]
     print("--- events")
     for e in events:

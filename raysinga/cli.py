@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from . import config as config_mod
 from .checkpoint.format import MANIFEST, CheckpointError
+from .checkpoint.storage import redact_text
 
 EXPORT_SUFFIX = {"npz": ".npz", "safetensors": ".safetensors"}
 
@@ -103,12 +106,33 @@ def _train(args: argparse.Namespace) -> int:
         log.close()
         print(f"raysinga: {e}", file=sys.stderr)
         return 128 + e.signum
+    except SystemExit as e:
+        # Ray's own SIGTERM handler (it raises SystemExit(15)), which holds outside the
+        # training steps: while joining the cluster, taking the run's lock, or ending the run.
+        if e.code != signal.SIGTERM:
+            raise
+        log.close()
+        print(
+            "raysinga: stopped by SIGTERM outside the training steps (while the run was starting "
+            "or ending); its committed checkpoints are intact",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGTERM
     finally:
         log.close()
+        if args.own_process:
+            _ignore_late_sigterm()
     final = result.final_eval
     if final is not None and "test_accuracy" in final:
         print(f"final test accuracy: {final['test_accuracy']:.4f}")
     return 0
+
+
+def _ignore_late_sigterm() -> None:
+    """The run has ended and the process is about to: a SIGTERM now (``ray job stop`` of a job
+    in its last moment) must not cut short its report or Ray's shutdown with a traceback."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -255,7 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--address",
         metavar="ADDR",
         default=None,
-        help="Ray cluster to join (default: RAY_ADDRESS, else start an embedded local Ray)",
+        help=(
+            "Ray cluster to join (default: RAY_ADDRESS, else the one `ray start` runs here, "
+            "else an embedded local Ray; 'local': the embedded one)"
+        ),
     )
     t.add_argument(
         "--no-ship",
@@ -364,24 +391,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def program() -> None:
+    """The ``raysinga`` command: :func:`main` as the process itself, ended with its status."""
+    sys.exit(main(own_process=True))
+
+
+def main(argv: list[str] | None = None, own_process: bool = False) -> int:
+    """Run the command ``argv`` (default: the process's arguments) and return its exit status.
+    ``own_process``: the process ends after it (it may then set process-wide signal handling)."""
     args = build_parser().parse_args(argv)
+    args.own_process = own_process
     try:
         return args.func(args)
     except (config_mod.ConfigError, ValueError) as e:
-        print(f"raysinga: error: {e}", file=sys.stderr)
+        _error(e)
         return 2
     except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
         # a path the user gave (or the run's directories) that cannot be read or written
         where = f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
-        print(f"raysinga: error: {where}", file=sys.stderr)
+        _error(where)
         return 2
     except CheckpointError as e:
-        print(f"raysinga: error: {e}", file=sys.stderr)
+        _error(e)
         return 1
     except (RuntimeError, FloatingPointError) as e:  # a role failed, the cluster cannot hold
         # the topology, or the loss went non-finite
-        print(f"raysinga: error: {e}", file=sys.stderr)
+        _error(e)
         return 1
     except KeyboardInterrupt:
         print("raysinga: interrupted", file=sys.stderr)
@@ -389,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # noqa: BLE001 - not the user's input: ours to fix
         import traceback  # noqa: PLC0415
 
-        traceback.print_exc()
+        print(redact_text(traceback.format_exc()), end="", file=sys.stderr)
         print(
             "raysinga: internal error: the traceback above is a bug in raysinga, not a mistake "
             "in your input; please report it with the command you ran",
@@ -398,5 +433,10 @@ def main(argv: list[str] | None = None) -> int:
         return 70
 
 
+def _error(what: object) -> None:
+    """The one line an error gets, with any credentials in a URI it names left out."""
+    print(f"raysinga: error: {redact_text(str(what))}", file=sys.stderr)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    program()

@@ -108,6 +108,7 @@ class CheckpointCoordinator:
             state = writer.write_shard(
                 p.tmp, len(roles.servers), state_tensors(p.states), compression
             )
+            self.session.check_lock()
             path = writer.commit(p.tmp, p.step, [*p.records, state], p.meta, replace=p.replace)
         except (ActorLost, ObjectLostError):
             self.pending = p  # its directory goes once every role is stopped (recovery)

@@ -117,6 +117,7 @@ def save(
         }
         seed, data = session.start.seed, session.data
         meta = run_meta(cfg, [step], cursor, opt, history, step, seed=seed, data=data)
+        session.check_lock()
         path = writer.commit(tmp, step, [shard, st_shard], meta, replace=replace)
     except BaseException:
         storage.remove_dir(tmp)

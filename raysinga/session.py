@@ -113,7 +113,12 @@ class RunSession:
 
     # ------------------------------------------------------------------ the start
     def __enter__(self) -> RunSession:
-        self.lock = RunLock(self.root, notice=self.log).acquire()
+        try:
+            self.lock = RunLock(self.root, notice=self.log).acquire()
+        except CheckpointError:
+            raise
+        except OSError as e:  # the first write of the run: a place that cannot be written
+            raise CheckpointError(f"checkpoint.dir {self.root} cannot be written: {e}") from None
         try:
             self.start = self._decide()
         except BaseException:
@@ -135,6 +140,11 @@ class RunSession:
             run_record.mirror(Path(self.cfg.run_path), self.root)
         except OSError as e:
             self.log(f"raysinga: could not copy the run's record to {self.root}: {e}")
+
+    def check_lock(self) -> None:
+        """Before a commit: raise CheckpointError where another writer took the run over."""
+        if self.lock is not None:
+            self.lock.check()
 
     def _release(self) -> None:
         if self.lock is not None:

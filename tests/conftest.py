@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import subprocess
+import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from raysinga.kernels import gpu_available, gpu_unavailable_reason
+from raysinga.local_cluster import address_file as local_cluster_address_file
+from raysinga.local_cluster import local_cluster
+
+__all__ = ["local_cluster"]  # tests take it from here, with the other helpers
+
+
+def pytest_configure(config):
+    # The suite runs on Ray instances of its own: a `raysinga train` it starts, or its own
+    # ray.init(), must not join a cluster the user runs on this machine (found through
+    # RAY_ADDRESS or the address file of `ray start`). Tests that join a cluster name it.
+    os.environ["RAY_ADDRESS"] = "local"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,12 +38,77 @@ def pytest_collection_modifyitems(config, items):
 def _ray_stop_last(items):
     """Multi-node tests replace the session's embedded Ray with a ``Cluster``, and ``ray_stop``
     tests shut it down for a ``ray start`` head of their own: run them after everything else, in
-    that order, so the embedded Ray starts once."""
-    items.sort(
-        key=lambda item: (
-            2 if "ray_stop" in item.keywords else 1 if "cluster" in item.keywords else 0
-        )
+    that order, so the embedded Ray starts once. A ``users_ray`` test, which looks at the
+    user's Ray after the whole suite, runs at the very end."""
+
+    def order(item) -> int:
+        for rank, marker in ((3, "users_ray"), (2, "ray_stop"), (1, "cluster")):
+            if marker in item.keywords:
+                return rank
+        return 0
+
+    items.sort(key=order)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def users_ray(request):
+    """Where the session runs a ``users_ray`` test: the Ray a user runs on this machine, there
+    before the first test. A ``ray start --head`` found through Ray's address file is used as it
+    is; else one is started as a user starts it (Ray's default temporary directory, so its
+    address file is written; the default port where free), and stopped after the session.
+    Yields its address and the pids of its GCS and raylet where started here, or None where
+    no such test runs."""
+    if not any("users_ray" in item.keywords for item in request.session.items):
+        yield None
+        return
+    address = _users_address()
+    if address is not None:
+        yield {"address": address, "daemons": []}
+        return
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    port = 6379 if _port_free(6379) else free_port()
+    cmd = ["start", "--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false"]
+    p = subprocess.Popen(
+        [sys.executable, "-c", "from ray.scripts.scripts import main; main()", *cmd],
+        env={**env, "RAY_USAGE_STATS_ENABLED": "0"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
+    out, _ = p.communicate(timeout=180)
+    try:
+        assert p.returncode == 0, f"ray start --head: {out}"
+        daemons = [
+            pid
+            for pid in group_of(p.pid)
+            if Path(f"/proc/{pid}/comm").read_text().strip() in ("gcs_server", "raylet")
+        ]
+        yield {"address": _users_address(), "daemons": daemons}
+    finally:
+        stop_group(p.pid)
+        address_file = local_cluster_address_file()
+        with contextlib.suppress(OSError):
+            if Path(address_file).read_text().strip().endswith(f":{port}"):
+                os.remove(address_file)  # what `ray stop` would have removed
+
+
+def _users_address() -> str | None:
+    """The address in Ray's address file, where something answers there."""
+    with contextlib.suppress(OSError):
+        text = Path(local_cluster_address_file()).read_text().strip()
+        host, _, port = text.rpartition(":")
+        if port.isdigit() and not _port_free(int(port), host or "127.0.0.1"):
+            return text
+    return None
+
+
+def _port_free(port: int, host: str = "127.0.0.1") -> bool:
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex((host, port)) != 0
 
 
 @pytest.fixture
@@ -45,7 +122,7 @@ def start_ray():
     """The session's embedded Ray (module-scoped fixtures call this directly)."""
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     return ray
 
 
@@ -77,25 +154,6 @@ def small_fs(tmp_path):
             subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
-@contextlib.contextmanager
-def local_cluster(*node_cpus: int, **head: Any):
-    """A Ray cluster on this machine (``ray.cluster_utils``): a head with no CPUs (plus
-    ``head`` options) and one node per entry of ``node_cpus``; the session's Ray joins it."""
-    ray = pytest.importorskip("ray")
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **head})
-    nodes = [cluster.add_node(num_cpus=n) for n in node_cpus]
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    try:
-        yield cluster, nodes
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
 @pytest.fixture(scope="module")
 def two_node_cluster():
     """A head with no CPUs and two 2-CPU nodes."""
@@ -116,7 +174,6 @@ def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
 
 def run_cli(*args: str, cwd=None, timeout: float = 300) -> subprocess.CompletedProcess:
     """``raysinga ARGS`` as a user runs it: its own process, output captured."""
-    import sys  # noqa: PLC0415
 
     return subprocess.run(
         [sys.executable, "-m", "raysinga.cli", *args],
@@ -213,6 +270,28 @@ def group_of(pid: int) -> list[int]:
     return out
 
 
+def node_processes(pgid: int) -> list[int]:
+    """Every live process of the node ``ray start`` left in process group ``pgid``: the group
+    and everything started under it (Ray gives each worker a process group of its own)."""
+    parents: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":
+            parents[int(d.name)] = int(fields[1])
+    found = set(group_of(pgid))
+    grew = True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in found} - found
+        found |= more
+        grew = bool(more)
+    return sorted(found)
+
+
 def stop_group(pgid: int, grace: float = 15.0) -> None:
     """End the processes ``ray start`` left in its own group (the daemons and the workers they
     started): SIGTERM, then SIGKILL for what is left after ``grace`` seconds."""
@@ -235,12 +314,14 @@ def ray_start_cluster(nodes: list[tuple[str, int]], env: dict[str, str], head_cp
     """A cluster of ``ray start`` processes as a user starts one: a head with ``head_cpus``
     (this environment's Ray), then one node per ``(python, cpus)``, each with ports of its own
     and in a process group of its own, so that exactly these are stopped afterwards (a user's
-    Ray beside the suite holds the default ports and lives on). Yields the head's address and
-    its dashboard's port."""
+    Ray beside the suite holds the default ports and lives on). Yields the head's address, its
+    dashboard's port and the process group of each node after the head (to remove one, kill
+    its group)."""
     import shutil  # noqa: PLC0415
-    import sys  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
 
+    # Not a client of the session's RAY_ADDRESS; a node joins the head with `ray start`'s token
+    env = {**{k: v for k, v in env.items() if k != "RAY_ADDRESS"}, "RAY_AUTH_MODE": "token"}
     port, dash = free_port(), free_port()
     # Its own temp dir keeps its address file out of /tmp/ray, where a later ray.init() would
     # find the stopped head (`ray stop` removes that file; stopping the group does not).
@@ -289,9 +370,47 @@ def ray_start_cluster(nodes: list[tuple[str, int]], env: dict[str, str], head_cp
             started.append(p.pid)
             out, _ = p.communicate(timeout=180)
             assert p.returncode == 0, f"ray start ({'head' if i == 0 else f'node {i}'}): {out}"
-        yield f"127.0.0.1:{port}", dash
+        yield f"127.0.0.1:{port}", dash, started[1:]
     finally:
         for pid in reversed(started):
             stop_group(pid)
         shutil.rmtree(temp, ignore_errors=True)
     assert not any(group_of(pid) for pid in started), "a node's processes outlived the stop"
+
+
+@pytest.fixture(scope="session")
+def node_python(tmp_path_factory):
+    """The Python of a node that has Ray and raysinga's dependencies but not raysinga."""
+    return node_env(tmp_path_factory.mktemp("node-env"))
+
+
+def node_env(where: Path, without: tuple[str, ...] = ()) -> str:
+    """A virtual environment in ``where`` whose Python imports what this one's site-packages
+    hold, but not raysinga (its install's hook is a path file, which a directory reached
+    through another path file does not run) nor the top-level modules ``without``. Returns
+    its Python."""
+    import sysconfig  # noqa: PLC0415
+
+    subprocess.run([sys.executable, "-m", "venv", str(where / "venv")], check=True)
+    py = str(where / "venv" / "bin" / "python")
+    site = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    deps = Path(sysconfig.get_paths()["purelib"])
+    if without:  # a directory of links to every entry but those
+        linked = where / "deps"
+        linked.mkdir()
+        for entry in deps.iterdir():
+            top = entry.name.split("-")[0].split(".")[0].lower()
+            if top not in without:
+                (linked / entry.name).symlink_to(entry)
+        deps = linked
+    Path(site, "deps.pth").write_text(f"{deps}\n")
+    lacks = ["raysinga", *without]
+    for module in ["ray", "numpy", "pyarrow", "msgpack", *lacks]:
+        found = subprocess.run([py, "-c", f"import {module}"], cwd=where, capture_output=True)
+        assert (found.returncode == 0) == (module not in lacks), (module, found.stderr)
+    return py

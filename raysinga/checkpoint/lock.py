@@ -10,7 +10,9 @@ writer takes the lock over, on a shared filesystem or an object store as on a lo
 nobody deleting a file by hand. A lock of a process of this host that is gone is taken over at
 once. A live holder keeps renewing, so a second writer is refused; where the holder's clock
 and ours disagree, a lease seen unrenewed for a whole lease period on our own clock counts as
-run out too.
+run out too. A holder paused past its lease (SIGSTOP, a stalled machine) may find the lock
+taken over when it wakes: it finds out at its next renewal, or at :meth:`RunLock.check`
+before a commit, and stops instead of writing beside the new writer.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class RunLock:
         self.token = uuid.uuid4().hex
         self.lease_s = lease_s
         self.held = False
+        self.lost: str | None = None  # why this holder no longer holds it, once it does not
+        self._renewed = 0.0  # when this holder last renewed its lease (monotonic)
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
@@ -68,6 +72,8 @@ class RunLock:
                 break
             time.sleep(min(1.0, self.lease_s / 10))
         self.held = True
+        self.lost = None
+        self._renewed = time.monotonic()
         self._stop.clear()
         self._renewer = threading.Thread(target=self._renew, name="run-lock", daemon=True)
         self._renewer.start()
@@ -161,12 +167,37 @@ class RunLock:
     def _renew(self) -> None:
         while not self._stop.wait(self.lease_s / 3):
             try:
-                current = self._parse(read_bytes(self.file)) if exists(self.file) else {}
-                if current.get("token") != self.token:
-                    return  # another writer took it over: stop renewing theirs
-                replace_bytes(self.file, self._record())
-            except OSError:
-                continue  # storage unreachable for now: the next renewal tries again
+                if self._taken_over():
+                    return
+                replace_bytes(self.file, self._record())  # also where it was deleted by hand
+                self._renewed = time.monotonic()
+            except OSError as e:  # storage unreachable for now: the next renewal tries again
+                if time.monotonic() - self._renewed > self.lease_s:
+                    self.lost = f"it could not be renewed for {self.lease_s:g} s ({e})"
+                    return
+
+    def _taken_over(self) -> bool:
+        """Whether another writer holds the lock now (this one was paused past its lease:
+        SIGSTOP, a stalled machine); records why in :attr:`lost`."""
+        current = self._parse(read_bytes(self.file)) if exists(self.file) else None
+        if current is None or current.get("token") == self.token:
+            return False
+        who = f"{current.get('host', '?')} {current.get('pid', '?')}"
+        self.lost = f"{who} took it over after this writer's lease ran out"
+        return True
+
+    def check(self) -> None:
+        """Raise CheckpointError where this holder has lost the lock: a writer must not
+        commit or prune beside the one that took the run over. Where the last renewal is
+        older than half a lease (this process may have been paused), the lock is read first."""
+        if self.lost is None and time.monotonic() - self._renewed > self.lease_s / 2:
+            with contextlib.suppress(OSError):  # unreachable: the commit itself will say so
+                self._taken_over()
+        if self.lost is not None:
+            raise CheckpointError(
+                f"{self.root}: this run lost its writer lock ({self.lost}); it stops without "
+                "writing beside the run's new writer"
+            )
 
     def release(self) -> None:
         self._stop.set()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +48,7 @@ def resolve(where: str | os.PathLike | Location, fs: pafs.FileSystem | None = No
         try:
             f, path = pafs.FileSystem.from_uri(where)
         except (ValueError, OSError) as e:
-            raise CheckpointError(f"{where}: cannot open this location: {e}") from None
+            raise CheckpointError(redact_text(f"{where}: cannot open this location: {e}")) from None
         return Location(f, path)
     return Location(pafs.LocalFileSystem(), os.path.abspath(where))
 
@@ -90,6 +91,14 @@ def redact(uri: str) -> str:
             parts.append(f"{name}=***" if eq and name.lower() in SECRET_PARAMS else item)
         query = "&".join(parts)
     return f"{scheme}://{authority}{slash}{path}{qsep}{query}"
+
+
+_URI = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+")
+
+
+def redact_text(text: str) -> str:
+    """``text`` (an error message, a log line) with every URI in it :func:`redact`-ed."""
+    return _URI.sub(lambda m: redact(m.group(0)), text)
 
 
 def redact_all(value: Any) -> Any:

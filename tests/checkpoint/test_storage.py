@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raysinga.checkpoint.storage import redact, redact_all
+from raysinga.checkpoint.storage import redact, redact_all, redact_text
 
 
 @pytest.mark.parametrize(
@@ -44,3 +44,14 @@ def test_every_uri_of_a_job_is_redacted_and_nothing_else_changes():
         "layers": [{"name": "fc@1"}],
         "lr": 0.1,
     }
+
+
+def test_every_uri_in_a_message_is_shown_without_its_credentials():
+    text = (
+        "s3://K:S@b/run?region=x: cannot open this location: 'gs://b/x?token=T' "
+        "and http://127.0.0.1:8265 (see /tmp/a)"
+    )
+    assert redact_text(text) == (
+        "s3://b/run?region=x: cannot open this location: 'gs://b/x?token=***' "
+        "and http://127.0.0.1:8265 (see /tmp/a)"
+    )

@@ -396,6 +396,31 @@ def test_bad_train_flags(case, where):
     cli_error("train", _job(where), *_fill(args, where), named=_fill(named, where))
 
 
+STORAGE = {  # id -> (checkpoint.dir, what the error line names); credentials never shown
+    "a directory that cannot be made": (
+        "/proc/nope/run",
+        ["checkpoint.dir /proc/nope/run cannot be written"],
+    ),
+    "an object store nothing answers at": (
+        "s3://KEY:SECRET@bucket/run?endpoint_override=127.0.0.1:1&scheme=http&region=us-east-1",
+        ["checkpoint.dir s3://bucket/run cannot be written", "127.0.0.1:1"],
+    ),
+    "an unknown scheme": ("nosuch://KEY:SECRET@x/run", ["nosuch://x/run", "cannot open"]),
+    "a credential pyarrow does not take": (
+        "s3://bucket/run?secret_key=SECRET",
+        ["secret_key=***", "cannot open"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STORAGE))
+def test_storage_that_cannot_be_written(case, where):
+    uri, named = STORAGE[case]
+    line = cli_error("train", _job(where), "--set", f"checkpoint.dir={uri}", named=named)
+    assert "SECRET" not in line and "KEY" not in line, line
+    assert not Path(where["run"], "checkpoints").exists()
+
+
 # -- the other commands, given paths that are not what they want ---------------------------------
 
 

@@ -457,6 +457,42 @@ def test_sigterm_checkpoints_the_step_reached_and_resumes_bit_exact(ray_session,
     assert tensors(run / "checkpoints/step-200") == tensors(ref / "checkpoints/step-200")
 
 
+def test_sigterm_before_the_steps_stops_in_one_line_and_leaves_the_lock_alone(
+    ray_session, tmp_path
+):
+    """SIGTERM while the run waits for another writer's lease to run out (outside the steps,
+    where Ray's own handler holds): one line, exit 128 + 15, no traceback, nothing written,
+    and the other writer's lock as it was."""
+    import json
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "job.yaml").write_text(JOB)
+    held = {"host": "another-machine", "pid": 7, "token": "t", "until": time.time() + 3600}
+    lock = run / "checkpoints" / ".writer.lock"
+    lock.write_text(json.dumps(held))
+    address = ray_session.get_runtime_context().gcs_address
+    cmd = [sys.executable, "-m", "raysinga.cli", "train", str(run / "job.yaml")]
+    cmd += ["--address", address, "--set", f"run_dir={run}"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        while not any("waiting up to" in line for line in seen):
+            line = p.stdout.readline()
+            assert line, "".join(seen)
+            seen.append(line)
+        p.send_signal(signal.SIGTERM)
+        out = "".join(seen) + p.communicate(timeout=60)[0]
+    finally:
+        p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, out
+    errors = [x for x in out.splitlines() if x.startswith("raysinga: ") and "SIGTERM" in x]
+    assert len(errors) == 1 and "outside the training steps" in errors[0], out
+    assert "Traceback" not in out, out
+    assert json.loads(lock.read_text()) == held
+    assert sorted(os.listdir(run / "checkpoints")) == [".writer.lock"]
+
+
 # --- the driver's memory during a checkpoint of a large model -----------------------------------
 
 

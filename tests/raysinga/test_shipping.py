@@ -7,11 +7,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import ray_start_cluster
+from conftest import node_env, ray_start_cluster
 
 from raysinga import shipping
 
@@ -36,34 +35,11 @@ def test_the_assembled_package_holds_the_roles_and_the_kernel_sources(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def node_python(tmp_path_factory):
-    """A virtual environment whose Python imports Ray and the dependencies (this one's
-    site-packages on its path) but not raysinga (that install's hook is in a path file that
-    a directory added this way does not run)."""
-    env = tmp_path_factory.mktemp("node-env")
-    subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
-    py = str(env / "bin" / "python")
-    site = subprocess.run(
-        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    neutral = tmp_path_factory.mktemp("elsewhere")
-    has = subprocess.run([py, "-c", "import ray, numpy, pyarrow, msgpack"], cwd=neutral)
-    lacks = subprocess.run([py, "-c", "import raysinga"], cwd=neutral, capture_output=True)
-    assert has.returncode == 0 and lacks.returncode != 0
-    return py
-
-
-@pytest.fixture(scope="module")
 def cluster_without_raysinga(node_python):
     """A head without CPUs and one 2-CPU node of ``node_python``: every role runs there."""
     pytest.importorskip("ray").shutdown()  # two clusters at once are too much for two cores
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
-    env.pop("RAY_ADDRESS", None)
-    with ray_start_cluster([(node_python, 2)], env) as (address, _):
+    with ray_start_cluster([(node_python, 2)], env) as (address, _, _):
         yield address, env
 
 
@@ -119,3 +95,21 @@ def test_without_shipping_the_node_that_cannot_import_raysinga_is_named(
     assert len(errors) == 1, run.stderr
     assert "cannot import raysinga" in errors[0] and node_python in errors[0], errors
     assert "--no-ship" in errors[0] and "Traceback" not in run.stderr, run.stderr
+
+
+@pytest.mark.cluster
+@pytest.mark.ray_stop
+def test_a_node_without_a_dependency_is_named_in_one_line(tmp_path):
+    """A node whose Python lacks pyarrow: the run stops before any role, naming the node, the
+    module and the remedy, in one line and without a traceback."""
+    pytest.importorskip("ray").shutdown()
+    lacking = node_env(tmp_path / "node", without=("pyarrow",))
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    with ray_start_cluster([(lacking, 1)], env) as (address, _, _):
+        run = train(tmp_path / "run", env, "--address", address)
+    assert run.returncode == 1, run.stdout + run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("raysinga: error:")]
+    assert len(errors) == 1 and "Traceback" not in run.stderr, run.stderr
+    assert "cannot import pyarrow" in errors[0] and lacking in errors[0], errors
+    assert "pip install pyarrow" in errors[0], errors
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was started, or written
