@@ -186,7 +186,7 @@ class Worker(Abortable):
         b = self.batch_index(step)
         lo, _ = self.plan.slice_bounds(part, parts)
         x, y = self.train.get(self.plan.indices(b, part, parts))
-        x = x.astype(self.net.dtype, copy=False)
+        x = self.net.prepare_input(x)
         if self.gpu is not None:
             x, y = self.gpu.asarray(x), self.gpu.asarray(y)
         ctx = StepContext(train=True, seed=self.seed, step=b, sample_offset=lo)
@@ -215,7 +215,7 @@ class Worker(Abortable):
             xp = self.gpu.cp
         else:
             xp = np
-        return evaluate(self.net, params, self.state, self.test, batch_size, xp, self.net.dtype)
+        return evaluate(self.net, params, self.state, self.test, batch_size, xp)
 
     @reports_role
     def pid(self) -> int:

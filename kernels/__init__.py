@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from . import common, cpu
+from . import common, cpu, cpu_seq
 from .backend import (
     cupy_module,
     device,
@@ -45,21 +45,41 @@ OPS = (
     "batchnorm_forward_infer",
     "batchnorm_backward",
 )
+SEQ_OPS = (  # cpu_seq.py / gpu_seq.py
+    "embedding_forward",
+    "embedding_backward",
+    "layernorm_forward",
+    "layernorm_backward",
+    "gelu_forward",
+    "gelu_backward",
+    "causal_softmax_forward",
+    "causal_softmax_backward",
+    "gru_cell_forward",
+    "gru_cell_backward",
+    "lstm_cell_forward",
+    "lstm_cell_backward",
+)
 
 
-def _gpu_module() -> Any:
-    from . import gpu  # noqa: PLC0415 - needs CuPy, imported only when a CuPy array shows up
+def _gpu_module(seq: bool = False) -> Any:
+    # needs CuPy: imported only when a CuPy array shows up
+    if seq:
+        from . import gpu_seq  # noqa: PLC0415
+
+        return gpu_seq
+    from . import gpu  # noqa: PLC0415
 
     return gpu
 
 
 def _dispatch(name: str):
-    cpu_fn = getattr(cpu, name)
+    seq = name in SEQ_OPS
+    cpu_fn = getattr(cpu_seq if seq else cpu, name)
 
     @functools.wraps(cpu_fn)
     def op(*args, **kwargs):
         if get_array_module(*args, *kwargs.values()) is not cpu.np:
-            return getattr(_gpu_module(), name)(*args, **kwargs)
+            return getattr(_gpu_module(seq), name)(*args, **kwargs)
         return cpu_fn(*args, **kwargs)
 
     return op
@@ -85,9 +105,22 @@ dropout_mask = _dispatch("dropout_mask")
 batchnorm_forward_train = _dispatch("batchnorm_forward_train")
 batchnorm_forward_infer = _dispatch("batchnorm_forward_infer")
 batchnorm_backward = _dispatch("batchnorm_backward")
+embedding_forward = _dispatch("embedding_forward")
+embedding_backward = _dispatch("embedding_backward")
+layernorm_forward = _dispatch("layernorm_forward")
+layernorm_backward = _dispatch("layernorm_backward")
+gelu_forward = _dispatch("gelu_forward")
+gelu_backward = _dispatch("gelu_backward")
+causal_softmax_forward = _dispatch("causal_softmax_forward")
+causal_softmax_backward = _dispatch("causal_softmax_backward")
+gru_cell_forward = _dispatch("gru_cell_forward")
+gru_cell_backward = _dispatch("gru_cell_backward")
+lstm_cell_forward = _dispatch("lstm_cell_forward")
+lstm_cell_backward = _dispatch("lstm_cell_backward")
 
 __all__ = [
     *OPS,
+    *SEQ_OPS,
     "ACTIVATIONS",
     "common",
     "cupy_module",

@@ -123,7 +123,11 @@ def _train(args: argparse.Namespace) -> int:
         if args.own_process:
             _ignore_late_sigterm()
     final = result.final_eval
-    if final is not None and "test_accuracy" in final:
+    if final is not None and "test_bits" in final:
+        from .data_text import final_line  # noqa: PLC0415
+
+        print(final_line(cfg.data.source, final["test_bits"]))
+    elif final is not None and "test_accuracy" in final:
         print(f"final test accuracy: {final['test_accuracy']:.4f}")
     return 0
 

@@ -40,7 +40,8 @@ def render(ev: Event) -> str | None:
     if isinstance(ev, Evaluated):
         m = ev.metrics
         acc = f"  test_accuracy {m['test_accuracy']:.4f}" if "test_accuracy" in m else ""
-        return f"{step_head(ev.step, ev.total)}  test_loss {m['test_loss']:.4f}{acc}"
+        bits = f"  ({m['test_bits']:.3f} bits per token)" if "test_bits" in m else ""
+        return f"{step_head(ev.step, ev.total)}  test_loss {m['test_loss']:.4f}{bits}{acc}"
     if isinstance(ev, RunStarted):
         return f"raysinga: training {ev.name!r} on {ev.where}"
     if isinstance(ev, CheckpointCommitted):

@@ -24,6 +24,7 @@ from raysinga.data_builtin import SPLITS, TeacherDataset, digits
 from raysinga.data_check import DEFAULT_SCAN_BYTES, DataError, check_splits
 from raysinga.data_order import FEISTEL_THRESHOLD, BatchPlan, FeistelPermutation
 from raysinga.data_sources import ArrayDataset, Dataset, NpyDataset, NpzDataset
+from raysinga.data_text import TextDataset, open_split
 
 __all__ = [
     "DEFAULT_SCAN_BYTES",
@@ -38,6 +39,7 @@ __all__ = [
     "NpzDataset",
     "ParquetDataset",
     "TeacherDataset",
+    "TextDataset",
     "check_splits",
     "digits",
     "has_split",
@@ -53,6 +55,7 @@ _KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "arrow": (("path",), ("x", "y", "cache_chunks", *_FILE_COMMON)),
     "parquet": (("path",), ("x", "y", "cache_chunks", *_FILE_COMMON)),
     "teacher": (("n", "dim", "num_classes"), ("seed", "hidden", "noise", "n_test", "sample_shape")),
+    "text": ((), ("corpus", "context", "valid_every", "max_chars")),
 }
 
 
@@ -95,14 +98,15 @@ def _file_spec(spec: Mapping[str, Any], split: str) -> dict[str, Any]:
 def has_split(spec: Mapping[str, Any], split: str) -> bool:
     """Whether ``load_dataset(spec, split)`` has data: built-in sets always do; files need a
     ``"test"`` entry for the test split."""
-    return split == "train" or spec.get("kind") in ("digits", "teacher") or "test" in spec
+    return split == "train" or spec.get("kind") in ("digits", "teacher", "text") or "test" in spec
 
 
 def load_dataset(spec: Mapping[str, Any], split: str = "train") -> Dataset:
     """Build a data set from a config mapping, e.g. ``{"kind": "npy", "x": path, "y": path}``.
 
     Kinds: digits, npy, npz (path, x_key, y_key), arrow / parquet (path, x, y), teacher (n, dim,
-    num_classes, seed, hidden, noise, n_test). All take an optional sample_shape. For files,
+    num_classes, seed, hidden, noise, n_test), text (corpus, context, valid_every, max_chars:
+    :mod:`raysinga.data_text`). All but text take an optional sample_shape. For files,
     ``"test": {...}`` holds the keys that differ for the held-out split. The teacher's test split is
     ``n_test`` (default ``n // 5``) fresh samples of the same teacher, after the training samples.
     Errors name the offending kind or key and what is allowed, because specs come from YAML.
@@ -145,6 +149,9 @@ def _open(kind: str, spec: Mapping[str, Any], split: str) -> Dataset:
             offset=offset,
             sample_shape=_shape(spec),
         )
+
+    if kind == "text":
+        return open_split(spec, split)
 
     s = _file_spec(spec, split)
     common: dict[str, Any] = {"sample_shape": _shape(s), "num_classes": s.get("num_classes")}

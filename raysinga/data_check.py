@@ -145,7 +145,8 @@ def check_splits(
     notes = []
     for name, ds in splits:
         try:
-            notes += _check_values(ds, *located[name], loss == "mse", int(np.prod(out)), scan_bytes)
+            width = out[-1] if loss == "sequence_cross_entropy" else int(np.prod(out))
+            notes += _check_values(ds, *located[name], loss == "mse", width, scan_bytes)
         except DataError as e:  # raised by get() itself, e.g. a null cell in a later chunk
             raise e.at(split=name) from None
     return notes
@@ -181,9 +182,9 @@ def _label_dtype(ds: Dataset) -> np.dtype:
 def _check_labels(ds: Dataset, yw: _Where, loss: str, out: tuple[int, ...]) -> None:
     dtype = _label_dtype(ds)
     classes = dtype.kind != "f"  # not ds.num_classes: that reads every label, unchecked yet
-    if loss == "softmax_cross_entropy" and not classes:
+    if loss in ("softmax_cross_entropy", "sequence_cross_entropy") and not classes:
         raise yw.error(
-            f"labels are {dtype} values, but loss softmax_cross_entropy needs integer class "
+            f"labels are {dtype} values, but loss {loss} needs integer class "
             "labels 0..k-1; store y as integers (y.astype(np.int64)), or set model.loss: mse "
             "for regression"
         )

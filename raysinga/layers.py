@@ -109,12 +109,15 @@ class Dense(Layer):
     def _out_shape(self, in_shape: Shape) -> Shape:
         _check_positive_int(self, units=self.opts["units"])
         K.common.check_activation(self.opts["activation"])
-        if len(in_shape) != 1:
-            raise self._fail(f"wants flat inputs, got per-sample shape {in_shape}; add a flatten")
-        return (self.opts["units"],)
+        if len(in_shape) not in (1, 2):
+            raise self._fail(
+                f"wants flat inputs (features,) or a sequence (T, features), got per-sample "
+                f"shape {in_shape}; add a flatten"
+            )
+        return (*in_shape[:-1], self.opts["units"])  # on a sequence: at every position
 
     def param_shapes(self) -> dict[str, Shape]:
-        return {"W": (self.in_shape[0], self.opts["units"]), "b": (self.opts["units"],)}
+        return {"W": (self.in_shape[-1], self.opts["units"]), "b": (self.opts["units"],)}
 
     def init_param(self, local, shape, rng):
         if local == "b":
@@ -122,14 +125,17 @@ class Dense(Layer):
         return _fan_init(shape, shape[0], shape[1], self.opts["activation"], rng)
 
     def forward(self, p, s, x, ctx):
-        y = K.dense_forward(x, p["W"], p["b"], self.opts["activation"])
-        self._cache = (x, p["W"], y)
-        return y
+        rows = x.reshape(-1, x.shape[-1])
+        y = K.dense_forward(rows, p["W"], p["b"], self.opts["activation"])
+        self._cache = (x.shape, rows, p["W"], y)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def backward(self, dy):
-        x, w, y = self._cache
-        dx, dw, db = K.dense_backward(x, w, y, dy, self.opts["activation"], self.need_dx)
-        return dx, {"W": dw, "b": db}
+        x_shape, rows, w, y = self._cache
+        dx, dw, db = K.dense_backward(
+            rows, w, y, dy.reshape(y.shape), self.opts["activation"], self.need_dx
+        )
+        return (None if dx is None else dx.reshape(x_shape)), {"W": dw, "b": db}
 
 
 class Conv2D(Layer):
@@ -337,23 +343,6 @@ class BatchNorm(Layer):
         x, gamma, mean, inv_std = self._cache
         dx, dgamma, dbeta = K.batchnorm_backward(dy, x, gamma, mean, inv_std)
         return dx, {"gamma": dgamma, "beta": dbeta}
-
-
-LAYERS: dict[str, type[Layer]] = {
-    cls.kind: cls
-    for cls in (
-        Dense,
-        Conv2D,
-        MaxPool2D,
-        AvgPool2D,
-        ReLU,
-        Sigmoid,
-        Tanh,
-        Flatten,
-        Dropout,
-        BatchNorm,
-    )
-}
 
 
 def param_rng(seed: int, key: str) -> np.random.Generator:

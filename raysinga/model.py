@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from . import kernels as K
-from .layers import LAYERS, Layer, StepContext, param_rng
-from .losses import LOSSES, accuracy
+from .layer_kinds import LAYERS
+from .layers import Layer, StepContext, param_rng
+from .losses import CLASSIFYING, LOSSES, accuracy
 
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 
@@ -100,7 +101,9 @@ class Net:
         self.spec, self.dtype = spec, np.dtype(dtype)
         self.layers: list[Layer] = []
         self.out_shapes: list[tuple[int, ...]] = []  # per layer, one sample's
-        names: set[str] = set()
+        # per layer, the earlier layers whose outputs it sums (its ``from``); None: the last one
+        self.sources: list[tuple[str, ...] | None] = []
+        names: dict[str, int] = {}
         shape = tuple(spec.input_shape)
         for i, ls in enumerate(spec.layers):
             if ls.kind not in LAYERS:
@@ -113,9 +116,13 @@ class Net:
                     f"model.layers[{i}].name: {ls.name!r} must be unique and use only letters, "
                     "digits, '_', '-' and '.'"
                 )
-            names.add(ls.name)
+            options = dict(ls.options)
+            sources = self._sources(i, ls.name, options.pop("from", None), names)
+            if sources is not None:
+                shape = self.out_shapes[names[sources[0]]]
+            names[ls.name] = i
             try:
-                layer = LAYERS[ls.kind](ls.name, **ls.options)
+                layer = LAYERS[ls.kind](ls.name, **options)
                 shape = layer.build(shape)
             except TypeError as e:  # an option the layer does not take
                 raise ValueError(f"model.layers[{i}] ({ls.name}): {e}") from None
@@ -123,9 +130,53 @@ class Net:
                 raise ValueError(f"model.layers[{i}]: {e}") from None
             self.layers.append(layer)
             self.out_shapes.append(tuple(shape))
+            self.sources.append(sources)
         self.layers[0].need_dx = False  # nobody wants the input's gradient: skip that GEMM
+        self._check_used()
         self.output_shape = shape
         self.loss_fn = LOSSES[spec.loss]
+        self.takes_tokens = bool(getattr(self.layers[0], "takes_tokens", False))
+        # outputs a later layer's ``from`` names: kept during a forward pass
+        self.kept = {n for srcs in self.sources if srcs for n in srcs}
+
+    def _sources(
+        self, i: int, name: str, given: Any, names: dict[str, int]
+    ) -> tuple[str, ...] | None:
+        """A layer's ``from``: earlier layers of one output shape, whose outputs it sums."""
+        if given is None:
+            return None
+        where = f"model.layers[{i}] ({name}).from"
+        if isinstance(given, str):
+            given = [given]
+        if not isinstance(given, list) or not given or not all(isinstance(n, str) for n in given):
+            raise ValueError(f"{where}: expected a list of earlier layers' names, got {given!r}")
+        unknown = [n for n in given if n not in names]
+        if unknown:
+            raise ValueError(
+                f"{where}: {unknown} name no earlier layer; a layer can sum the outputs of "
+                f"layers above it ({', '.join(names) or 'none'})"
+            )
+        shapes = {n: self.out_shapes[names[n]] for n in given}
+        if len(set(shapes.values())) > 1:
+            raise ValueError(f"{where}: outputs of different shapes cannot be summed: {shapes}")
+        return tuple(given)
+
+    def _check_used(self) -> None:
+        """Every layer's output goes somewhere: the next layer, a ``from``, or the loss."""
+        used = {n for srcs in self.sources if srcs for n in srcs}
+        for i, ly in enumerate(self.layers[:-1]):
+            if self.sources[i + 1] is not None and ly.name not in used:
+                raise ValueError(
+                    f"model.layers[{i}] ({ly.name}): its output is used by no later layer "
+                    f"(layer {self.layers[i + 1].name!r} takes 'from' instead)"
+                )
+
+    def prepare_input(self, x: Any, xp: Any = np) -> Any:
+        """A batch as the first layer takes it: token ids as they are (integers), anything
+        else in the net's dtype."""
+        if self.takes_tokens:
+            return xp.asarray(x)
+        return xp.asarray(x, self.dtype)
 
     # -- names, shapes, initial values
     def describe(self) -> dict[str, Any]:
@@ -190,16 +241,30 @@ class Net:
 
     # -- compute
     def forward(self, params: dict, state: dict, x: Any, ctx: StepContext) -> Any:
-        for ly in self.layers:
+        kept: dict[str, Any] = {}
+        for ly, sources in zip(self.layers, self.sources, strict=True):
+            if sources is not None:
+                x = kept[sources[0]]
+                for name in sources[1:]:
+                    x = x + kept[name]
             local = {k: params[ly.key(k)] for k in ly.param_shapes()}
             x = ly.forward(local, state, x, ctx)
+            if ly.name in self.kept:
+                kept[ly.name] = x
         return x
 
     def backward(self, dout: Any) -> dict[str, Any]:
         grads: dict[str, Any] = {}
-        for ly in reversed(self.layers):
-            dout, g = ly.backward(dout)
+        # the gradient with respect to each layer's output, summed over where it went
+        pending: dict[str, Any] = {self.layers[-1].name: dout}
+        for i in reversed(range(len(self.layers))):
+            ly, sources = self.layers[i], self.sources[i]
+            dx, g = ly.backward(pending.pop(ly.name))
             grads.update({ly.key(k): v for k, v in g.items()})
+            if i == 0:
+                break
+            for name in sources if sources is not None else (self.layers[i - 1].name,):
+                pending[name] = dx if name not in pending else pending[name] + dx
         return {k: grads[k] for k in self.param_shapes()}
 
     def loss_and_grads(
@@ -216,5 +281,5 @@ class Net:
         """``(mean loss, accuracy or None)`` on one batch in inference mode."""
         out = self.forward(params, state, x, StepContext(train=False))
         loss, _ = self.loss_fn(out, y, len(x))
-        acc = accuracy(out, y) if self.spec.loss == "softmax_cross_entropy" else None
+        acc = accuracy(out, y) if self.spec.loss in CLASSIFYING else None
         return float(loss), acc

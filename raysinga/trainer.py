@@ -24,6 +24,7 @@ from .data_check import check_splits
 from .events import Evaluated, RunStarted, Subscriber, TrainStep
 from .finite import NonFiniteLoss
 from .layers import StepContext
+from .losses import CLASSIFYING
 from .metrics import TrainResult, recording
 from .model import Net
 from .optim import clip_grad_norm, make_optimizer
@@ -32,19 +33,21 @@ from .session import RunSession, Start, check_start_options
 
 
 def evaluate(
-    net: Net, params: dict, state: dict, data: Dataset, batch_size: int, xp: Any, dtype: Any
+    net: Net, params: dict, state: dict, data: Dataset, batch_size: int, xp: Any
 ) -> dict[str, float]:
     """Mean loss and accuracy over a whole data set, in inference mode."""
     total_loss, correct, n = 0.0, 0.0, len(data)
     for start in range(0, n, batch_size):
         idx = np.arange(start, min(start + batch_size, n))
         x, y = data.get(idx)
-        loss, acc = net.evaluate(params, state, xp.asarray(x, dtype), xp.asarray(y))
+        loss, acc = net.evaluate(params, state, net.prepare_input(x, xp), xp.asarray(y))
         total_loss += loss * len(idx)
         correct += (acc or 0.0) * len(idx)
     out = {"test_loss": total_loss / n}
-    if net.spec.loss == "softmax_cross_entropy":
+    if net.spec.loss in CLASSIFYING:
         out["test_accuracy"] = correct / n
+    if net.spec.loss == "sequence_cross_entropy":
+        out["test_bits"] = out["test_loss"] / math.log(2)  # per token
     return out
 
 
@@ -101,7 +104,7 @@ class Trainer:
             return self._fit(session, start, params, state)
 
     def _fit(self, session: RunSession, start: Start, params: dict, state: dict) -> TrainResult:
-        cfg, xp, dtype = self.cfg, self.xp, self.net.dtype
+        cfg, xp = self.cfg, self.xp
         (first,), cursor = start.position(1)
         params = {k: xp.asarray(v) for k, v in params.items()}
         state = {k: xp.asarray(v) for k, v in state.items()}
@@ -134,7 +137,7 @@ class Trainer:
                 x, y = self.train_data.get(self.plan.indices(b))
                 ctx = StepContext(train=True, seed=start.seed, step=b)
                 loss, grads, _ = self.net.loss_and_grads(
-                    params, state, xp.asarray(x, dtype), xp.asarray(y), ctx
+                    params, state, self.net.prepare_input(x, xp), xp.asarray(y), ctx
                 )
                 if not np.isfinite(loss):
                     raise NonFiniteLoss(loss, step, first_step=first)
@@ -169,7 +172,6 @@ class Trainer:
                         self.test_data,
                         cfg.data.eval_batch_size,
                         xp,
-                        dtype,
                     )
                     self.hub.emit(Evaluated(done, cfg.train_steps, metrics))
                     t0 = time.perf_counter()  # evaluation time is not training throughput
@@ -222,8 +224,13 @@ def _check_fits(net: Net, data: Dataset) -> None:
             f"shape {list(data.sample_shape)}; set data.source.sample_shape or the model's input"
         )
     classes = getattr(data, "num_classes", None)
-    if net.spec.loss == "softmax_cross_entropy" and classes and net.output_shape != (classes,):
+    want = {
+        "softmax_cross_entropy": (classes,),
+        "sequence_cross_entropy": (*tuple(data.sample_shape)[:1], classes),
+    }.get(net.spec.loss)
+    if classes and want is not None and net.output_shape != want:
         raise ValueError(
             f"model.layers[{len(net.spec.layers) - 1}]: the net's output shape "
-            f"{list(net.output_shape)} does not match the {classes} classes of data.source"
+            f"{list(net.output_shape)} does not match the {classes} classes of data.source "
+            f"(loss {net.spec.loss} wants {list(want)})"
         )

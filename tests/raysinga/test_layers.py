@@ -7,7 +7,8 @@ import zlib
 import numpy as np
 import pytest
 
-from raysinga.layers import LAYERS, StepContext
+from raysinga.layer_kinds import LAYERS
+from raysinga.layers import StepContext
 from raysinga.losses import mean_squared_error, softmax_cross_entropy
 
 EPS = 1e-6
