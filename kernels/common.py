@@ -148,3 +148,17 @@ def dropout_threshold(rate: float) -> int:
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
     return int(round(rate * (1 << 24)))
+
+
+def check_rows(name: str, a, width: int) -> None:
+    if a.ndim != 2 or a.shape[1] != width:
+        raise ValueError(f"{name} must have shape (rows, {width}), got {a.shape}")
+
+
+def check_token_ids(idx, vocab: int) -> None:
+    """Integer ids in ``[0, vocab)``: a kernel would read outside the table otherwise."""
+    if idx.dtype.kind not in "iu":
+        raise ValueError(f"token indices must be integers, got {idx.dtype}")
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= vocab):
+        bad = idx[(idx < 0) | (idx >= vocab)][0]
+        raise ValueError(f"token index {int(bad)} is outside the vocabulary [0, {vocab})")

@@ -12,23 +12,10 @@ import math
 
 import numpy as np
 
-from .common import check_float
+from .common import check_float, check_rows, check_token_ids
 
 GELU_C = math.sqrt(2.0 / math.pi)  # GELU's tanh approximation: 0.5 x (1 + tanh(c (x + a x^3)))
 GELU_A = 0.044715
-
-
-def _check_rows(name: str, a: np.ndarray, width: int) -> None:
-    if a.ndim != 2 or a.shape[1] != width:
-        raise ValueError(f"{name} must have shape (rows, {width}), got {a.shape}")
-
-
-def _check_index(idx: np.ndarray, vocab: int) -> None:
-    if idx.dtype.kind not in "iu":
-        raise ValueError(f"token indices must be integers, got {idx.dtype}")
-    if idx.size and (idx.min() < 0 or idx.max() >= vocab):
-        bad = idx[(idx < 0) | (idx >= vocab)][0]
-        raise ValueError(f"token index {int(bad)} is outside the vocabulary [0, {vocab})")
 
 
 # ---------------------------------------------------------------- embedding
@@ -37,7 +24,7 @@ def _check_index(idx: np.ndarray, vocab: int) -> None:
 def embedding_forward(idx: np.ndarray, w: np.ndarray) -> np.ndarray:
     """Rows of ``w`` (V, D) picked by the integer ``idx`` (M,): ``(M, D)``."""
     check_float("w", w)
-    _check_index(idx, w.shape[0])
+    check_token_ids(idx, w.shape[0])
     return w[idx.reshape(-1)]
 
 
@@ -58,7 +45,7 @@ def layernorm_forward(
     """Normalise each row of ``x`` (M, F) over its F features: ``(y, mean, rstd)``, with
     ``rstd = 1 / sqrt(var + eps)`` and the biased variance (PyTorch's ``LayerNorm``)."""
     check_float("x", x)
-    _check_rows("x", x, gamma.shape[0])
+    check_rows("x", x, gamma.shape[0])
     mean = x.mean(axis=1)
     xc = x - mean[:, None]
     var = (xc * xc).mean(axis=1)

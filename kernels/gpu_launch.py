@@ -25,6 +25,20 @@ KERNELS = {
     "dropout.cu": ("dropout_mask",),
     "batchnorm.cu": ("bn_stats", "bn_apply", "bn_bwd_reduce", "bn_bwd_dx"),
     "optim.cu": ("sgd_update", "adam_update", "weighted_sum"),
+    "seq.cu": (
+        "emb_fwd",
+        "emb_bwd",
+        "ln_fwd",
+        "ln_bwd",
+        "gelu_fwd",
+        "gelu_bwd",
+        "csoftmax_fwd",
+        "csoftmax_bwd",
+        "gru_fwd",
+        "gru_bwd",
+        "lstm_fwd",
+        "lstm_bwd",
+    ),
 }
 # NVRTC options per file beyond the default; a plain literal too. Without fused multiply-adds,
 # the optimizer updates and the gradient sum round exactly as NumPy does: bit-identical results.

@@ -1,0 +1,309 @@
+// The sequence layers' kernels for gpu_seq.py: embedding, layer norm, GELU, causal attention's
+// fused scale + mask + softmax, and the GRU and LSTM cells. Compiled by NVRTC at run time: no
+// #include; builtin math only. No atomics: every sum runs in a fixed order (the embedding's
+// gradient sums each token's rows in sorted order; row reductions use a fixed shared-memory
+// tree), so every run gives the same bits.
+
+#define BLOCK 256  // threads per block: gpu_launch.BLOCK launches exactly this many
+
+__device__ __forceinline__ float k_exp(float x) { return expf(x); }
+__device__ __forceinline__ double k_exp(double x) { return exp(x); }
+__device__ __forceinline__ float k_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double k_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float k_rsqrt(float x) { return 1.0f / sqrtf(x); }
+__device__ __forceinline__ double k_rsqrt(double x) { return 1.0 / sqrt(x); }
+template <typename T>
+__device__ __forceinline__ T k_sigmoid(T x) {
+  return T(1) / (T(1) + k_exp(-x));
+}
+
+#define GRID_STRIDE(i, n)                                                       \
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
+       i += (long long)gridDim.x * blockDim.x)
+
+// The sum (or max) of v over the block; buf holds BLOCK values and is free again on return.
+template <typename T, bool MAX>
+__device__ T block_reduce(T v, T* buf) {
+  buf[threadIdx.x] = v;
+  __syncthreads();
+  for (unsigned s = BLOCK / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) {
+      const T a = buf[threadIdx.x], b = buf[threadIdx.x + s];
+      buf[threadIdx.x] = MAX ? (b > a ? b : a) : a + b;
+    }
+    __syncthreads();
+  }
+  const T r = buf[0];
+  __syncthreads();
+  return r;
+}
+
+// ---------------------------------------------------------------- embedding
+
+// y[r, :] = w[idx[r], :] for r < m rows of d features.
+template <typename T>
+__device__ void emb_fwd(const long long* __restrict__ idx, const T* __restrict__ w,
+                        T* __restrict__ y, long long m, long long d) {
+  GRID_STRIDE(i, m * d) { y[i] = w[idx[i / d] * d + i % d]; }
+}
+
+// dw[v, j] = sum of dy[order[k], j] for k in [starts[v], starts[v + 1]): order lists the rows
+// sorted by token, so each token's rows are summed by one thread, in row order.
+template <typename T>
+__device__ void emb_bwd(const long long* __restrict__ order, const long long* __restrict__ starts,
+                        const T* __restrict__ dy, T* __restrict__ dw, long long v, long long d) {
+  GRID_STRIDE(i, v * d) {
+    const long long tok = i / d, j = i % d;
+    T s = T(0);
+    for (long long k = starts[tok]; k < starts[tok + 1]; ++k) s += dy[order[k] * d + j];
+    dw[i] = s;
+  }
+}
+
+// ---------------------------------------------------------------- layer normalisation
+
+// One block per row of f features: mean, rstd = 1 / sqrt(biased var + eps), and
+// y = (x - mean) * rstd * gamma + beta.
+template <typename T>
+__device__ void ln_fwd(const T* __restrict__ x, const T* __restrict__ gamma,
+                       const T* __restrict__ beta, T* __restrict__ y, T* __restrict__ mean,
+                       T* __restrict__ rstd, long long m, long long f, T eps) {
+  __shared__ T buf[BLOCK];
+  for (long long r = blockIdx.x; r < m; r += gridDim.x) {  // uniform per block: syncs are safe
+    const T* row = x + r * f;
+    T s = T(0);
+    for (long long j = threadIdx.x; j < f; j += BLOCK) s += row[j];
+    const T mu = block_reduce<T, false>(s, buf) / T(f);
+    T q = T(0);
+    for (long long j = threadIdx.x; j < f; j += BLOCK) q += (row[j] - mu) * (row[j] - mu);
+    const T rs = k_rsqrt(block_reduce<T, false>(q, buf) / T(f) + eps);
+    for (long long j = threadIdx.x; j < f; j += BLOCK)
+      y[r * f + j] = (row[j] - mu) * rs * gamma[j] + beta[j];
+    if (threadIdx.x == 0) {
+      mean[r] = mu;
+      rstd[r] = rs;
+    }
+  }
+}
+
+// One block per row: with g = dy * gamma and xhat = (x - mean) * rstd,
+// dx = (g - mean(g) - xhat * mean(g * xhat)) * rstd; xhat is written for dgamma's column sum.
+template <typename T>
+__device__ void ln_bwd(const T* __restrict__ dy, const T* __restrict__ x,
+                       const T* __restrict__ gamma, const T* __restrict__ mean,
+                       const T* __restrict__ rstd, T* __restrict__ dx, T* __restrict__ xhat,
+                       long long m, long long f) {
+  __shared__ T buf[BLOCK];
+  for (long long r = blockIdx.x; r < m; r += gridDim.x) {
+    const long long o = r * f;
+    const T mu = mean[r], rs = rstd[r];
+    T sg = T(0), sgx = T(0);
+    for (long long j = threadIdx.x; j < f; j += BLOCK) {
+      const T h = (x[o + j] - mu) * rs, g = dy[o + j] * gamma[j];
+      xhat[o + j] = h;
+      sg += g;
+      sgx += g * h;
+    }
+    sg = block_reduce<T, false>(sg, buf) / T(f);
+    sgx = block_reduce<T, false>(sgx, buf) / T(f);
+    for (long long j = threadIdx.x; j < f; j += BLOCK)
+      dx[o + j] = (dy[o + j] * gamma[j] - sg - xhat[o + j] * sgx) * rs;
+  }
+}
+
+// ---------------------------------------------------------------- GELU (tanh approximation)
+
+#define GELU_C 0.7978845608028654  // sqrt(2 / pi)
+#define GELU_A 0.044715
+
+template <typename T>
+__device__ void gelu_fwd(const T* __restrict__ x, T* __restrict__ y, T* __restrict__ t,
+                         long long n) {
+  GRID_STRIDE(i, n) {
+    const T v = x[i];
+    const T th = k_tanh(v * (T(GELU_C) + T(GELU_A * GELU_C) * v * v));
+    t[i] = th;
+    y[i] = T(0.5) * v * (T(1) + th);
+  }
+}
+
+template <typename T>
+__device__ void gelu_bwd(const T* __restrict__ dy, const T* __restrict__ x,
+                         const T* __restrict__ t, T* __restrict__ dx, long long n) {
+  GRID_STRIDE(i, n) {
+    const T v = x[i], th = t[i];
+    const T g = T(GELU_C) + T(3 * GELU_A * GELU_C) * v * v;
+    dx[i] = dy[i] * (T(0.5) * (T(1) + th + v * (T(1) - th * th) * g));
+  }
+}
+
+// ---------------------------------------------------------------- causal attention's softmax
+
+// One block per row of the (b * t, t) scores: row r is query i = r % t, which sees keys
+// j <= i. probs = softmax(scale * scores) over those, 0 for the future.
+template <typename T>
+__device__ void csoftmax_fwd(const T* __restrict__ scores, T* __restrict__ probs, long long rows,
+                             long long t, T scale) {
+  __shared__ T buf[BLOCK];
+  for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+    const long long i = r % t;
+    const T* row = scores + r * t;
+    T m = row[0] * scale;
+    for (long long j = threadIdx.x; j <= i; j += BLOCK) m = row[j] * scale > m ? row[j] * scale : m;
+    m = block_reduce<T, true>(m, buf);
+    T s = T(0);
+    for (long long j = threadIdx.x; j <= i; j += BLOCK) s += k_exp(row[j] * scale - m);
+    s = block_reduce<T, false>(s, buf);
+    for (long long j = threadIdx.x; j < t; j += BLOCK)
+      probs[r * t + j] = j <= i ? k_exp(row[j] * scale - m) / s : T(0);
+  }
+}
+
+// One block per row: dscores = (dp - sum(dp * p)) * p * scale.
+template <typename T>
+__device__ void csoftmax_bwd(const T* __restrict__ dp, const T* __restrict__ p,
+                             T* __restrict__ ds, long long rows, long long t, T scale) {
+  __shared__ T buf[BLOCK];
+  for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+    const long long o = r * t;
+    T s = T(0);
+    for (long long j = threadIdx.x; j < t; j += BLOCK) s += dp[o + j] * p[o + j];
+    s = block_reduce<T, false>(s, buf);
+    for (long long j = threadIdx.x; j < t; j += BLOCK)
+      ds[o + j] = (dp[o + j] - s) * p[o + j] * scale;
+  }
+}
+
+// ---------------------------------------------------------------- recurrent cells
+
+// One GRU step over n rows of u units; gx, gh (n, 3u) in the order (r, z, n); gates (n, 4u)
+// keeps r, z, n and gh's n block for the backward step.
+template <typename T>
+__device__ void gru_fwd(const T* __restrict__ gx, const T* __restrict__ gh,
+                        const T* __restrict__ h, T* __restrict__ h_new, T* __restrict__ gates,
+                        long long n, long long u) {
+  GRID_STRIDE(i, n * u) {
+    const long long row = i / u, k = i % u, g3 = row * 3 * u, g4 = row * 4 * u;
+    const T r = k_sigmoid(gx[g3 + k] + gh[g3 + k]);
+    const T z = k_sigmoid(gx[g3 + u + k] + gh[g3 + u + k]);
+    const T ghn = gh[g3 + 2 * u + k];
+    const T nn = k_tanh(gx[g3 + 2 * u + k] + r * ghn);
+    h_new[i] = (T(1) - z) * nn + z * h[i];
+    gates[g4 + k] = r;
+    gates[g4 + u + k] = z;
+    gates[g4 + 2 * u + k] = nn;
+    gates[g4 + 3 * u + k] = ghn;
+  }
+}
+
+template <typename T>
+__device__ void gru_bwd(const T* __restrict__ dh_new, const T* __restrict__ gates,
+                        const T* __restrict__ h, T* __restrict__ dgx, T* __restrict__ dgh,
+                        T* __restrict__ dh, long long n, long long u) {
+  GRID_STRIDE(i, n * u) {
+    const long long row = i / u, k = i % u, g3 = row * 3 * u, g4 = row * 4 * u;
+    const T r = gates[g4 + k], z = gates[g4 + u + k], nn = gates[g4 + 2 * u + k];
+    const T ghn = gates[g4 + 3 * u + k], d = dh_new[i];
+    const T dan = d * (T(1) - z) * (T(1) - nn * nn);
+    const T dar = dan * ghn * r * (T(1) - r);
+    const T daz = d * (h[i] - nn) * z * (T(1) - z);
+    dgx[g3 + k] = dar;
+    dgx[g3 + u + k] = daz;
+    dgx[g3 + 2 * u + k] = dan;
+    dgh[g3 + k] = dar;
+    dgh[g3 + u + k] = daz;
+    dgh[g3 + 2 * u + k] = dan * r;
+    dh[i] = d * z;
+  }
+}
+
+// One LSTM step: g (n, 4u) pre-activations in the order (i, f, g, o), c the cell entering.
+template <typename T>
+__device__ void lstm_fwd(const T* __restrict__ g, const T* __restrict__ c,
+                         T* __restrict__ h_new, T* __restrict__ c_new, T* __restrict__ acts,
+                         long long n, long long u) {
+  GRID_STRIDE(i, n * u) {
+    const long long o = (i / u) * 4 * u + i % u;
+    const T ig = k_sigmoid(g[o]), fg = k_sigmoid(g[o + u]);
+    const T gg = k_tanh(g[o + 2 * u]), og = k_sigmoid(g[o + 3 * u]);
+    const T cn = fg * c[i] + ig * gg;
+    c_new[i] = cn;
+    h_new[i] = og * k_tanh(cn);
+    acts[o] = ig;
+    acts[o + u] = fg;
+    acts[o + 2 * u] = gg;
+    acts[o + 3 * u] = og;
+  }
+}
+
+template <typename T>
+__device__ void lstm_bwd(const T* __restrict__ dh_new, const T* __restrict__ dc_new,
+                         const T* __restrict__ acts, const T* __restrict__ c,
+                         const T* __restrict__ c_new, T* __restrict__ dg, T* __restrict__ dc,
+                         long long n, long long u) {
+  GRID_STRIDE(i, n * u) {
+    const long long o = (i / u) * 4 * u + i % u;
+    const T ig = acts[o], fg = acts[o + u], gg = acts[o + 2 * u], og = acts[o + 3 * u];
+    const T tc = k_tanh(c_new[i]);
+    const T dct = dc_new[i] + dh_new[i] * og * (T(1) - tc * tc);
+    dg[o] = dct * gg * ig * (T(1) - ig);
+    dg[o + u] = dct * c[i] * fg * (T(1) - fg);
+    dg[o + 2 * u] = dct * ig * (T(1) - gg * gg);
+    dg[o + 3 * u] = dh_new[i] * tc * og * (T(1) - og);
+    dc[i] = dct * fg;
+  }
+}
+
+#define ENTRY_POINTS(T, SUF)                                                                    \
+  extern "C" __global__ void emb_fwd_##SUF(const long long* idx, const T* w, T* y, long long m, \
+                                           long long d) {                                       \
+    emb_fwd<T>(idx, w, y, m, d);                                                                \
+  }                                                                                             \
+  extern "C" __global__ void emb_bwd_##SUF(const long long* order, const long long* starts,     \
+                                           const T* dy, T* dw, long long v, long long d) {      \
+    emb_bwd<T>(order, starts, dy, dw, v, d);                                                    \
+  }                                                                                             \
+  extern "C" __global__ void ln_fwd_##SUF(const T* x, const T* gamma, const T* beta, T* y,      \
+                                          T* mean, T* rstd, long long m, long long f, T eps) {  \
+    ln_fwd<T>(x, gamma, beta, y, mean, rstd, m, f, eps);                                        \
+  }                                                                                             \
+  extern "C" __global__ void ln_bwd_##SUF(const T* dy, const T* x, const T* gamma,              \
+                                          const T* mean, const T* rstd, T* dx, T* xhat,         \
+                                          long long m, long long f) {                           \
+    ln_bwd<T>(dy, x, gamma, mean, rstd, dx, xhat, m, f);                                        \
+  }                                                                                             \
+  extern "C" __global__ void gelu_fwd_##SUF(const T* x, T* y, T* t, long long n) {              \
+    gelu_fwd<T>(x, y, t, n);                                                                    \
+  }                                                                                             \
+  extern "C" __global__ void gelu_bwd_##SUF(const T* dy, const T* x, const T* t, T* dx,         \
+                                            long long n) {                                      \
+    gelu_bwd<T>(dy, x, t, dx, n);                                                               \
+  }                                                                                             \
+  extern "C" __global__ void csoftmax_fwd_##SUF(const T* scores, T* probs, long long rows,       \
+                                                long long t, T scale) {                         \
+    csoftmax_fwd<T>(scores, probs, rows, t, scale);                                             \
+  }                                                                                             \
+  extern "C" __global__ void csoftmax_bwd_##SUF(const T* dp, const T* p, T* ds, long long rows, \
+                                                long long t, T scale) {                         \
+    csoftmax_bwd<T>(dp, p, ds, rows, t, scale);                                                 \
+  }                                                                                             \
+  extern "C" __global__ void gru_fwd_##SUF(const T* gx, const T* gh, const T* h, T* h_new,      \
+                                           T* gates, long long n, long long u) {                \
+    gru_fwd<T>(gx, gh, h, h_new, gates, n, u);                                                  \
+  }                                                                                             \
+  extern "C" __global__ void gru_bwd_##SUF(const T* dh_new, const T* gates, const T* h, T* dgx, \
+                                           T* dgh, T* dh, long long n, long long u) {           \
+    gru_bwd<T>(dh_new, gates, h, dgx, dgh, dh, n, u);                                           \
+  }                                                                                             \
+  extern "C" __global__ void lstm_fwd_##SUF(const T* g, const T* c, T* h_new, T* c_new,         \
+                                            T* acts, long long n, long long u) {                \
+    lstm_fwd<T>(g, c, h_new, c_new, acts, n, u);                                                \
+  }                                                                                             \
+  extern "C" __global__ void lstm_bwd_##SUF(const T* dh_new, const T* dc_new, const T* acts,    \
+                                            const T* c, const T* c_new, T* dg, T* dc,           \
+                                            long long n, long long u) {                         \
+    lstm_bwd<T>(dh_new, dc_new, acts, c, c_new, dg, dc, n, u);                                  \
+  }
+
+ENTRY_POINTS(float, f32)
+ENTRY_POINTS(double, f64)
