@@ -70,6 +70,11 @@ def build_corpus(cache: Path | None = None, valid_every: int = 20, max_chars: in
     base = (cache or _cache_dir()) / f"stdlib-{digest.hexdigest()[:20]}"
     if (base / "vocab.json").is_file():
         return base
+    if len(texts) < valid_every:
+        raise ValueError(
+            f"the corpus holds {len(texts)} files, so with valid_every {valid_every} no file "
+            "goes to the validation split; lower valid_every or raise max_chars"
+        )
     splits = {"train": [], "test": []}
     for i, text in enumerate(texts):
         splits["test" if i % valid_every == valid_every - 1 else "train"].append(text)

@@ -11,6 +11,7 @@ from .config import JobConfig
 from .model import Net
 
 FORMATS = (".png", ".svg")
+SKIP = "#3b6fd1"  # the colour of a residual connection's arrow
 
 
 def describe(cfg: JobConfig) -> dict[str, Any]:
@@ -22,7 +23,9 @@ def _shape(s: list[int]) -> str:
 
 
 def _box_text(layer: dict[str, Any]) -> str:
-    opts = ", ".join(f"{k}={v}" for k, v in layer["options"].items())
+    opts = ", ".join(f"{k}={v}" for k, v in layer["options"].items() if k != "from")
+    if layer["options"].get("from"):
+        opts = "sum of " + " + ".join(layer["options"]["from"]) + (", " + opts if opts else "")
     lines = [f"{layer['name']}  ({layer['kind']}{': ' + opts if opts else ''})"]
     lines.append(f"out {_shape(layer['output_shape'])}")
     if layer["param_count"]:
@@ -32,7 +35,9 @@ def _box_text(layer: dict[str, Any]) -> str:
 
 
 def draw(net: dict[str, Any], out: Path) -> None:
-    """The layer chain top to bottom: input, one box per layer, the loss."""
+    """The layer chain top to bottom: input, one box per layer, the loss; a layer that sums
+    earlier outputs (``from``) gets an arrow from each of them, drawn as an arc on the right
+    where it skips layers."""
     from .plots import pyplot  # noqa: PLC0415 - matplotlib, only here
 
     plt = pyplot()
@@ -45,6 +50,7 @@ def draw(net: dict[str, Any], out: Path) -> None:
     ax.set_ylim(-0.6, step * (len(boxes) - 1) + 0.6)
     ax.axis("off")
     colours = {"input": "#e8f0fe", "loss": "#fde8e8"}
+    skips = 0
     for i, text in enumerate(boxes):
         y = step * (len(boxes) - 1 - i)
         kind = "input" if i == 0 else "loss" if i == len(boxes) - 1 else "layer"
@@ -62,12 +68,25 @@ def draw(net: dict[str, Any], out: Path) -> None:
                 "edgecolor": "0.35",
             },
         )
-        if i:
+        sources = net["layers"][i - 1]["options"].get("from") if 0 < i < len(boxes) - 1 else None
+        previous = net["layers"][i - 2]["name"] if i > 1 else None
+        if i and (not sources or previous in sources):
             ax.annotate(
                 "",
                 xy=(0.5, y + 0.3),
                 xytext=(0.5, y + step - 0.3),
                 arrowprops={"arrowstyle": "->", "color": "0.3"},
+            )
+        for src in sources or ():
+            if src == previous:
+                continue
+            k = next(j for j, ly in enumerate(net["layers"]) if ly["name"] == src)
+            y_src = step * (len(boxes) - 2 - k)
+            lane = 0.91 if skips % 2 == 0 else 0.96  # skips side by side do not overlap
+            skips += 1
+            ax.plot([0.83, lane, lane], [y_src, y_src, y], color=SKIP, lw=1.2)
+            ax.annotate(
+                "", xy=(0.83, y), xytext=(lane, y), arrowprops={"arrowstyle": "->", "color": SKIP}
             )
     ax.set_title(f"{net['name']}: the net", fontsize=11)
     fig.savefig(out, dpi=120)

@@ -47,3 +47,15 @@ def test_a_drawing_must_be_png_or_svg(tmp_path, capsys):
     assert main(["graph", str(CNN), "-o", str(tmp_path / "net.pdf")]) == 2
     assert "the drawing must be .png or .svg" in capsys.readouterr().err
     assert not (tmp_path / "net.json").exists()
+
+
+def test_residual_connections_are_in_the_json_and_drawn_as_arrows(tmp_path):
+    cfg = config.load(CNN.with_name("charlm.yaml"))
+    js, svg = write_graph(cfg, tmp_path / "net.svg")
+    by_name = {ly["name"]: ly for ly in json.loads(js.read_text())["layers"]}
+    assert by_name["b1.res1"]["options"]["from"] == ["pos", "b1.attn"]
+    assert by_name["b1.res1"]["output_shape"] == [128, 128]
+    text = svg.read_text()
+    assert "sum of pos + b1.attn" in text
+    # one arrow per residual skip besides the chain's: pos -> b1.res1, then each block's two
+    assert text.count("#3b6fd1") >= 8
