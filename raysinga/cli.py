@@ -16,6 +16,7 @@ from pathlib import Path
 from . import config as config_mod
 from .checkpoint.format import MANIFEST, CheckpointError
 from .checkpoint.storage import redact_text
+from .cli_parser import build_parser
 
 EXPORT_SUFFIX = {"npz": ".npz", "safetensors": ".safetensors"}
 
@@ -240,6 +241,15 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from .checkpoint import Checkpoint  # noqa: PLC0415
+    from .generate import generate  # noqa: PLC0415
+
+    ck = Checkpoint.open(_checkpoint_arg(args.checkpoint))
+    print(generate(ck, args.prompt, args.length, args.temperature, args.seed))
+    return 0
+
+
 def _graph(args: argparse.Namespace) -> int:
     from .graph import write_graph  # noqa: PLC0415
 
@@ -248,151 +258,6 @@ def _graph(args: argparse.Namespace) -> int:
     for path in write_graph(config_mod.load(args.config, args.set), args.output):
         print(f"wrote {path}")
     return 0
-
-
-def _add_set(parser: argparse.ArgumentParser) -> None:
-    """``--set key.path=value``, for every command that reads a job file."""
-    parser.add_argument(
-        "--set",
-        metavar="KEY=VALUE",
-        action="append",
-        default=[],
-        help="override a job-file value, e.g. --set updater.lr=0.05 (repeatable; YAML values)",
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="raysinga",
-        description="Distributed deep-learning training with SINGA's architecture on Ray.",
-    )
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    t = sub.add_parser(
-        "train",
-        help="train from a YAML job file",
-        description="Train the model a YAML job file describes and report test accuracy.",
-    )
-    t.add_argument("config", metavar="CONFIG", help="YAML job file, e.g. examples/digits_mlp.yaml")
-    _add_set(t)
-    t.add_argument(
-        "--local",
-        action="store_true",
-        help="train in this process without Ray (the exact single-process reference)",
-    )
-    t.add_argument(
-        "--address",
-        metavar="ADDR",
-        default=None,
-        help=(
-            "Ray cluster to join (default: RAY_ADDRESS, else the one `ray start` runs here, "
-            "else an embedded local Ray; 'local': the embedded one)"
-        ),
-    )
-    t.add_argument(
-        "--no-ship",
-        action="store_true",
-        help="on a cluster joined, use the raysinga installed on every node instead of "
-        "handing the roles this one's code",
-    )
-    t.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the run from its newest valid checkpoint (an error if there is none)",
-    )
-    t.add_argument(
-        "--auto-resume",
-        action="store_true",
-        help="continue from the newest valid checkpoint if there is one, else start",
-    )
-    t.add_argument(
-        "--init-from",
-        metavar="CKPT",
-        default=None,
-        help="start a new run from another checkpoint's parameters, matched by name "
-        "(fine-tuning); prints what matched",
-    )
-    t.add_argument(
-        "--fresh",
-        action="store_true",
-        help="delete the run's existing checkpoints and start over",
-    )
-    t.set_defaults(func=_train)
-
-    i = sub.add_parser(
-        "inspect",
-        help="show a checkpoint's manifest and parameter table",
-        description="Show a checkpoint's manifest and its parameter table "
-        "(sizes are checked; use `verify` for checksums).",
-    )
-    i.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or URI (step-N)")
-    i.add_argument("--json", action="store_true", help="machine-readable output")
-    i.set_defaults(func=_inspect)
-
-    v = sub.add_parser(
-        "verify",
-        help="check a checkpoint's sizes and checksums",
-        description="Check every file's size and checksum and every tensor's "
-        "checksum; exit 0 when the checkpoint is intact, 1 otherwise.",
-    )
-    v.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or URI (step-N)")
-    v.add_argument("--fast", action="store_true", help="check sizes only, no hashing")
-    v.set_defaults(func=_verify)
-
-    e = sub.add_parser(
-        "export",
-        help="write a checkpoint's merged tensors to safetensors or npz",
-        description="Write whole (merged) tensors of a checkpoint to one file.",
-    )
-    e.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or URI (step-N)")
-    e.add_argument("--format", choices=("safetensors", "npz"), required=True)
-    e.add_argument("-o", "--output", required=True, metavar="FILE", help="file to write")
-    e.add_argument(
-        "--kind",
-        choices=("param", "slot", "state", "all"),
-        default="param",
-        help="which tensors (default: trainable parameters)",
-    )
-    e.set_defaults(func=_export)
-
-    pl = sub.add_parser(
-        "plot",
-        help="draw a run's loss, accuracy and throughput as PNGs",
-        description="Draw loss and test accuracy against step (loss.png) and samples/s "
-        "(throughput.png) from a run's metrics.jsonl, with checkpoints, failures and resizes "
-        "marked. Needs matplotlib (pip install 'raysinga[plot]').",
-    )
-    pl.add_argument(
-        "run",
-        metavar="RUN",
-        help="run directory (holding metrics.jsonl), the file, or a checkpoint directory's URI "
-        "(its record/, where a run with checkpoints in shared storage copies metrics.jsonl)",
-    )
-    pl.add_argument(
-        "-o",
-        "--output",
-        metavar="DIR",
-        default=None,
-        help="where to write (default: RUN; for a URI, the current directory)",
-    )
-    pl.set_defaults(func=_plot)
-
-    g = sub.add_parser(
-        "graph",
-        help="write a job's net structure as JSON and draw it (PNG or SVG)",
-        description="Write the net of a YAML job file as JSON (every layer with its options, "
-        "output shape and parameters) and draw the layer chain. Needs matplotlib.",
-    )
-    g.add_argument("config", metavar="CONFIG", help="YAML job file")
-    g.add_argument(
-        "-o",
-        "--output",
-        metavar="FILE",
-        default=None,
-        help="the drawing, .png or .svg (default: <name>-net.png); the JSON goes beside it",
-    )
-    _add_set(g)
-    g.set_defaults(func=_graph)
-    return p
 
 
 def program() -> None:
@@ -405,8 +270,17 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
     ``own_process``: the process ends after it (it may then set process-wide signal handling)."""
     args = build_parser().parse_args(argv)
     args.own_process = own_process
+    commands = {
+        "train": _train,
+        "inspect": _inspect,
+        "verify": _verify,
+        "export": _export,
+        "plot": _plot,
+        "generate": _generate,
+        "graph": _graph,
+    }
     try:
-        return args.func(args)
+        return commands[args.command](args)
     except (config_mod.ConfigError, ValueError) as e:
         _error(e)
         return 2

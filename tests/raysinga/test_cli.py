@@ -102,7 +102,7 @@ MALFORMED = {  # a job-file edit -> the start of its one-line error
         _edit(["model", "layers", 1, "unitz"], 3),
         "model.layers[1]: layer 'fc2'",
     ),
-    "unknown layer": (_edit(["model", "layers", 1, "kind"], "lstm"), "model.layers[1].kind"),
+    "unknown layer": (_edit(["model", "layers", 1, "kind"], "capsule"), "model.layers[1].kind"),
     "lr as text": (_edit(["updater", "lr"], "fast"), "updater.lr: a learning-rate schedule"),
     "unknown optimizer": (_edit(["updater", "name"], "adamax"), "updater: unknown optimizer"),
     "zero servers": (_edit(["topology", "n_servers"], 0), "topology.n_servers: expected"),
