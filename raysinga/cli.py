@@ -18,7 +18,7 @@ from .checkpoint.format import MANIFEST, CheckpointError
 from .checkpoint.storage import redact_text
 from .cli_parser import build_parser
 
-EXPORT_SUFFIX = {"npz": ".npz", "safetensors": ".safetensors"}
+EXPORT_SUFFIX = {"npz": ".npz", "safetensors": ".safetensors", "torch": ".pt"}
 
 
 def _warn(message: str) -> None:
@@ -80,7 +80,12 @@ def _train(args: argparse.Namespace) -> int:
         raise ValueError("--resume, --auto-resume, --init-from and --fresh exclude one another")
     cfg = config_mod.load(args.config, args.set)
     _check_train(cfg, args)
-    if args.init_from:
+    if args.init_from and args.init_from.endswith((".pt", ".pth")):  # PyTorch's state_dict
+        from .torch_interop import as_checkpoint  # noqa: PLC0415
+
+        where = Path(cfg.run_path) / "from-torch"
+        start["init_from"] = str(as_checkpoint(args.init_from, cfg, where))
+    elif args.init_from:
         _checkpoint_arg(args.init_from)
     from .progress import Progress  # noqa: PLC0415
     from .session import Preempted  # noqa: PLC0415
@@ -221,7 +226,12 @@ def _export(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         raise ValueError(f"{out.parent}: no such directory (for -o {out})")
     ck = Checkpoint.open(_checkpoint_arg(args.checkpoint))
-    names = export(ck, args.output, args.format, None if args.kind == "all" else args.kind)
+    if args.format == "torch":
+        from .torch_interop import export as export_torch  # noqa: PLC0415
+
+        names = export_torch(ck, args.output)
+    else:
+        names = export(ck, args.output, args.format, None if args.kind == "all" else args.kind)
     print(f"wrote {len(names)} tensors of step {ck.step} to {args.output} ({args.format})")
     return 0
 

@@ -96,7 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write whole (merged) tensors of a checkpoint to one file.",
     )
     e.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or URI (step-N)")
-    e.add_argument("--format", choices=("safetensors", "npz"), required=True)
+    e.add_argument(
+        "--format",
+        choices=("safetensors", "npz", "torch"),
+        required=True,
+        help="torch: a PyTorch state_dict with PyTorch's names and layouts (needs PyTorch)",
+    )
     e.add_argument("-o", "--output", required=True, metavar="FILE", help="file to write")
     e.add_argument(
         "--kind",
