@@ -2,17 +2,19 @@
 
 MLP 784-1024-1024-10, float32, batch 256, softmax cross-entropy, SGD with momentum 0.9; with
 ``--model cnn``, the example CNN of ``examples/digits_cnn.yaml`` (two 3x3 convolutions, batch
-normalisation, max pooling, dropout, two dense layers) on 1x8x8 images at its batch of 64. A step
+normalisation, max pooling, dropout, two dense layers) on 1x8x8 images at its batch of 64; with
+``--model charlm``, the GPT-style language model of ``examples/charlm.yaml`` (4 blocks of width
+128, context 128) at its batch of 32, against ``torch_interop.torch_module`` of its spec. A step
 is forward, backward and the parameter update, on data already on the device. raysinga's NumPy
 backend runs against PyTorch on the CPU with the same thread count; where CuPy and a CUDA device
 are usable, raysinga's CuPy kernels run against PyTorch on that GPU as well::
 
     pip install -e '.[bench,examples]'
-    python benchmarks/bench_step.py [--model mlp|cnn] [--steps 50] [--rounds 5] [--threads N]
+    python benchmarks/bench_step.py [--model mlp|cnn|charlm] [--steps 50] [--rounds 5]
 
 The two sides alternate round by round and the ratio is taken of the medians, so drifts of a
 noisy machine fall on both. Goals: MLP at most 1.0x PyTorch's step time on the CPU and 0.9x on
-a GPU; CNN at most 1.2x on a GPU.
+a GPU; CNN at most 1.2x on a GPU; charlm at most 1.2x on the CPU and on a GPU (PyTorch eager).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from bench_distributed import MODEL as MLP_SPEC
 
 LR, MOMENTUM = 0.01, 0.9
 CNN_YAML = Path(__file__).resolve().parents[1] / "examples" / "digits_cnn.yaml"
+CHARLM_YAML = CNN_YAML.with_name("charlm.yaml")
 
 
 def cnn_spec() -> tuple[dict, int]:
@@ -68,14 +71,39 @@ def torch_mlp(torch):
     )
 
 
+def charlm_spec() -> tuple[dict, int]:
+    """The example GPT-style language model's model section and batch size."""
+    from raysinga import config
+
+    cfg = config.load(CHARLM_YAML)
+    return cfg.model.to_dict(), cfg.data.batch_size
+
+
+def torch_charlm(torch):
+    """The same model in PyTorch: torch_interop's module of the example's spec."""
+    from raysinga.model import ModelSpec
+    from raysinga.torch_interop import torch_module
+
+    return torch_module(ModelSpec.from_dict(charlm_spec()[0]))
+
+
 MODELS = {  # name: (raysinga spec and batch, sample shape, PyTorch twin)
     "mlp": (lambda: (MLP_SPEC, BATCH), (DIM,), torch_mlp),
     "cnn": (cnn_spec, (1, 8, 8), torch_cnn),
+    "charlm": (charlm_spec, (128,), torch_charlm),
 }
+VOCAB = 98  # the charlm's: token ids as inputs, the next token at every position as labels
 
 
-def batches(n: int, batch: int, shape: tuple[int, ...]) -> list[tuple[np.ndarray, np.ndarray]]:
+def batches(
+    n: int, batch: int, shape: tuple[int, ...], tokens: bool = False
+) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(0)
+    if tokens:
+        return [
+            (rng.integers(0, VOCAB, (batch, *shape)), rng.integers(0, VOCAB, (batch, *shape)))
+            for _ in range(n)
+        ]
     return [
         (
             rng.standard_normal((batch, *shape), dtype=np.float32),
@@ -132,7 +160,8 @@ class Torch:
         t0 = time.perf_counter()
         for _ in range(n):
             x, y = self.data[self.t % len(self.data)]
-            loss = torch.nn.functional.cross_entropy(self.model(x), y)
+            out = self.model(x)
+            loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             self.opt.step()
@@ -145,7 +174,7 @@ class Torch:
 def compare(device: str, model: str, steps: int, rounds: int) -> float:
     spec_batch, shape, make = MODELS[model]
     spec, batch = spec_batch()
-    data = batches(8, batch, shape)
+    data = batches(8, batch, shape, tokens=model == "charlm")
     ours, peer = Ours(device, data, spec), Torch(device, data, make)
     ours.steps(5), peer.steps(5)  # warm-up: allocations, kernel compilation, BLAS threads
     t_ours, t_peer = [], []
@@ -153,11 +182,12 @@ def compare(device: str, model: str, steps: int, rounds: int) -> float:
         t_ours.append(ours.steps(steps))
         t_peer.append(peer.steps(steps))
     a, b = statistics.median(t_ours), statistics.median(t_peer)
+    per_round = [x / y for x, y in zip(t_ours, t_peer, strict=True)]
     print(f"{device}: raysinga {a * 1e3:7.2f} ms/step   PyTorch {b * 1e3:7.2f} ms/step")
     print(
-        f"{device}: raysinga / PyTorch step time = {a / b:.3f}x  (rounds: "
-        + ", ".join(f"{x / y:.2f}" for x, y in zip(t_ours, t_peer, strict=True))
-        + ")"
+        f"{device}: raysinga / PyTorch step time = {a / b:.3f}x (per round: median "
+        f"{statistics.median(per_round):.2f}, min {min(per_round):.2f}, max "
+        f"{max(per_round):.2f}: " + ", ".join(f"{r:.2f}" for r in per_round) + ")"
     )
     return a / b
 
@@ -181,11 +211,12 @@ def main() -> None:
         threadpool_limits(a.threads)
     except ImportError:
         pass
-    what = (
-        f"MLP {DIM}-{HIDDEN}-{HIDDEN}-{CLASSES}, batch {BATCH}"
-        if a.model == "mlp"
-        else f"the example CNN ({CNN_YAML.name}), batch {MODELS['cnn'][0]()[1]}"
-    )
+    what = {
+        "mlp": f"MLP {DIM}-{HIDDEN}-{HIDDEN}-{CLASSES}, batch {BATCH}",
+        "cnn": f"the example CNN ({CNN_YAML.name}), batch {MODELS['cnn'][0]()[1]}",
+        "charlm": f"the example language model ({CHARLM_YAML.name}), batch "
+        f"{MODELS['charlm'][0]()[1]} x 128 characters",
+    }[a.model]
     print(
         f"{what}, float32, SGD momentum; {a.threads} CPU threads, torch {torch.__version__}, "
         f"numpy {np.__version__}"
@@ -195,7 +226,11 @@ def main() -> None:
         ratios["gpu"] = compare("gpu", a.model, a.steps, a.rounds)
     else:
         print(f"gpu: not measured ({K.gpu_unavailable_reason() or 'PyTorch sees no CUDA device'})")
-    goals = {"mlp": {"cpu": 1.0, "gpu": 0.9}, "cnn": {"cpu": None, "gpu": 1.2}}[a.model]
+    goals = {
+        "mlp": {"cpu": 1.0, "gpu": 0.9},
+        "cnn": {"cpu": None, "gpu": 1.2},
+        "charlm": {"cpu": 1.2, "gpu": 1.2},
+    }[a.model]
     for dev, r in ratios.items():
         if goals[dev] is None:
             print(f"goal {dev}: none (measured for reference)")

@@ -8,6 +8,7 @@ where the op is per position. Gate blocks follow PyTorch's order: GRU ``(r, z, n
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -29,11 +30,13 @@ def embedding_forward(idx: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def embedding_backward(idx: np.ndarray, dy: np.ndarray, vocab: int) -> np.ndarray:
-    """``dW`` (V, D): each row the sum of ``dy``'s rows that picked it, in row order."""
+    """``dW`` (V, D): each row the sum of ``dy``'s rows that picked it (one GEMM with the
+    one-hot matrix of the ids: BLAS sums in a fixed order for fixed shapes)."""
     check_float("dy", dy)
-    dw = np.zeros((vocab, dy.shape[1]), dy.dtype)
-    np.add.at(dw, idx.reshape(-1), dy)
-    return dw
+    idx = idx.reshape(-1)
+    onehot = np.zeros((vocab, idx.size), dy.dtype)
+    onehot[idx, np.arange(idx.size)] = 1
+    return onehot @ dy
 
 
 # ---------------------------------------------------------------- layer normalisation
@@ -113,16 +116,29 @@ def causal_softmax_forward(scores: np.ndarray, scale: float) -> np.ndarray:
     t = scores.shape[-1]
     if scores.ndim != 3 or scores.shape[1] != t:
         raise ValueError(f"scores must have shape (batch, T, T), got {scores.shape}")
-    future = np.triu(np.ones((t, t), bool), k=1)
-    z = np.where(future, -np.inf, scores * scores.dtype.type(scale))
-    z = z - z.max(axis=-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=-1, keepdims=True)
+    z = scores * scores.dtype.type(scale)
+    z += _future_mask(t, scores.dtype)  # -inf above the diagonal
+    z -= z.max(axis=-1, keepdims=True)
+    np.exp(z, out=z)
+    z /= z.sum(axis=-1, keepdims=True)
+    return z
+
+
+@functools.lru_cache(maxsize=8)
+def _future_mask(t: int, dtype: np.dtype) -> np.ndarray:
+    mask = np.zeros((t, t), dtype)
+    mask[np.triu_indices(t, 1)] = -np.inf
+    mask.flags.writeable = False
+    return mask
 
 
 def causal_softmax_backward(dp: np.ndarray, p: np.ndarray, scale: float) -> np.ndarray:
     """The gradient with respect to the raw ``scores`` of :func:`causal_softmax_forward`."""
-    return (dp - (dp * p).sum(axis=-1, keepdims=True)) * p * p.dtype.type(scale)
+    ds = dp * p
+    s = ds.sum(axis=-1, keepdims=True)
+    ds -= p * s
+    ds *= p.dtype.type(scale)
+    return ds
 
 
 # ---------------------------------------------------------------- recurrent cells

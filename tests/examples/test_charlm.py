@@ -1,0 +1,91 @@
+"""examples/charlm.yaml, the GPT-style language model, at a small scale (a part of the corpus,
+a few steps): a SIGKILLed driver resumed, and a lost worker, each end bit-identical to a run
+never interrupted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import local_cluster
+
+from raysinga import config
+from raysinga.checkpoint import Checkpoint, steps
+from raysinga.distributed import DistributedTrainer
+from raysinga.events import Event, TrainStep
+
+JOB = Path(__file__).resolve().parents[2] / "examples" / "charlm.yaml"
+SMALL = [
+    "train_steps=12",
+    "checkpoint_frequency=4",
+    "disp_freq=1",
+    "test_freq=0",
+    "data.source.max_chars=300000",
+    "data.source.valid_every=10",
+]
+
+
+def small(run_dir: Path, *more: str) -> config.JobConfig:
+    return config.load(JOB, [*SMALL, f"run_dir={run_dir}", *more])
+
+
+def params_of(ck_dir: Path) -> dict:
+    ck = Checkpoint.open(ck_dir, verify="full")
+    return {k: v.tobytes() for k, v in ck.arrays("param").items()}
+
+
+@pytest.mark.slow
+def test_the_example_resumes_bit_identically_after_a_sigkill(ray_session, tmp_path):
+    DistributedTrainer(small(tmp_path / "straight"), log=None).fit()
+    want = params_of(tmp_path / "straight" / "checkpoints" / "step-12")
+    run = tmp_path / "killed"
+    address = ray_session.get_runtime_context().gcs_address
+    cmd = [sys.executable, "-m", "raysinga.cli", "train", str(JOB), "--address", address]
+    cmd += [x for s in [*SMALL, f"run_dir={run}"] for x in ("--set", s)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "checkpoints" / "step-4").exists():
+            assert p.poll() is None and time.monotonic() < deadline, p.stdout.read()
+            time.sleep(0.05)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        p.kill()
+    assert steps(run / "checkpoints")[0] < 12
+    r = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "bits per character; unigram baseline" in r.stdout, r.stdout
+    assert params_of(run / "checkpoints" / "step-12") == want
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_the_example_survives_a_lost_worker_bit_identically(tmp_path):
+    import ray
+
+    with local_cluster(2, 2):
+        want = DistributedTrainer(small(tmp_path / "straight"), log=None).fit().params
+        t = DistributedTrainer(small(tmp_path / "lost"), log=None)
+        fired = []
+
+        def hook(ev: Event) -> None:
+            if fired or not (isinstance(ev, TrainStep) and ev.step == 6):
+                return
+            pid = ray.get(t.workers[0][1].pid.remote())
+            fired.append(pid)
+            threading.Thread(target=os.kill, args=(pid, signal.SIGKILL), daemon=True).start()
+
+        t.hub.subscribe(hook)
+        got = t.fit().params
+    assert fired, "the kill never fired"
+    for k, a in want.items():
+        assert got[k].tobytes() == a.tobytes(), k
+    lines = (tmp_path / "lost" / "metrics.jsonl").read_text()
+    assert '"kind": "failure"' in lines and '"role": "worker"' in lines
