@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from .common import check_float, check_rows, check_token_ids
+from .cpu_threads import over_rows
 
 GELU_C = math.sqrt(2.0 / math.pi)  # GELU's tanh approximation: 0.5 x (1 + tanh(c (x + a x^3)))
 GELU_A = 0.044715
@@ -49,25 +50,48 @@ def layernorm_forward(
     ``rstd = 1 / sqrt(var + eps)`` and the biased variance (PyTorch's ``LayerNorm``)."""
     check_float("x", x)
     check_rows("x", x, gamma.shape[0])
-    mean = x.mean(axis=1)
-    xc = x - mean[:, None]
-    var = (xc * xc).mean(axis=1)
-    rstd = (1.0 / np.sqrt(var + eps)).astype(x.dtype, copy=False)
-    y = xc * rstd[:, None] * gamma + beta
+    m, f = x.shape
+    y = np.empty_like(x)
+    mean, rstd = np.empty(m, x.dtype), np.empty(m, x.dtype)
+
+    def part(lo: int, hi: int) -> None:
+        xc = y[lo:hi]
+        mu = x[lo:hi].mean(axis=1)
+        np.subtract(x[lo:hi], mu[:, None], out=xc)
+        var = np.einsum("ij,ij->i", xc, xc) / x.dtype.type(f)
+        rs = 1 / np.sqrt(var + x.dtype.type(eps))
+        xc *= rs[:, None]
+        xc *= gamma
+        xc += beta
+        mean[lo:hi], rstd[lo:hi] = mu, rs
+
+    over_rows(part, m, x.size)
     return y, mean, rstd
 
 
 def layernorm_backward(
     dy: np.ndarray, x: np.ndarray, gamma: np.ndarray, mean: np.ndarray, rstd: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(dx, dgamma, dbeta)`` of :func:`layernorm_forward`."""
-    xhat = (x - mean[:, None]) * rstd[:, None]
-    dgamma = (dy * xhat).sum(axis=0)
-    dbeta = dy.sum(axis=0)
-    g = dy * gamma
-    f = x.shape[1]
-    dx = (g - g.mean(axis=1)[:, None] - xhat * (g * xhat).sum(axis=1)[:, None] / f) * rstd[:, None]
-    return dx, dgamma, dbeta
+    """``(dx, dgamma, dbeta)`` of :func:`layernorm_forward`. The column sums run over all rows
+    at once: their order does not depend on how many threads computed the rows."""
+    m, f = x.shape
+    xhat, dx = np.empty_like(x), np.empty_like(x)
+    inv_f = x.dtype.type(1.0 / f)
+
+    def part(lo: int, hi: int) -> None:
+        h, g = xhat[lo:hi], dx[lo:hi]
+        np.subtract(x[lo:hi], mean[lo:hi, None], out=h)
+        h *= rstd[lo:hi, None]
+        np.multiply(dy[lo:hi], gamma, out=g)
+        gm = g.mean(axis=1)
+        ghm = np.einsum("ij,ij->i", g, h) * inv_f
+        g -= gm[:, None]
+        g -= h * ghm[:, None]
+        g *= rstd[lo:hi, None]
+
+    over_rows(part, m, x.size)
+    dgamma = np.einsum("ij,ij->j", dy, xhat)
+    return dx, dgamma, dy.sum(axis=0)
 
 
 # ---------------------------------------------------------------- GELU
@@ -78,32 +102,47 @@ def gelu_forward(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ``(y, t)``, ``t = tanh(c (x + a x^3))`` kept for the backward pass."""
     check_float("x", x)
     c, a = x.dtype.type(GELU_C), x.dtype.type(GELU_A)
-    t = x * x
-    t *= a * c
-    t += c
-    t *= x
-    np.tanh(t, out=t)
-    y = t + 1
-    y *= x
-    y *= 0.5
-    return y, t
+    flat = np.ascontiguousarray(x).reshape(-1)
+    y, t = np.empty_like(flat), np.empty_like(flat)
+
+    def part(lo: int, hi: int) -> None:
+        v, tt, yy = flat[lo:hi], t[lo:hi], y[lo:hi]
+        np.multiply(v, v, out=tt)
+        tt *= a * c
+        tt += c
+        tt *= v
+        np.tanh(tt, out=tt)
+        np.add(tt, 1, out=yy)
+        yy *= v
+        yy *= 0.5
+
+    over_rows(part, flat.size, flat.size)
+    return y.reshape(x.shape), t.reshape(x.shape)
 
 
 def gelu_backward(dy: np.ndarray, x: np.ndarray, t: np.ndarray) -> np.ndarray:
     """``dx`` of :func:`gelu_forward`: ``dy (0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2))``."""
     c, a = x.dtype.type(GELU_C), x.dtype.type(GELU_A)
-    g = x * x
-    g *= 3 * a * c
-    g += c
-    s = t * t
-    np.subtract(1, s, out=s)
-    s *= x
-    s *= g
-    s += t
-    s += 1
-    s *= 0.5
-    s *= dy
-    return s
+    fx, ft = np.ascontiguousarray(x).reshape(-1), np.ascontiguousarray(t).reshape(-1)
+    fdy = np.ascontiguousarray(dy).reshape(-1)
+    out = np.empty_like(fx)
+
+    def part(lo: int, hi: int) -> None:
+        v, tt, s = fx[lo:hi], ft[lo:hi], out[lo:hi]
+        g = v * v
+        g *= 3 * a * c
+        g += c
+        np.multiply(tt, tt, out=s)
+        np.subtract(1, s, out=s)
+        s *= v
+        s *= g
+        s += tt
+        s += 1
+        s *= 0.5
+        s *= fdy[lo:hi]
+
+    over_rows(part, fx.size, fx.size)
+    return out.reshape(x.shape)
 
 
 # ---------------------------------------------------------------- causal attention's softmax
@@ -116,11 +155,18 @@ def causal_softmax_forward(scores: np.ndarray, scale: float) -> np.ndarray:
     t = scores.shape[-1]
     if scores.ndim != 3 or scores.shape[1] != t:
         raise ValueError(f"scores must have shape (batch, T, T), got {scores.shape}")
-    z = scores * scores.dtype.type(scale)
-    z += _future_mask(t, scores.dtype)  # -inf above the diagonal
-    z -= z.max(axis=-1, keepdims=True)
-    np.exp(z, out=z)
-    z /= z.sum(axis=-1, keepdims=True)
+    z = np.empty_like(scores)
+    mask, sc = _future_mask(t, scores.dtype), scores.dtype.type(scale)
+
+    def part(lo: int, hi: int) -> None:
+        zz = z[lo:hi]
+        np.multiply(scores[lo:hi], sc, out=zz)
+        zz += mask  # -inf above the diagonal
+        zz -= zz.max(axis=-1, keepdims=True)
+        np.exp(zz, out=zz)
+        zz /= zz.sum(axis=-1, keepdims=True)
+
+    over_rows(part, len(z), z.size)
     return z
 
 
@@ -134,10 +180,16 @@ def _future_mask(t: int, dtype: np.dtype) -> np.ndarray:
 
 def causal_softmax_backward(dp: np.ndarray, p: np.ndarray, scale: float) -> np.ndarray:
     """The gradient with respect to the raw ``scores`` of :func:`causal_softmax_forward`."""
-    ds = dp * p
-    s = ds.sum(axis=-1, keepdims=True)
-    ds -= p * s
-    ds *= p.dtype.type(scale)
+    ds = np.empty_like(p)
+    sc = p.dtype.type(scale)
+
+    def part(lo: int, hi: int) -> None:
+        d, pp = ds[lo:hi], p[lo:hi]
+        np.multiply(dp[lo:hi], pp, out=d)
+        d -= pp * d.sum(axis=-1, keepdims=True)
+        d *= sc
+
+    over_rows(part, len(ds), ds.size)
     return ds
 
 

@@ -182,7 +182,8 @@ class Attention(Layer):
         hd = d // h
         rows = x.reshape(n * t, d)
         qkv = _dense(rows, p["Wqkv"], p["bqkv"])
-        q, k, v = xp.ascontiguousarray(qkv.reshape(n, t, 3, h, hd).transpose(2, 0, 3, 1, 4))
+        # views (n, h, t, hd) of the projection: each head's rows are BLAS-ready as they lie
+        q, k, v = (qkv.reshape(n, t, 3, h, hd)[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
         scores = xp.matmul(q, k.transpose(0, 1, 3, 2)).reshape(n * h, t, t)
         probs = K.causal_softmax_forward(scores, 1.0 / math.sqrt(hd)).reshape(n, h, t, t)
         heads = xp.matmul(probs, v)  # (n, h, t, hd)
@@ -197,16 +198,16 @@ class Attention(Layer):
         n, h, t, hd = q.shape
         d = h * hd
         dmerged, dwo, dbo = K.dense_backward(merged, wo, y, dy.reshape(n * t, d), "linear", True)
-        dheads = xp.ascontiguousarray(dmerged.reshape(n, t, h, hd).transpose(0, 2, 1, 3))
+        dheads = dmerged.reshape(n, t, h, hd).transpose(0, 2, 1, 3)
         dprobs = xp.matmul(dheads, v.transpose(0, 1, 3, 2))
-        dv = xp.matmul(probs.transpose(0, 1, 3, 2), dheads)
         dscores = K.causal_softmax_backward(
             dprobs.reshape(n * h, t, t), probs.reshape(n * h, t, t), 1.0 / math.sqrt(hd)
         ).reshape(n, h, t, t)
-        dq = xp.matmul(dscores, k)
-        dk = xp.matmul(dscores.transpose(0, 1, 3, 2), q)
-        dqkv = xp.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4)  # (n, t, 3, h, hd)
-        dqkv = xp.ascontiguousarray(dqkv).reshape(n * t, 3 * d)
+        dqkv = xp.empty((n, t, 3, h, hd), dy.dtype)  # laid out as the projection's output
+        dqkv[:, :, 0] = xp.matmul(dscores, k).transpose(0, 2, 1, 3)
+        dqkv[:, :, 1] = xp.matmul(dscores.transpose(0, 1, 3, 2), q).transpose(0, 2, 1, 3)
+        dqkv[:, :, 2] = xp.matmul(probs.transpose(0, 1, 3, 2), dheads).transpose(0, 2, 1, 3)
+        dqkv = dqkv.reshape(n * t, 3 * d)
         dx, dwqkv, dbqkv = K.dense_backward(rows, wqkv, qkv, dqkv, "linear", self.need_dx)
         grads = {"Wqkv": dwqkv, "bqkv": dbqkv, "Wo": dwo, "bo": dbo}
         return (None if dx is None else dx.reshape(n, t, d)), grads

@@ -1,0 +1,43 @@
+"""Element-wise and row-wise NumPy ops over several threads: NumPy's ufuncs release the GIL but
+run on one core, where BLAS and PyTorch use all the cores they are given.
+
+An op splits its rows into one contiguous range per thread and each thread writes its own range
+of a preallocated output, so the result is the same bits however many threads run it. The
+thread count follows ``OMP_NUM_THREADS`` (which Ray sets for each actor to the CPUs it holds,
+as it does for BLAS), else the cores this process may use.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+MIN_PER_THREAD = 1 << 16  # elements: below this a thread costs more than it saves
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+
+
+def threads() -> int:
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def over_rows(fn: Callable[[int, int], None], rows: int, elements: int) -> None:
+    """``fn(lo, hi)`` for ranges of ``rows`` covering them all, in threads where ``elements``
+    (the work) is large enough; returns once every range is done (raising the first error)."""
+    global _pool, _pool_size
+    n = min(threads(), rows, max(1, elements // MIN_PER_THREAD))
+    if n <= 1:
+        fn(0, rows)
+        return
+    if _pool is None or _pool_size < n:
+        _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="raysinga-ops")
+        _pool_size = n
+    bounds = [rows * k // n for k in range(n + 1)]
+    futures = [_pool.submit(fn, lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+    for f in futures:
+        f.result()
