@@ -236,11 +236,16 @@ class _Recurrent(Layer):
         bound = 1.0 / math.sqrt(self.opts["units"])
         return rng.uniform(-bound, bound, size=shape)
 
-    def _inputs(self, p, x):
+    def _start(self, p, x):
+        """The input projection of every step in one GEMM, and the buffers a forward pass
+        fills: ``(xp, rows, gx, out, hprev, h)``, ``h`` the zero initial state."""
+        xp = _xp(x)
         n, t, f = x.shape
+        u = self.opts["units"]
         rows = x.reshape(n * t, f)
         gx = _dense(rows, p["Wx"], p["bx"]).reshape(n, t, -1)
-        return rows, gx
+        out, hprev = xp.empty((n, t, u), x.dtype), xp.empty((n, t, u), x.dtype)
+        return xp, rows, gx, out, hprev, xp.zeros((n, u), x.dtype)
 
     def _weights_backward(self, p, rows, gx, dgx, hprev, dgh):
         """The input and recurrent weights' gradients from every step's gate gradients, in
@@ -265,14 +270,9 @@ class GRU(_Recurrent):
     gates = 3
 
     def forward(self, p, s, x, ctx):
-        xp = _xp(x)
-        rows, gx = self._inputs(p, x)
-        n, t, _ = x.shape
-        u = self.opts["units"]
-        out = xp.empty((n, t, u), x.dtype)
-        hprev = xp.empty((n, t, u), x.dtype)
+        xp, rows, gx, out, hprev, h = self._start(p, x)
+        n, t, u = out.shape
         saved = xp.empty((n, t, 4 * u), x.dtype)
-        h = xp.zeros((n, u), x.dtype)
         for step in range(t):
             hprev[:, step] = h
             gh = _dense(h, p["Wh"], p["bh"])
@@ -305,15 +305,10 @@ class LSTM(_Recurrent):
     gates = 4
 
     def forward(self, p, s, x, ctx):
-        xp = _xp(x)
-        rows, gx = self._inputs(p, x)
-        n, t, _ = x.shape
-        u = self.opts["units"]
-        out = xp.empty((n, t, u), x.dtype)
-        hprev = xp.empty((n, t, u), x.dtype)
+        xp, rows, gx, out, hprev, h = self._start(p, x)
+        n, t, u = out.shape
         cells = xp.zeros((n, t + 1, u), x.dtype)  # cells[:, s] is the cell entering step s
         acts = xp.empty((n, t, 4 * u), x.dtype)
-        h = xp.zeros((n, u), x.dtype)
         for step in range(t):
             hprev[:, step] = h
             g = gx[:, step] + _dense(h, p["Wh"], p["bh"])
