@@ -140,11 +140,27 @@ class TextDataset(Dataset):
         return np.bincount(self._tokens, minlength=len(self.vocab))
 
     def decode(self, ids: np.ndarray) -> str:
-        return "".join(self.vocab[int(i)] for i in np.asarray(ids).reshape(-1))
+        return Vocabulary(self.vocab).decode(ids)
 
     def encode(self, text: str) -> np.ndarray:
-        index = {c: i for i, c in enumerate(self.vocab)}
-        return np.array([index.get(c, 0) for c in text], np.int64)
+        return Vocabulary(self.vocab).encode(text)
+
+
+class Vocabulary:
+    """Characters to token ids and back; a character outside ``chars`` is id 0."""
+
+    def __init__(self, chars: str = OTHER + ASCII) -> None:
+        self.chars = chars
+        self._index = {c: i for i, c in enumerate(chars)}
+
+    def __len__(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.array([self._index.get(c, 0) for c in text], np.int64)
+
+    def decode(self, ids: np.ndarray) -> str:
+        return "".join(self.chars[int(i)] for i in np.asarray(ids).reshape(-1))
 
 
 def open_split(source: Mapping[str, Any], split: str) -> TextDataset:

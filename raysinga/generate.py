@@ -14,14 +14,15 @@ from typing import Any
 import numpy as np
 
 from .checkpoint import Checkpoint, CheckpointError
-from .data_text import TextDataset, open_split
+from .data_text import Vocabulary
 from .layers import StepContext
 from .model import ModelSpec, Net
 
 
-def language_model(ck: Checkpoint) -> tuple[Net, dict[str, Any], TextDataset]:
-    """The net, its parameters and the corpus (for the vocabulary) of a checkpoint of a model
-    trained on the text corpus; CheckpointError for any other checkpoint."""
+def language_model(ck: Checkpoint) -> tuple[Net, dict[str, Any], Vocabulary]:
+    """The net, its parameters and the vocabulary of a checkpoint of a model trained on the
+    text corpus (its vocabulary is fixed: no corpus is read); CheckpointError for any other
+    checkpoint."""
     run = ck.meta.get("run", {})
     source = run.get("config", {}).get("data", {}).get("source", {})
     spec = ModelSpec.from_dict(run["model"]["spec"]) if "model" in run else None
@@ -32,7 +33,13 @@ def language_model(ck: Checkpoint) -> tuple[Net, dict[str, Any], TextDataset]:
         )
     params = ck.arrays("param")
     net = Net(spec, dtype=str(next(iter(params.values())).dtype))
-    return net, params, open_split(source, "test")
+    vocab = Vocabulary()
+    if net.output_shape[-1] != len(vocab):
+        raise CheckpointError(
+            f"{ck.location}: the model predicts {net.output_shape[-1]} tokens, the text "
+            f"corpus has {len(vocab)}"
+        )
+    return net, params, vocab
 
 
 def generate(
@@ -44,11 +51,12 @@ def generate(
         raise ValueError(f"--length must be at least 0, got {length}")
     if temperature < 0:
         raise ValueError(f"--temperature must be at least 0, got {temperature}")
-    net, params, corpus = language_model(ck)
-    state = {k: v for k, v in ck.arrays("state").items()}
+    net, params, vocab = language_model(ck)
+    state = ck.arrays("state")
     t = net.spec.input_shape[0]
     rng = np.random.default_rng(seed)
-    tokens = list(corpus.encode(prompt)) or [corpus.encode("\n")[0]]
+    tokens = list(vocab.encode(prompt)) or list(vocab.encode("\n"))  # something to go on
+    start = len(tokens)
     x = np.zeros((1, t), np.int64)
     ctx = StepContext(train=False)
     for _ in range(length):
@@ -61,4 +69,4 @@ def generate(
         z = logits / temperature
         p = np.exp(z - z.max())
         tokens.append(int(rng.choice(len(p), p=p / p.sum())))
-    return prompt + corpus.decode(np.array(tokens[len(corpus.encode(prompt)) :]))
+    return prompt + vocab.decode(np.array(tokens[start:], np.int64))

@@ -110,7 +110,15 @@ def save(sd: dict[str, Any], path: str) -> None:
 def load(path: str) -> dict[str, np.ndarray]:
     """A ``state_dict`` file's tensors as NumPy arrays (``torch.load(weights_only=True)``)."""
     torch = _torch()
-    sd = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a file it cannot read
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"{path}: not a PyTorch state_dict file PyTorch can read: {first}"
+        ) from None
     if not isinstance(sd, dict):
         raise ValueError(f"{path}: not a state_dict (a mapping of names to tensors)")
     if isinstance(sd.get("state_dict"), dict):  # a training script's checkpoint around it

@@ -45,20 +45,20 @@ def lm_checkpoint(tmp_path_factory) -> Checkpoint:
 def test_the_text_continues_the_prompt_with_characters_of_the_vocabulary(lm_checkpoint):
     text = generate(lm_checkpoint, "import os\n", 40, temperature=1.0, seed=3)
     assert text.startswith("import os\n") and len(text) == len("import os\n") + 40
-    _, _, corpus = language_model(lm_checkpoint)
-    assert set(text) <= set(corpus.vocab)
+    _, _, vocab = language_model(lm_checkpoint)
+    assert set(text) <= set(vocab.chars)
     assert generate(lm_checkpoint, "import os\n", 40, temperature=1.0, seed=3) == text
     assert generate(lm_checkpoint, "import os\n", 40, temperature=1.0, seed=4) != text
 
 
 def test_the_greedy_choice_is_the_likeliest_next_character(lm_checkpoint):
-    net, params, corpus = language_model(lm_checkpoint)
+    net, params, vocab = language_model(lm_checkpoint)
     prompt = "def main(self):"  # 15 characters: one short of the 16-position context
     first = generate(lm_checkpoint, prompt, 1, temperature=0.0)[-1]
     x = np.zeros((1, 16), np.int64)
-    x[0, :15] = corpus.encode(prompt)
+    x[0, :15] = vocab.encode(prompt)
     logits = net.forward(params, {}, x, StepContext(train=False))[0, 14]
-    assert first == corpus.vocab[int(logits.argmax())]
+    assert first == vocab.chars[int(logits.argmax())]
     long = "x = 1\n" * 10  # longer than the context: the last 16 characters count
     assert (
         generate(lm_checkpoint, long, 5, 0.0)
@@ -70,6 +70,7 @@ def test_the_cli_prints_the_text(lm_checkpoint, capsys):
     where = str(lm_checkpoint.location)
     assert main(["generate", where, "--prompt", "class ", "--length", "20", "--seed", "1"]) == 0
     assert capsys.readouterr().out == generate(lm_checkpoint, "class ", 20, 0.8, 1) + "\n"
+    assert len(generate(lm_checkpoint, "", 7, 0.8, 1)) == 7  # from nothing: 7 characters
 
 
 def test_a_checkpoint_that_is_no_language_model_is_named(tmp_path):

@@ -94,14 +94,11 @@ def test_a_state_dict_of_another_model_is_named(tmp_path):
     other = torch.nn.Linear(3, 4)
     pt = tmp_path / "other.pt"
     torch.save(other.state_dict(), pt)
-    cli_error("train", str(tmp_path / "job.yaml"), "--init-from", str(pt), named=["tok.weight"])
+    job = str(tmp_path / "job.yaml")
+    cli_error("train", job, "--init-from", str(pt), named=["tok.weight"])
     sd = torch_module(config.load(tmp_path / "job.yaml").model).state_dict()
     sd["head.weight"] = sd["head.weight"][:, :5]
     torch.save(sd, pt)
-    cli_error(
-        "train",
-        str(tmp_path / "job.yaml"),
-        "--init-from",
-        str(pt),
-        named=["head.weight", "[98, 5]"],
-    )
+    cli_error("train", job, "--init-from", str(pt), named=["head.weight", "[98, 5]"])
+    (tmp_path / "garbage.pt").write_bytes(b"not a zip, not a pickle")
+    cli_error("train", job, "--init-from", str(tmp_path / "garbage.pt"), named=["garbage.pt"])
