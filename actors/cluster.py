@@ -13,6 +13,8 @@ import socket
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from raysinga.kernels.cpu_threads import BLAS_ENV
+
 from .topology import Resources, Topology
 
 
@@ -55,7 +57,8 @@ def connect(address: str | None = None, runtime_env: dict[str, Any] | None = Non
     if runtime_env:
         kwargs["runtime_env"] = runtime_env
     try:
-        ray.init(address=address, log_to_driver=True, **kwargs)
+        with _process_env(BLAS_ENV if embedded else {}):
+            ray.init(address=address, log_to_driver=True, **kwargs)
     except ConnectionError as e:
         # The port answered, so the likeliest cause is the token that `ray start` requires
         # (Ray logs "InvalidAuthToken" but does not put it in the exception).
@@ -66,6 +69,19 @@ def connect(address: str | None = None, runtime_env: dict[str, Any] | None = Non
         )
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConnectError(f"cannot join the Ray cluster at {address}: {first}{hint}") from e
+
+
+@contextlib.contextmanager
+def _process_env(env: dict[str, str]):
+    """``env`` in this process's environment, for the processes started meanwhile (the
+    embedded Ray's, whose workers inherit it), where it does not set those names itself."""
+    added = {k: v for k, v in env.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def _check_reachable(address: str, timeout: float = 5.0) -> None:

@@ -19,15 +19,19 @@ a GPU; CNN at most 1.2x on a GPU; charlm at most 1.2x on the CPU and on a GPU (P
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
-import time
-from pathlib import Path
 
-import numpy as np
-from bench_distributed import BATCH, CLASSES, DIM, HIDDEN  # the same MLP, batch and shapes
-from bench_distributed import MODEL as MLP_SPEC
+# As raysinga's processes start (kernels/cpu_threads.py, BLAS_ENV): OpenBLAS reads it as it loads.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "20")
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+from bench_distributed import BATCH, CLASSES, DIM, HIDDEN  # noqa: E402 - the same MLP and shapes
+from bench_distributed import MODEL as MLP_SPEC  # noqa: E402
 
 LR, MOMENTUM = 0.01, 0.9
 CNN_YAML = Path(__file__).resolve().parents[1] / "examples" / "digits_cnn.yaml"
@@ -203,6 +207,7 @@ def main() -> None:
     import torch
 
     from raysinga import kernels as K
+    from raysinga.kernels.cpu_threads import BLAS_ENV
 
     torch.set_num_threads(a.threads)
     try:
@@ -217,9 +222,10 @@ def main() -> None:
         "charlm": f"the example language model ({CHARLM_YAML.name}), batch "
         f"{MODELS['charlm'][0]()[1]} x 128 characters",
     }[a.model]
+    blas = " ".join(f"{k}={os.environ[k]}" for k in sorted(BLAS_ENV))
     print(
         f"{what}, float32, SGD momentum; {a.threads} CPU threads, torch {torch.__version__}, "
-        f"numpy {np.__version__}"
+        f"numpy {np.__version__}, {blas}"
     )
     ratios = {"cpu": compare("cpu", a.model, a.steps, a.rounds)}
     if K.gpu_available() and torch.cuda.is_available():

@@ -44,8 +44,14 @@ def bias_act_forward(z: np.ndarray, b: np.ndarray, act: str) -> np.ndarray:
     """``act(z + b)`` for ``z`` of shape ``(M, F)`` and ``b`` of shape ``(F,)``."""
     common.check_bias(z, b)
     common.check_activation(act)
-    out = z + b
-    # In place on the fresh array: NumPy cannot fuse, but it need not allocate twice.
+    return _bias_act_inplace(z + b, None, act)
+
+
+def _bias_act_inplace(out: np.ndarray, b: np.ndarray | None, act: str) -> np.ndarray:
+    """``act(out + b)`` written over ``out``, a fresh array of the caller's (a GEMM's result):
+    NumPy cannot fuse, but it need not allocate again."""
+    if b is not None:
+        out += b
     if act == "relu":
         np.maximum(out, 0, out=out)
     elif act == "tanh":
@@ -65,9 +71,18 @@ def bias_act_backward(dy: np.ndarray, y: np.ndarray, act: str) -> tuple[np.ndarr
     return dz, dz.sum(axis=0)
 
 
+def _bias_act_grads(dy: np.ndarray, y: np.ndarray, act: str) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`bias_act_backward` for callers that only read ``dz``: a linear layer's ``dz`` is
+    ``dy`` itself, not a copy."""
+    common.check_activation(act)
+    dz = dy if act == "linear" else activation_backward(dy, y, act)
+    return dz, dz.sum(axis=0)
+
+
 def dense_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, act: str) -> np.ndarray:
     common.check_dense(x, w, b)
-    return bias_act_forward(x @ w, b, act)
+    common.check_activation(act)
+    return _bias_act_inplace(x @ w, b, act)
 
 
 def dense_backward(
@@ -80,7 +95,7 @@ def dense_backward(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dx, dw, db)`` for ``y = act(x @ w + b)``; ``dx`` is None unless ``need_dx`` (a net's
     first layer skips a whole GEMM that way)."""
-    dz, db = bias_act_backward(dy, y, act)
+    dz, db = _bias_act_grads(dy, y, act)
     return (dz @ w.T if need_dx else None), x.T @ dz, db
 
 
@@ -141,7 +156,8 @@ def conv2d_forward(
     o, _, kh, kw = w.shape
     oh, ow = conv_out_size(h, kh, stride, pad), conv_out_size(wd, kw, stride, pad)
     cols = im2col(x, kh, kw, stride, pad)
-    z = bias_act_forward(cols @ w.reshape(o, -1).T, b, act)  # (n*oh*ow, o)
+    common.check_activation(act)
+    z = _bias_act_inplace(cols @ w.reshape(o, -1).T, b, act)  # (n*oh*ow, o)
     return np.ascontiguousarray(z.reshape(n, oh, ow, o).transpose(0, 3, 1, 2)), cols
 
 
@@ -160,7 +176,7 @@ def conv2d_backward(
     o, c, kh, kw = w.shape
     y2 = y.transpose(0, 2, 3, 1).reshape(-1, o)
     dy2 = dy.transpose(0, 2, 3, 1).reshape(-1, o)
-    dz, db = bias_act_backward(dy2, y2, act)
+    dz, db = _bias_act_grads(dy2, y2, act)
     dw = (dz.T @ cols).reshape(w.shape)
     if not need_dx:
         return None, dw, db

@@ -20,6 +20,12 @@ GELU_C = math.sqrt(2.0 / math.pi)  # GELU's tanh approximation: 0.5 x (1 + tanh(
 GELU_A = 0.044715
 
 
+def _row_sums(a: np.ndarray) -> np.ndarray:
+    """Sums over the last axis: einsum's loop is a few times faster than ``sum(axis=-1)``
+    on short rows, and as fixed in its order for a given shape."""
+    return np.einsum("...i->...", a)
+
+
 # ---------------------------------------------------------------- embedding
 
 
@@ -56,7 +62,7 @@ def layernorm_forward(
 
     def part(lo: int, hi: int) -> None:
         xc = y[lo:hi]
-        mu = x[lo:hi].mean(axis=1)
+        mu = _row_sums(x[lo:hi]) / x.dtype.type(f)
         np.subtract(x[lo:hi], mu[:, None], out=xc)
         var = np.einsum("ij,ij->i", xc, xc) / x.dtype.type(f)
         rs = 1 / np.sqrt(var + x.dtype.type(eps))
@@ -83,7 +89,7 @@ def layernorm_backward(
         np.subtract(x[lo:hi], mean[lo:hi, None], out=h)
         h *= rstd[lo:hi, None]
         np.multiply(dy[lo:hi], gamma, out=g)
-        gm = g.mean(axis=1)
+        gm = _row_sums(g) * inv_f
         ghm = np.einsum("ij,ij->i", g, h) * inv_f
         g -= gm[:, None]
         g -= h * ghm[:, None]
@@ -91,7 +97,7 @@ def layernorm_backward(
 
     over_rows(part, m, x.size)
     dgamma = np.einsum("ij,ij->j", dy, xhat)
-    return dx, dgamma, dy.sum(axis=0)
+    return dx, dgamma, np.einsum("ij->j", dy)
 
 
 # ---------------------------------------------------------------- GELU
@@ -160,11 +166,14 @@ def causal_softmax_forward(scores: np.ndarray, scale: float) -> np.ndarray:
 
     def part(lo: int, hi: int) -> None:
         zz = z[lo:hi]
-        np.multiply(scores[lo:hi], sc, out=zz)
-        zz += mask  # -inf above the diagonal
+        if scale == 1.0:
+            np.add(scores[lo:hi], mask, out=zz)  # -inf above the diagonal
+        else:
+            np.multiply(scores[lo:hi], sc, out=zz)
+            zz += mask
         zz -= zz.max(axis=-1, keepdims=True)
         np.exp(zz, out=zz)
-        zz /= zz.sum(axis=-1, keepdims=True)
+        zz /= _row_sums(zz)[..., None]
 
     over_rows(part, len(z), z.size)
     return z
@@ -185,9 +194,11 @@ def causal_softmax_backward(dp: np.ndarray, p: np.ndarray, scale: float) -> np.n
 
     def part(lo: int, hi: int) -> None:
         d, pp = ds[lo:hi], p[lo:hi]
-        np.multiply(dp[lo:hi], pp, out=d)
-        d -= pp * d.sum(axis=-1, keepdims=True)
-        d *= sc
+        # p (dp - <dp, p>) row by row: the row's dot product without a temporary
+        np.subtract(dp[lo:hi], np.einsum("bij,bij->bi", dp[lo:hi], pp)[..., None], out=d)
+        d *= pp
+        if scale != 1.0:
+            d *= sc
 
     over_rows(part, len(ds), ds.size)
     return ds

@@ -15,6 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 MIN_PER_THREAD = 1 << 16  # elements: below this a thread costs more than it saves
 
+# OpenBLAS's idle threads spin for 2^28 cycles (about 0.1 s) after each GEMM, holding the cores
+# the element-wise ops that follow want; 2^20 cycles (about 0.4 ms) still bridges back-to-back
+# GEMMs. OpenBLAS reads this once, as it loads, so it belongs in a process's environment from
+# its start: the embedded Ray's processes get it (actors.cluster.connect), a cluster's nodes
+# from the environment of `ray start`. On 2 cores it made the example language model's step
+# about 15% faster (benchmarks/bench_step.py).
+BLAS_ENV = {"OPENBLAS_THREAD_TIMEOUT": "20"}
+
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 

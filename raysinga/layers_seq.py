@@ -148,6 +148,20 @@ def _dense(x, w, b):
     return K.dense_forward(x, w, b, "linear")
 
 
+def _heads(proj: Any) -> tuple[Any, Any, Any]:
+    """Views ``(n, h, t, hd)`` of queries, keys and values in a projection laid out
+    ``(n, t, 3, h, hd)``: each head's rows are BLAS-ready as they lie."""
+    return tuple(proj[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
+
+
+def _matmul_into(a: Any, b: Any, out: Any) -> None:
+    """``out[...] = a @ b``; NumPy's BLAS writes straight into a strided ``out``."""
+    if isinstance(out, np.ndarray):
+        np.matmul(a, b, out=out)
+    else:
+        out[...] = a @ b
+
+
 class Attention(Layer):
     """Multi-head causal self-attention over ``(T, dim)``: position ``t`` attends to positions
     ``0..t``. ``Wqkv`` (dim, 3 dim) projects to queries, keys and values (each split into
@@ -182,12 +196,15 @@ class Attention(Layer):
         hd = d // h
         rows = x.reshape(n * t, d)
         qkv = _dense(rows, p["Wqkv"], p["bqkv"])
-        # views (n, h, t, hd) of the projection: each head's rows are BLAS-ready as they lie
-        q, k, v = (qkv.reshape(n, t, 3, h, hd)[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
+        # The queries scaled by 1/sqrt(hd) where they lie (a quarter of the scores' size), so
+        # that the scores need no pass of their own; the backward pass scales dq the same way.
+        qkv[:, :d] *= qkv.dtype.type(1.0 / math.sqrt(hd))
+        q, k, v = _heads(qkv.reshape(n, t, 3, h, hd))
         scores = xp.matmul(q, k.transpose(0, 1, 3, 2)).reshape(n * h, t, t)
-        probs = K.causal_softmax_forward(scores, 1.0 / math.sqrt(hd)).reshape(n, h, t, t)
-        heads = xp.matmul(probs, v)  # (n, h, t, hd)
-        merged = xp.ascontiguousarray(heads.transpose(0, 2, 1, 3)).reshape(n * t, d)
+        probs = K.causal_softmax_forward(scores, 1.0).reshape(n, h, t, t)
+        merged = xp.empty((n, t, h, hd), x.dtype)
+        _matmul_into(probs, v, merged.transpose(0, 2, 1, 3))  # the heads side by side
+        merged = merged.reshape(n * t, d)
         y = _dense(merged, p["Wo"], p["bo"])
         self._cache = (rows, qkv, q, k, v, probs, merged, y, p["Wqkv"], p["Wo"])
         return y.reshape(n, t, d)
@@ -201,13 +218,15 @@ class Attention(Layer):
         dheads = dmerged.reshape(n, t, h, hd).transpose(0, 2, 1, 3)
         dprobs = xp.matmul(dheads, v.transpose(0, 1, 3, 2))
         dscores = K.causal_softmax_backward(
-            dprobs.reshape(n * h, t, t), probs.reshape(n * h, t, t), 1.0 / math.sqrt(hd)
+            dprobs.reshape(n * h, t, t), probs.reshape(n * h, t, t), 1.0
         ).reshape(n, h, t, t)
         dqkv = xp.empty((n, t, 3, h, hd), dy.dtype)  # laid out as the projection's output
-        dqkv[:, :, 0] = xp.matmul(dscores, k).transpose(0, 2, 1, 3)
-        dqkv[:, :, 1] = xp.matmul(dscores.transpose(0, 1, 3, 2), q).transpose(0, 2, 1, 3)
-        dqkv[:, :, 2] = xp.matmul(probs.transpose(0, 1, 3, 2), dheads).transpose(0, 2, 1, 3)
+        dq, dk, dv = _heads(dqkv)
+        _matmul_into(dscores, k, dq)
+        _matmul_into(dscores.transpose(0, 1, 3, 2), q, dk)  # q is scaled already
+        _matmul_into(probs.transpose(0, 1, 3, 2), dheads, dv)
         dqkv = dqkv.reshape(n * t, 3 * d)
+        dqkv[:, :d] *= dqkv.dtype.type(1.0 / math.sqrt(hd))
         dx, dwqkv, dbqkv = K.dense_backward(rows, wqkv, qkv, dqkv, "linear", self.need_dx)
         grads = {"Wqkv": dwqkv, "bqkv": dbqkv, "Wo": dwo, "bo": dbo}
         return (None if dx is None else dx.reshape(n, t, d)), grads

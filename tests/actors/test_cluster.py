@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +14,7 @@ from raysinga import config
 from raysinga.actors.cluster import packs, shrunk
 from raysinga.actors.topology import Resources, Topology
 from raysinga.distributed import DistributedTrainer
+from raysinga.kernels.cpu_threads import BLAS_ENV
 from raysinga.trainer import Trainer
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -70,3 +74,43 @@ def test_packs_checks_every_bundle_against_some_node():
     own = Topology(workers_per_group=1, server=Resources(cpus=2))  # a server bundle of its own
     assert not packs(own, [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}])
     assert packs(own, [{"CPU": 1.0}, {"CPU": 2.0}])
+
+
+def test_process_env_adds_only_what_is_unset_and_restores(monkeypatch):
+    from raysinga.actors.cluster import _process_env
+
+    monkeypatch.setenv("RAYSINGA_TEST_KEPT", "mine")
+    monkeypatch.delenv("RAYSINGA_TEST_ADDED", raising=False)
+    with _process_env({"RAYSINGA_TEST_KEPT": "theirs", "RAYSINGA_TEST_ADDED": "1"}):
+        assert os.environ["RAYSINGA_TEST_KEPT"] == "mine"
+        assert os.environ["RAYSINGA_TEST_ADDED"] == "1"
+    assert os.environ["RAYSINGA_TEST_KEPT"] == "mine"
+    assert "RAYSINGA_TEST_ADDED" not in os.environ
+
+
+def test_the_embedded_rays_roles_start_with_the_blas_settings(tmp_path):
+    """OpenBLAS reads its settings once, as it loads: a role's process must start with them."""
+    script = (
+        "import os, ray\n"
+        "from raysinga.actors import cluster\n"
+        "cluster.connect('local')\n"
+        "@ray.remote(num_cpus=0)\n"
+        "def env():\n"
+        "    return os.environ.get('OPENBLAS_THREAD_TIMEOUT')\n"
+        "driver = os.environ.get('OPENBLAS_THREAD_TIMEOUT')\n"
+        "print('role', ray.get(env.remote()), 'driver', driver)\n"
+        "ray.shutdown()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    env["RAY_ADDRESS"] = "local"
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    want = BLAS_ENV["OPENBLAS_THREAD_TIMEOUT"]
+    assert f"role {want} driver None" in r.stdout
