@@ -34,6 +34,7 @@ from bench_distributed import BATCH, CLASSES, DIM, HIDDEN  # noqa: E402 - the sa
 from bench_distributed import MODEL as MLP_SPEC  # noqa: E402
 
 LR, MOMENTUM = 0.01, 0.9
+SETTLE_S = 0.5
 CNN_YAML = Path(__file__).resolve().parents[1] / "examples" / "digits_cnn.yaml"
 CHARLM_YAML = CNN_YAML.with_name("charlm.yaml")
 
@@ -183,7 +184,11 @@ def compare(device: str, model: str, steps: int, rounds: int) -> float:
     ours.steps(5), peer.steps(5)  # warm-up: allocations, kernel compilation, BLAS threads
     t_ours, t_peer = [], []
     for _ in range(rounds):
+        # Each side starts once the other's idle threads have stopped spinning (OpenBLAS's
+        # and OpenMP's spin for up to about 0.1 s after their last call): the cores are its own.
+        time.sleep(SETTLE_S)
         t_ours.append(ours.steps(steps))
+        time.sleep(SETTLE_S)
         t_peer.append(peer.steps(steps))
     a, b = statistics.median(t_ours), statistics.median(t_peer)
     per_round = [x / y for x, y in zip(t_ours, t_peer, strict=True)]

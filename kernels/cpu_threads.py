@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 MIN_PER_THREAD = 1 << 16  # elements: below this a thread costs more than it saves
 
@@ -42,10 +42,14 @@ def over_rows(fn: Callable[[int, int], None], rows: int, elements: int) -> None:
     if n <= 1:
         fn(0, rows)
         return
-    if _pool is None or _pool_size < n:
-        _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="raysinga-ops")
-        _pool_size = n
+    if _pool is None or _pool_size < n - 1:
+        _pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="raysinga-ops")
+        _pool_size = n - 1
     bounds = [rows * k // n for k in range(n + 1)]
-    futures = [_pool.submit(fn, lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+    futures = [_pool.submit(fn, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:], strict=True)]
+    try:
+        fn(bounds[0], bounds[1])  # this thread takes the first range: one hand-off fewer
+    finally:
+        wait(futures)  # no range may still be writing once this returns, error or not
     for f in futures:
         f.result()
