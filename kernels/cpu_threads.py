@@ -20,7 +20,7 @@ MIN_PER_THREAD = 1 << 16  # elements: below this a thread costs more than it sav
 # GEMMs. OpenBLAS reads this once, as it loads, so it belongs in a process's environment from
 # its start: the embedded Ray's processes get it (actors.cluster.connect), a cluster's nodes
 # from the environment of `ray start`. On 2 cores it made the example language model's step
-# about 15% faster (benchmarks/bench_step.py).
+# 12% to 19% faster in A/B runs (benchmarks/bench_step.py --model charlm).
 BLAS_ENV = {"OPENBLAS_THREAD_TIMEOUT": "20"}
 
 _pool: ThreadPoolExecutor | None = None
