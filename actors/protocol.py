@@ -56,6 +56,7 @@ class WorkerSpec:
     n_groups: int
     tag: str
     device: str = "cpu"
+    blas_threads: int = 1  # kernels.cpu_threads.compute_threads of the worker's CPUs
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,26 @@ MIN_PER_THREAD = 1 << 16  # elements: below this a thread costs more than it sav
 # 12% to 19% faster in A/B runs (benchmarks/bench_step.py --model charlm).
 BLAS_ENV = {"OPENBLAS_THREAD_TIMEOUT": "20"}
 
+
+def compute_threads(cpus: float) -> int:
+    """The BLAS threads of a process computing gradients on ``cpus`` CPUs (a worker's share of
+    the topology; the single-process run of a job with a topology uses its workers' share)."""
+    return max(1, int(cpus))
+
+
+def blas_threads(n: int | None):
+    """``threadpoolctl``'s limit of every loaded BLAS to ``n`` threads (None: as they are).
+
+    A matrix product's bits depend on the BLAS's thread count (OpenBLAS blocks the inner sum
+    differently with more threads), so processes that must agree bit for bit (a one-worker
+    group and the single-process run of the same job) run their BLAS on the same count. As a
+    context manager it restores the earlier limits on exit; called alone it holds for the
+    process (a worker's)."""
+    from threadpoolctl import threadpool_limits  # noqa: PLC0415 - loads the BLAS's info
+
+    return threadpool_limits(limits=n, user_api="blas")
+
+
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 

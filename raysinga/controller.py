@@ -247,6 +247,7 @@ class Controller:
                 return State.STOPPED
             if self.gather:
                 self.result.params = roles.gather_params()
+                self.result.state = roles.gather_state()
             return State.FINISHED
         co.begin(roles, done, self.cursor, history)
         if self.grow:

@@ -25,6 +25,7 @@ from .actors.errors import get_all
 from .actors.protocol import ServerSpec, StubSpec, WorkerSpec
 from .checkpoint import Checkpoint, CheckpointError
 from .cursor import DataCursor
+from .kernels.cpu_threads import compute_threads
 from .run_sources import Source
 from .run_state import worker_state
 
@@ -138,6 +139,7 @@ class RoleGroup:
             topo.n_groups,
             self.tag,
             plan.worker_device,
+            compute_threads(topo.worker.cpus),
         )
 
     def describe(self) -> None:
@@ -233,6 +235,11 @@ class RoleGroup:
     def snapshot_results(self, servers: list[int], wait: bool) -> list[dict[str, Any] | None]:
         """The shard records of those servers' background writes (None: still writing)."""
         return get_all([self.servers[k].snapshot_result.remote(wait) for k in servers], "server")
+
+    def gather_state(self) -> dict[str, np.ndarray]:
+        """The non-trainable state (batch norm's running statistics) of group 0's first
+        worker: the one a checkpoint of a single-process run would hold."""
+        return get_all([self.workers[0][0].get_state.remote()], "worker", 0)[0]
 
     def gather_params(self) -> dict[str, np.ndarray]:
         """Whole parameters assembled from the servers' slices (small models, tests)."""

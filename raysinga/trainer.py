@@ -23,6 +23,7 @@ from .data import BatchPlan, Dataset, has_split, load_dataset
 from .data_check import check_splits
 from .events import Evaluated, RunStarted, Subscriber, TrainStep
 from .finite import NonFiniteLoss
+from .kernels.cpu_threads import blas_threads, compute_threads
 from .layers import StepContext
 from .losses import CLASSIFYING
 from .metrics import TrainResult, recording
@@ -98,10 +99,18 @@ class Trainer:
             self.init_from,
             self.fresh,
         )
-        with session, session.stop_signals():
+        with session, session.stop_signals(), blas_threads(self.blas_threads):
             start = session.verify(verify_all)
             params, state = local_checkpoint.load_start(start, self.net, self.optimizer)
             return self._fit(session, start, params, state)
+
+    @property
+    def blas_threads(self) -> int | None:
+        """A job with a topology runs here on as many BLAS threads as each of its workers, so
+        that this run and a one-worker, one-server run of it give the same bits; without one,
+        on as many as the BLAS takes."""
+        topo = self.cfg.topology
+        return None if topo is None else compute_threads(topo.worker.cpus)
 
     def _fit(self, session: RunSession, start: Start, params: dict, state: dict) -> TrainResult:
         cfg, xp = self.cfg, self.xp
