@@ -215,7 +215,7 @@ def object_store(tensors, work: Path, rounds: int) -> dict[str, list[float]]:
     from raysinga.checkpoint import objstore
 
     path = checkpoint.save(work / "objstore-run", 1, tensors)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         ref = objstore.put(path)
         task = ray.remote(num_cpus=1)(_get_in_task)

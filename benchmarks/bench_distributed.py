@@ -178,7 +178,7 @@ def main() -> None:
     import ray
 
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as d:
         xp, yp = make_data(Path(d), args.samples)
         a = (xp, yp, args.steps, args.warmup)

@@ -13,8 +13,10 @@ are usable, raysinga's CuPy kernels run against PyTorch on that GPU as well::
     python benchmarks/bench_step.py [--model mlp|cnn|charlm] [--steps 50] [--rounds 5]
 
 The two sides alternate round by round and the ratio is taken of the medians, so drifts of a
-noisy machine fall on both. Goals: MLP at most 1.0x PyTorch's step time on the CPU and 0.9x on
-a GPU; CNN at most 1.2x on a GPU; charlm at most 1.2x on the CPU and on a GPU (PyTorch eager).
+noisy machine fall on both; it is printed with the lowest and highest of the rounds' own
+ratios, and ``--json FILE`` writes every round. Goals: MLP at most 1.0x PyTorch's step time on
+the CPU and 0.9x on a GPU; CNN at most 1.2x on a GPU; charlm at most 1.2x on the CPU and on a
+GPU (PyTorch eager).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_distributed import BATCH, CLASSES, DIM, HIDDEN  # noqa: E402 - the same MLP and shapes
 from bench_distributed import MODEL as MLP_SPEC  # noqa: E402
+from report import Figure, Report, add_json_option  # noqa: E402
 
 LR, MOMENTUM = 0.01, 0.9
 SETTLE_S = 0.5
@@ -176,7 +179,8 @@ class Torch:
         return (time.perf_counter() - t0) / n
 
 
-def compare(device: str, model: str, steps: int, rounds: int) -> float:
+def compare(device: str, model: str, steps: int, rounds: int) -> tuple[list[float], list[float]]:
+    """Seconds per step of each round: raysinga's and PyTorch's, the rounds alternating."""
     spec_batch, shape, make = MODELS[model]
     spec, batch = spec_batch()
     data = batches(8, batch, shape, tokens=model == "charlm")
@@ -190,15 +194,7 @@ def compare(device: str, model: str, steps: int, rounds: int) -> float:
         t_ours.append(ours.steps(steps))
         time.sleep(SETTLE_S)
         t_peer.append(peer.steps(steps))
-    a, b = statistics.median(t_ours), statistics.median(t_peer)
-    per_round = [x / y for x, y in zip(t_ours, t_peer, strict=True)]
-    print(f"{device}: raysinga {a * 1e3:7.2f} ms/step   PyTorch {b * 1e3:7.2f} ms/step")
-    print(
-        f"{device}: raysinga / PyTorch step time = {a / b:.3f}x (per round: median "
-        f"{statistics.median(per_round):.2f}, min {min(per_round):.2f}, max "
-        f"{max(per_round):.2f}: " + ", ".join(f"{r:.2f}" for r in per_round) + ")"
-    )
-    return a / b
+    return t_ours, t_peer
 
 
 def main() -> None:
@@ -207,6 +203,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50, help="steps per timed round")
     ap.add_argument("--rounds", type=int, default=5, help="rounds per side, alternating")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads, both sides")
+    add_json_option(ap)
     a = ap.parse_args()
 
     import torch
@@ -232,22 +229,32 @@ def main() -> None:
         f"{what}, float32, SGD momentum; {a.threads} CPU threads, torch {torch.__version__}, "
         f"numpy {np.__version__}, {blas}"
     )
-    ratios = {"cpu": compare("cpu", a.model, a.steps, a.rounds)}
-    if K.gpu_available() and torch.cuda.is_available():
-        ratios["gpu"] = compare("gpu", a.model, a.steps, a.rounds)
-    else:
-        print(f"gpu: not measured ({K.gpu_unavailable_reason() or 'PyTorch sees no CUDA device'})")
     goals = {
         "mlp": {"cpu": 1.0, "gpu": 0.9},
         "cnn": {"cpu": None, "gpu": 1.2},
         "charlm": {"cpu": 1.2, "gpu": 1.2},
     }[a.model]
-    for dev, r in ratios.items():
-        if goals[dev] is None:
-            print(f"goal {dev}: none (measured for reference)")
-        else:
-            ok = "met" if r <= goals[dev] else "NOT met"
-            print(f"goal {dev}: at most {goals[dev]:.1f}x -> {ok}")
+    report = Report("bench_step", {**vars(a), "torch": torch.__version__, "numpy": np.__version__})
+    devices = ["cpu"]
+    if K.gpu_available() and torch.cuda.is_available():
+        devices.append("gpu")
+    else:
+        print(f"gpu: not measured ({K.gpu_unavailable_reason() or 'PyTorch sees no CUDA device'})")
+    for dev in devices:
+        ours, peer = compare(dev, a.model, a.steps, a.rounds)
+        report.add(Figure(f"{dev}: raysinga step", [t * 1e3 for t in ours], " ms"), ".2f")
+        report.add(Figure(f"{dev}: PyTorch step", [t * 1e3 for t in peer], " ms"), ".2f")
+        # The goal is on the ratio of the two medians; the rounds' own ratios show the spread.
+        report.add(
+            Figure(
+                f"{dev}: raysinga / PyTorch step time",
+                [x / y for x, y in zip(ours, peer, strict=True)],
+                "x",
+                goals[dev],
+                value=statistics.median(ours) / statistics.median(peer),
+            )
+        )
+    report.write(a.json)
 
 
 if __name__ == "__main__":
