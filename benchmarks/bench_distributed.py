@@ -6,10 +6,13 @@ same global batch (256, 128 per worker), SGD with momentum, two workers with one
     pip install -e '.[bench,examples]'
     python benchmarks/bench_distributed.py [--steps 60] [--warmup 10]
 
-Prints samples/s of each, their ratio, the single-process reference, and raysinga's per-step
+Prints samples/s of each, their ratios, the single-process reference, and raysinga's per-step
 breakdown (fetch parameters, compute, gather, average, update) with the framework overhead:
-step time minus the workers' compute. raysinga runs with its defaults, so its idle spare worker
-and stub (``fault.spares``) start after the first chunk, within the timed steps.
+step time minus the workers' compute. ``--rounds N`` (3) runs the three side by side N times:
+each figure is the median of its rounds, with their minimum and maximum. Goals: raysinga at
+0.85x or more of the single process, a framework overhead of at most 3 ms per step.
+``--json FILE`` writes every figure and round. raysinga runs with its defaults, so its idle
+spare worker and stub (``fault.spares``) start after the first chunk, within the timed steps.
 
 ``--spares-rounds N`` instead times raysinga alone with spares off and on, alternating, N
 rounds each, once the spares have loaded (chunks of 10 steps, the warm-up's dropped): the cost
@@ -25,13 +28,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from report import Figure, Report, add_json_option
 
 BATCH, HIDDEN, CLASSES, DIM = 256, 1024, 10, 784
+GOAL_VS_LOCAL = 0.85  # raysinga's samples/s against the single process, at least
+GOAL_OVERHEAD_MS = 3.0  # step time minus the workers' compute, at most
 MODEL = {
     "input_shape": [DIM],
     "layers": [
@@ -174,6 +181,8 @@ def main() -> None:
         help="instead: raysinga with the servers' copies and the replay log off and on, "
         "alternating, this many rounds each",
     )
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the three runs")
+    add_json_option(ap)
     args = ap.parse_args()
     import ray
 
@@ -189,34 +198,55 @@ def main() -> None:
             off, on = {"replay_steps": 0}, {"replay_steps": 20}
             cost(*a, args.replay_rounds, "the servers' copies and the replay log", off, on)
             return
-        ours = bench_raysinga(*a)
-        peer = bench_ray_train(*a)
-        local = bench_local(*a)
-    ms = ours["ms"]
+        runs: dict[str, list[dict]] = {"ours": [], "peer": [], "local": []}
+        for _ in range(args.rounds):  # the three side by side in each round
+            runs["ours"].append(bench_raysinga(*a))
+            runs["peer"].append(bench_ray_train(*a))
+            runs["local"].append(bench_local(*a))
     print(
         f"MLP 784-1024-1024-10, global batch {BATCH}, 2 workers x 1 CPU, {args.steps} timed "
-        f"steps after {args.warmup} warm-up, {os.cpu_count()} cores"
+        f"steps after {args.warmup} warm-up, {args.rounds} rounds, {os.cpu_count()} cores"
     )
-    print(f"  raysinga (1 group x 2 workers x 1 server): {ours['samples_per_s']:9,.0f} samples/s")
-    print(f"  Ray Train TorchTrainer (DDP, gloo):        {peer['samples_per_s']:9,.0f} samples/s")
-    print(f"  raysinga single process (no Ray):          {local['samples_per_s']:9,.0f} samples/s")
+    sps = {k: [r["samples_per_s"] for r in v] for k, v in runs.items()}
+    report = Report("bench_distributed", vars(args))
+    for key, label in (
+        ("ours", "raysinga (1 group x 2 workers x 1 server)"),
+        ("peer", "Ray Train TorchTrainer (DDP, gloo)"),
+        ("local", "raysinga single process (no Ray)"),
+    ):
+        report.add(Figure(f"{label}, samples/s", sps[key], better="higher"), ",.0f")
+
+    def per_round(a: str, b: str) -> list[float]:
+        return [x / y for x, y in zip(sps[a], sps[b], strict=True)]
+
+    vs_peer = per_round("ours", "peer")
+    report.add(Figure("ratio raysinga / Ray Train", vs_peer, "x", better="higher"))
+    report.add(
+        Figure(
+            "ratio raysinga / single process",
+            per_round("ours", "local"),
+            "x",
+            GOAL_VS_LOCAL,
+            "higher",
+        )
+    )
+    ms = [r["ms"] for r in runs["ours"]]
+    overhead = [m["total"] - m["compute"] for m in ms]
+    report.add(
+        Figure("framework overhead per step (step - compute)", overhead, " ms", GOAL_OVERHEAD_MS),
+        ".2f",
+    )
     print(
-        f"  ratio raysinga / Ray Train:        {ours['samples_per_s'] / peer['samples_per_s']:.2f}x"
+        "  raysinga per step, median ms: "
+        + ", ".join(f"{k} {statistics.median(m[k] for m in ms):.2f}" for k in ms[0])
     )
-    print(
-        "  ratio raysinga / single process:   "
-        f"{ours['samples_per_s'] / local['samples_per_s']:.2f}x"
-    )
-    print("  raysinga per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()))
-    print(f"  framework overhead per step (step - compute): {ms['total'] - ms['compute']:.2f} ms")
+    report.write(args.json)
 
 
 def cost(xp: str, yp: str, steps: int, warmup: int, rounds: int, what: str, off, on) -> None:
     """Step time with a fault-tolerance feature on (the ``fault`` settings ``on``) against off
     (``off``), alternating, once what it spawns has loaded: what keeping it costs training.
     Goal: at most 3%."""
-    import statistics
-
     totals: dict[bool, list[float]] = {False: [], True: []}
     phases: dict[bool, list[dict[str, float]]] = {False: [], True: []}
     for _ in range(rounds):

@@ -33,14 +33,14 @@ class Figure:
             raise ValueError(f"figure {self.name!r} has no rounds")
         if self.better not in ("lower", "higher"):
             raise ValueError(f"better must be 'lower' or 'higher', got {self.better!r}")
-        if self.value is None:
-            self.value = statistics.median(self.rounds)
+        self.rounds = [float(r) for r in self.rounds]  # NumPy scalars are not JSON
+        self.value = float(statistics.median(self.rounds) if self.value is None else self.value)
 
     @property
     def met(self) -> bool | None:
         if self.goal is None:
             return None
-        return self.value <= self.goal if self.better == "lower" else self.value >= self.goal
+        return bool(self.value <= self.goal if self.better == "lower" else self.value >= self.goal)
 
     def line(self, fmt: str = ".3f") -> str:
         lo, hi = min(self.rounds), max(self.rounds)
