@@ -37,6 +37,7 @@ which is why it can beat the plain loop.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -103,16 +104,23 @@ def evict(path: Path) -> None:
 CHUNK = 16 << 20
 
 
-def raw_save(tensors, dest: Path) -> None:
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+@contextlib.contextmanager
+def _synced(dest: Path, flags: int = 0):
+    """A new file's descriptor for a plain writer, fsync'd when the writer is done."""
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
     try:
+        yield fd
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_save(tensors, dest: Path) -> None:
+    with _synced(dest) as fd:
         for a in tensors.values():
             mv = memoryview(a.reshape(-1).view(np.uint8))
             for i in range(0, len(mv), CHUNK):
                 os.write(fd, mv[i : i + CHUNK])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _views(tensors) -> list[memoryview]:
@@ -121,8 +129,7 @@ def _views(tensors) -> list[memoryview]:
 
 def raw_writev_save(tensors, dest: Path) -> None:
     """Every tensor in as few system calls as the kernel takes (``writev``), then fsync."""
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
+    with _synced(dest) as fd:
         pending = [v for v in _views(tensors) if len(v)]
         while pending:
             batch = pending[: os.sysconf("SC_IOV_MAX")]
@@ -133,9 +140,6 @@ def raw_writev_save(tensors, dest: Path) -> None:
                 pending.pop(0)
             if n:
                 pending[0] = pending[0][n:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def raw_one_write_save(tensors, dest: Path) -> None:
@@ -147,14 +151,10 @@ def raw_one_write_save(tensors, dest: Path) -> None:
     for a in tensors.values():
         buf[off : off + a.nbytes] = a.reshape(-1).view(np.uint8)
         off += a.nbytes
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
+    with _synced(dest) as fd:
         mv, done = memoryview(buf), 0
         while done < total:
             done += os.write(fd, mv[done:])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def raw_parallel_save(tensors, dest: Path, threads: int = 4) -> None:
@@ -170,8 +170,7 @@ def raw_parallel_save(tensors, dest: Path, threads: int = 4) -> None:
         for i in range(0, len(v), CHUNK):
             flat.append((off + i, v[i : i + CHUNK]))
         off += len(v)
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
+    with _synced(dest) as fd:
         os.ftruncate(fd, total)
 
         def run(k: int) -> None:
@@ -182,9 +181,6 @@ def raw_parallel_save(tensors, dest: Path, threads: int = 4) -> None:
 
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(run, range(threads)))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def raw_direct_save(tensors, dest: Path) -> None:
@@ -201,27 +197,25 @@ def raw_direct_save(tensors, dest: Path) -> None:
 
 
 def _direct_write(tensors, dest: Path, stage) -> None:
-    buf, block = np.frombuffer(stage, np.uint8), 4096
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    buf = np.frombuffer(stage, np.uint8)
     try:
-        total, fill = 0, 0
-        for v in _views(tensors):
-            i = 0
-            while i < len(v):
-                take = min(CHUNK - fill, len(v) - i)
-                buf[fill : fill + take] = np.frombuffer(v[i : i + take], np.uint8)
-                fill, i = fill + take, i + take
-                if fill == CHUNK:
-                    os.write(fd, buf)
-                    total, fill = total + CHUNK, 0
-        if fill:
-            padded = -(-fill // block) * block
-            buf[fill:padded] = 0
-            os.write(fd, buf[:padded])
-            os.ftruncate(fd, total + fill)
-        os.fsync(fd)
+        with _synced(dest, os.O_DIRECT) as fd:
+            total, fill = 0, 0
+            for v in _views(tensors):
+                i = 0
+                while i < len(v):
+                    take = min(CHUNK - fill, len(v) - i)
+                    buf[fill : fill + take] = np.frombuffer(v[i : i + take], np.uint8)
+                    fill, i = fill + take, i + take
+                    if fill == CHUNK:
+                        os.write(fd, buf)
+                        total, fill = total + CHUNK, 0
+            if fill:  # whole 4 KiB blocks, zero padded, the file cut back to size
+                padded = -(-fill // 4096) * 4096
+                buf[fill:padded] = 0
+                os.write(fd, buf[:padded])
+                os.ftruncate(fd, total + fill)
     finally:
-        os.close(fd)
         del buf  # the staging buffer's export, before the caller closes it
 
 
