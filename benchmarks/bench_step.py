@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import os
 
-# As raysinga's processes start (kernels/cpu_threads.py, BLAS_ENV): OpenBLAS reads it as it loads.
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "20")
+# As raysinga's processes start (kernels/cpu_threads.py, BLAS_ENV): OpenBLAS reads it as it loads,
+# so before NumPy is imported; main() checks the two agree.
+BLAS_DEFAULTS = {"OPENBLAS_THREAD_TIMEOUT": "20"}
+for _k, _v in BLAS_DEFAULTS.items():
+    os.environ.setdefault(_k, _v)
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
@@ -224,6 +227,8 @@ def main() -> None:
         "charlm": f"the example language model ({CHARLM_YAML.name}), batch "
         f"{MODELS['charlm'][0]()[1]} x 128 characters",
     }[a.model]
+    if BLAS_DEFAULTS != BLAS_ENV:
+        raise SystemExit(f"bench_step sets {BLAS_DEFAULTS}, raysinga's processes {BLAS_ENV}")
     blas = " ".join(f"{k}={os.environ[k]}" for k in sorted(BLAS_ENV))
     print(
         f"{what}, float32, SGD momentum; {a.threads} CPU threads, torch {torch.__version__}, "
