@@ -74,9 +74,9 @@ def bias_act_backward(dy: np.ndarray, y: np.ndarray, act: str) -> tuple[np.ndarr
 def _bias_act_grads(dy: np.ndarray, y: np.ndarray, act: str) -> tuple[np.ndarray, np.ndarray]:
     """:func:`bias_act_backward` for callers that only read ``dz``: a linear layer's ``dz`` is
     ``dy`` itself, not a copy."""
-    common.check_activation(act)
-    dz = dy if act == "linear" else activation_backward(dy, y, act)
-    return dz, dz.sum(axis=0)
+    if act == "linear":
+        return dy, dy.sum(axis=0)
+    return bias_act_backward(dy, y, act)
 
 
 def dense_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, act: str) -> np.ndarray:
