@@ -20,6 +20,7 @@ import numpy as np
 
 from raysinga import server_shard
 from raysinga.finite import check_finite_state
+from raysinga.kernels.cpu_memory import retain_freed_memory
 from raysinga.model import ModelSpec, Net
 from raysinga.optim import make_optimizer
 
@@ -36,6 +37,7 @@ class ParamServer(Abortable):
     role = "server"
 
     def __init__(self, spec: ServerSpec) -> None:
+        retain_freed_memory()  # each update's temporaries reuse the last one's pages
         self.index = spec.index
         self.slices = [s for s in spec.slices if s.server == spec.index]
         net = Net(ModelSpec.from_dict(spec.model), dtype=spec.dtype)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from raysinga.kernels.cpu_memory import retain_freed_memory
 from raysinga.optim import PARALLEL_CHUNK, clip_grad_norm
 
 from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
@@ -51,6 +52,7 @@ class Stub(GroupBells):
         """``workers``: this group's worker handles, ``servers``: all servers' handles, and
         beside each list the roles' ``describe()`` answers (a server's with its snapshot
         ``ref``, where it publishes one)."""
+        retain_freed_memory()
         self.index = self.group = spec.index
         self.servers = servers  # the workers are wired by _wire_workers, as on a rewire
         self.clip_norm, self.n_groups = spec.clip_norm, spec.n_groups

@@ -16,6 +16,7 @@ import numpy as np
 from raysinga.cursor import DataCursor
 from raysinga.data import BatchPlan, has_split, load_dataset
 from raysinga.kernels import to_numpy
+from raysinga.kernels.cpu_memory import retain_freed_memory
 from raysinga.kernels.cpu_threads import blas_threads
 from raysinga.layers import StepContext
 from raysinga.model import ModelSpec, Net
@@ -91,6 +92,7 @@ class Worker(Abortable):
     def __init__(self, spec: WorkerSpec) -> None:
         # For this process's life: the single-process run of the job uses the same count.
         self._blas = blas_threads(spec.blas_threads)
+        retain_freed_memory()  # each step's temporaries reuse the last step's pages
         self.index, self.group, self.seed = spec.index, spec.group, spec.seed
         self.n_groups, self.group_batch = spec.n_groups, spec.group_batch
         self.net = Net(ModelSpec.from_dict(spec.model), dtype=spec.dtype)

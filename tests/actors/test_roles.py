@@ -240,3 +240,55 @@ def test_doorbells_and_ray_calls_train_the_same_bits(ray_session):
     assert by_bell.keys() == by_call.keys()
     for name, v in by_bell.items():
         np.testing.assert_array_equal(v, by_call[name], err_msg=name)
+
+
+def _minor_faults(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[7])  # field 10: minflt
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_worker_step_reuses_the_last_steps_memory_instead_of_faulting_in_fresh_pages(
+    ray_session,
+):
+    """glibc's malloc, left to itself in an actor's process, handed each step's megabytes of
+    temporaries back to the kernel, so that every step faulted them in anew
+    (:mod:`raysinga.kernels.cpu_memory`)."""
+    ray = ray_session
+    model = {
+        "input_shape": [64],
+        "layers": [
+            {"kind": "dense", "name": "fc1", "units": 1024, "activation": "relu"},
+            {"kind": "dense", "name": "fc2", "units": 1024, "activation": "relu"},
+            {"kind": "dense", "name": "out", "units": 10},
+        ],
+    }
+    from raysinga.actors.worker import Worker
+
+    shapes = Net(ModelSpec.from_dict(model), dtype="float32").param_shapes()
+    slices = tuple(plan_slices(shapes, 4, 1, 1 << 30))
+    tag, actor = fresh_tag(), {"num_cpus": 0, "max_concurrency": 1}
+    server = (
+        ray.remote(ParamServer)
+        .options(**actor)
+        .remote(ServerSpec(0, model, "float32", 0, slices, {"name": "sgd", "lr": 0.01}, tag))
+    )
+    spec = WorkerSpec(0, 0, model, "float32", 0, {"kind": "digits"}, 256, True, slices, 1, 1, tag)
+    worker = ray.remote(Worker).options(**actor).remote(spec)
+    try:
+        handle = ray.get(server.describe.remote())["handle"]
+        pid = ray.get(worker.pid.remote())
+
+        def steps(r: range) -> None:
+            ray.get([worker.compute.remote(s, 0, 1, False, handle) for s in r])
+
+        steps(range(3))
+        before = _minor_faults(pid)
+        steps(range(3, 13))
+        per_step = (_minor_faults(pid) - before) / 10
+    finally:
+        ray.get([a.shutdown.remote() for a in (server, worker)])
+        ray.kill(server)
+        ray.kill(worker)
+    # measured here: about 5 per step, and 175 with the thresholds as glibc leaves them
+    assert per_step < 50, f"{per_step:.0f} page faults per step"
