@@ -195,12 +195,16 @@ class Worker(Abortable):
         if self.gpu is not None:
             x, y = self.gpu.asarray(x), self.gpu.asarray(y)
         ctx = StepContext(train=True, seed=self.seed, step=b, sample_offset=lo)
-        loss, grads, _ = self.net.loss_and_grads(params, self.state, x, y, ctx, self.group_batch)
+        into = None if self.gpu is not None else self.grads.arrays  # written in place there
+        loss, grads, _ = self.net.loss_and_grads(
+            params, self.state, x, y, ctx, self.group_batch, into
+        )
         if self.gpu is not None:
             self.gpu.download_grads(grads)
         else:
             for k, g in grads.items():
-                self.grads.arrays[k][...] = g
+                if g is not self.grads.arrays[k]:
+                    self.grads.arrays[k][...] = g
         t2 = time.perf_counter()
         return {
             "loss": loss,

@@ -92,11 +92,13 @@ def dense_backward(
     dy: np.ndarray,
     act: str,
     need_dx: bool = True,
+    dw_out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dx, dw, db)`` for ``y = act(x @ w + b)``; ``dx`` is None unless ``need_dx`` (a net's
-    first layer skips a whole GEMM that way)."""
+    first layer skips a whole GEMM that way). ``dw`` is written into ``dw_out`` where given
+    (the same product, so the same bits)."""
     dz, db = _bias_act_grads(dy, y, act)
-    return (dz @ w.T if need_dx else None), x.T @ dz, db
+    return (dz @ w.T if need_dx else None), np.matmul(x.T, dz, out=dw_out), db
 
 
 # ---------------------------------------------------------------- losses

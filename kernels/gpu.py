@@ -124,11 +124,12 @@ def dense_backward(
     dy: cupy.ndarray,
     act: str,
     need_dx: bool = True,
+    dw_out: cupy.ndarray | None = None,
 ) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
     """``(dx, dw, db)`` for ``y = act(x @ w + b)``; ``dx`` is None unless ``need_dx`` (a net's
-    first layer skips a whole GEMM that way)."""
+    first layer skips a whole GEMM that way). ``dw`` is written into ``dw_out`` where given."""
     dz, db = bias_act_backward(dy, y, act)
-    return (dz @ w.T if need_dx else None), x.T @ dz, db
+    return (dz @ w.T if need_dx else None), cupy.matmul(x.T, dz, out=dw_out), db
 
 
 # ---------------------------------------------------------------- losses

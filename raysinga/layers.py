@@ -49,6 +49,10 @@ class Layer:
         self.in_shape: Shape = ()
         self.out_shape: Shape = ()
         self.need_dx = True  # a net's first layer has no one to pass dx to
+        # Where backward may write its parameters' gradients (local name -> an array of the
+        # parameter's shape and dtype), set by the net for one call; a layer that does not
+        # returns fresh arrays, which the net's caller copies there.
+        self.grads_into: dict[str, Any] = {}
         self._cache: tuple = ()
 
     # -- shapes and initial values
@@ -133,7 +137,13 @@ class Dense(Layer):
     def backward(self, dy):
         x_shape, rows, w, y = self._cache
         dx, dw, db = K.dense_backward(
-            rows, w, y, dy.reshape(y.shape), self.opts["activation"], self.need_dx
+            rows,
+            w,
+            y,
+            dy.reshape(y.shape),
+            self.opts["activation"],
+            self.need_dx,
+            dw_out=self.grads_into.get("W"),
         )
         return (None if dx is None else dx.reshape(x_shape)), {"W": dw, "b": db}
 

@@ -253,13 +253,21 @@ class Net:
                 kept[ly.name] = x
         return x
 
-    def backward(self, dout: Any) -> dict[str, Any]:
+    def backward(self, dout: Any, into: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The parameters' gradients. ``into`` (parameter name -> an array of its shape and
+        dtype): where layers that can write their gradients do so (a worker's shared buffer);
+        the others' come back as new arrays."""
         grads: dict[str, Any] = {}
         # the gradient with respect to each layer's output, summed over where it went
         pending: dict[str, Any] = {self.layers[-1].name: dout}
         for i in reversed(range(len(self.layers))):
             ly, sources = self.layers[i], self.sources[i]
-            dx, g = ly.backward(pending.pop(ly.name))
+            if into:
+                ly.grads_into = {k: into[ly.key(k)] for k in ly.param_shapes()}
+            try:
+                dx, g = ly.backward(pending.pop(ly.name))
+            finally:
+                ly.grads_into = {}
             grads.update({ly.key(k): v for k, v in g.items()})
             if i == 0:
                 break
@@ -268,14 +276,22 @@ class Net:
         return {k: grads[k] for k in self.param_shapes()}
 
     def loss_and_grads(
-        self, params: dict, state: dict, x: Any, y: Any, ctx: StepContext, denom: int | None = None
+        self,
+        params: dict,
+        state: dict,
+        x: Any,
+        y: Any,
+        ctx: StepContext,
+        denom: int | None = None,
+        into: dict[str, Any] | None = None,
     ) -> tuple[float, dict[str, Any], Any]:
         """``(loss, grads, output)``; the loss is summed over the batch and divided by ``denom``
         (default: the batch size). A worker of a group passes the group's batch size, so that the
-        group's gradient is the plain sum of its workers' gradients."""
+        group's gradient is the plain sum of its workers' gradients. ``into``: see
+        :meth:`backward`."""
         out = self.forward(params, state, x, ctx)
         loss, dout = self.loss_fn(out, y, len(x) if denom is None else denom)
-        return float(loss), self.backward(dout), out
+        return float(loss), self.backward(dout, into), out
 
     def evaluate(self, params: dict, state: dict, x: Any, y: Any) -> tuple[float, float | None]:
         """``(mean loss, accuracy or None)`` on one batch in inference mode."""

@@ -114,6 +114,27 @@ def test_gradients_match_pytorch_float32(spec_dict, batch):
         assert err <= 1e-5, f"{k}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("spec_dict", [MLP, CNN])
+def test_gradients_written_into_given_arrays_are_the_same_bits(spec_dict):
+    """A worker hands the net its shared gradient buffer: dense layers write their weight
+    gradients there (no copy), the others' come back as new arrays, every one bit-identical to
+    a backward pass without it."""
+    net = Net(ModelSpec.from_dict(spec_dict))
+    params, state = net.init_params(3), net.init_state()
+    x = np.random.default_rng(4).standard_normal((9, *spec_dict["input_shape"]), np.float32)
+    y = np.arange(9) % 7
+    ctx = StepContext(train=True, seed=1, step=2)
+    loss, plain, _ = net.loss_and_grads(params, state, x, y, ctx)
+    into = {k: np.full_like(v, np.nan) for k, v in params.items()}
+    loss_into, given, _ = net.loss_and_grads(params, net.init_state(), x, y, ctx, into=into)
+    assert loss_into == loss and given.keys() == plain.keys()
+    for k, g in given.items():
+        np.testing.assert_array_equal(g, plain[k], err_msg=k)
+        written = net.layers[[ly.name for ly in net.layers].index(k.split("/")[0])].kind
+        assert (g is into[k]) == (written == "dense" and k.endswith("/W")), k
+    assert all(not ly.grads_into for ly in net.layers)  # held for one call only
+
+
 def test_batchnorm_running_statistics_match_pytorch():
     spec = ModelSpec.from_dict(
         {"input_shape": [3, 4, 4], "layers": [{"kind": "batchnorm", "name": "bn", "momentum": 0.2}]}
