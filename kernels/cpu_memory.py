@@ -19,7 +19,6 @@ library has no ``mallopt`` (not glibc).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 # glibc's <malloc.h>
 M_TRIM_THRESHOLD = -1
@@ -31,10 +30,9 @@ TRIM_THRESHOLD = 256 << 20
 
 def retain_freed_memory() -> bool:
     """Fix this process's malloc thresholds (see the module's notes). True where it took."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError, TypeError):
+    try:  # the process's own symbols, the C library's among them: no search for the library
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     # mallopt answers 1 on success, 0 on a value it refuses
