@@ -9,6 +9,7 @@ recover and resize.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -76,15 +77,14 @@ class DistributedTrainer:
             )
         shapes = self.net.param_shapes()
         updater = {k: v for k, v in cfg.updater.items() if k != "clip_norm"}
-        # Workers given GPUs compute on them, servers given GPUs run their optimizer there
-        # (device: cpu keeps both on the CPU all the same).
+        worker_device, server_device = role_devices(cfg)
         self.plan = RunPlan(
             shapes=shapes,
             slices=plan_slices(shapes, self.net.dtype.itemsize, topo.n_servers, topo.slice_bytes),
             updater=updater,
             schedule=make_optimizer(updater).schedule,  # for the lr in progress reports
-            worker_device="gpu" if topo.worker.gpus and cfg.device != "cpu" else "cpu",
-            server_device="gpu" if topo.server.gpus and cfg.device != "cpu" else "cpu",
+            worker_device=worker_device,
+            server_device=server_device,
             state_names=list(self.net.state_shapes()),
             n_train=len(train),
             run_dir=Path(cfg.run_path),
@@ -156,3 +156,26 @@ class DistributedTrainer:
     @property
     def saved(self) -> list[dict[str, Any]]:
         return self.session.saved if self.session else []
+
+
+def role_devices(cfg: JobConfig) -> tuple[str, str]:
+    """Where workers and servers compute: workers given GPUs compute on them, servers given GPUs
+    run their optimizer there. The job's ``device`` decides, or where it is ``auto``, the
+    driver's ``RAYSINGA_DEVICE`` (the roles do not inherit the driver's environment): ``cpu``
+    keeps every role on the CPU whatever its resources; ``gpu`` requires workers with GPUs."""
+    want = cfg.device
+    if want == "auto":
+        want = os.environ.get("RAYSINGA_DEVICE", "").strip().lower() or "auto"
+        if want not in ("auto", "cpu", "gpu"):
+            raise ValueError(f"RAYSINGA_DEVICE must be 'cpu', 'gpu' or 'auto', got {want!r}")
+        if want == "gpu" and not cfg.topology.worker.gpus:
+            raise ValueError(
+                "RAYSINGA_DEVICE=gpu in a distributed run needs GPUs for the workers: set "
+                "topology.worker.gpus (e.g. --set topology.worker.gpus=0.5 to put two workers "
+                "on one GPU), or train in one process with --local"
+            )
+    topo = cfg.topology
+    return (
+        "gpu" if topo.worker.gpus and want != "cpu" else "cpu",
+        "gpu" if topo.server.gpus and want != "cpu" else "cpu",
+    )

@@ -8,6 +8,7 @@ on wall-clock time or on arrival order, so two runs with one config give the sam
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -74,7 +75,7 @@ class Trainer:
         self.cfg = cfg
         self.resume, self.init_from, self.fresh = resume, init_from, fresh
         self.hub = hub_for(log, on_event)
-        self.device = _resolve_device(cfg.device)
+        self.device = _resolve_device(cfg.device, self.hub.notice)
         self.xp = K.xp_for(self.device)
         self.net = Net(cfg.model, dtype=cfg.dtype)
         self.train_data, self.test_data = open_data(cfg, self.net, self.hub.notice)
@@ -193,9 +194,15 @@ class Trainer:
         return result
 
 
-def _resolve_device(want: str) -> str:
+def _resolve_device(want: str, notice: Callable[[str], None]) -> str:
+    """The job's ``device`` made concrete; an automatic choice that fell back to the CPU on a
+    machine that looked meant for the GPU says why, in one line."""
     if want == "auto":
-        return K.device()
+        dev = K.device()
+        note = K.gpu_fallback_note() if dev == "cpu" else None
+        if note and os.environ.get("RAYSINGA_DEVICE", "").strip().lower() in ("", "auto"):
+            notice(note)
+        return dev
     if want == "gpu" and not K.gpu_available():
         raise RuntimeError(
             f"device: gpu requested but no GPU is usable: {K.gpu_unavailable_reason()}"

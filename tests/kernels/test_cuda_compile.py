@@ -73,3 +73,39 @@ def test_compiles_with_nvcc(filename, tmp_path):
     assert wanted <= entries, f"missing from the PTX: {sorted(wanted - entries)}"
     if "--fmad=false" in OPTIONS.get(filename, ()):  # rounding as NumPy's: no fused multiply-add
         assert not re.search(r"\bfma\.", ptx.read_text()), "the PTX has fused multiply-adds"
+
+
+def _nvrtc():
+    """CuPy's NVRTC binding with its library loadable (``raysinga[gpu]`` installs both), else
+    ``None``. Compiling needs no GPU and no driver."""
+    try:
+        from cupy.cuda import nvrtc  # noqa: PLC0415 - optional dependency
+
+        nvrtc.getVersion()
+    except Exception:
+        return None
+    return nvrtc
+
+
+@pytest.mark.skipif(_nvrtc() is None, reason="CuPy's NVRTC is not installed (raysinga[gpu])")
+@pytest.mark.parametrize("filename", CU_FILES)
+def test_compiles_with_the_nvrtc_that_the_gpu_extra_installs(filename):
+    """What runs on a user's machine: NVRTC, without the CUDA headers, with the options of
+    ``gpu_launch.py``, for the oldest and newest architectures the project targets."""
+    nvrtc = _nvrtc()
+    src = PACKAGE.joinpath(filename).read_text()
+    wanted = {f"{name}_{suf}" for name in KERNELS[filename] for suf in SUFFIXES}
+    for arch in ("compute_80", "compute_90"):
+        prog = nvrtc.createProgram(src, filename, (), ())
+        try:
+            options = ["-std=c++14", *OPTIONS.get(filename, ()), f"-arch={arch}"]
+            try:
+                nvrtc.compileProgram(prog, options)
+            except nvrtc.NVRTCError as e:
+                log = nvrtc.getProgramLog(prog)
+                raise AssertionError(f"{filename} ({arch}): {e}\n{log}") from None
+            ptx = nvrtc.getPTX(prog).decode()
+        finally:
+            nvrtc.destroyProgram(prog)
+        entries = set(re.findall(r"\.entry\s+(\w+)\s*\(", ptx))
+        assert wanted <= entries, f"missing from the PTX: {sorted(wanted - entries)}"

@@ -202,6 +202,21 @@ def test_device_gpu_needs_gpus_for_the_workers(tmp_path):
     assert DistributedTrainer(cfg, **QUIET).worker_device == "cpu"
 
 
+def test_raysinga_device_decides_for_the_roles_where_the_job_says_auto(tmp_path, monkeypatch):
+    """The roles do not inherit the driver's environment: the driver applies it for them."""
+    monkeypatch.setenv("RAYSINGA_DEVICE", "gpu")
+    with pytest.raises(ValueError, match="RAYSINGA_DEVICE=gpu in a distributed run needs GPUs"):
+        DistributedTrainer(job(tmp_path, "{workers_per_group: 2}"), **QUIET)
+    topo = "{workers_per_group: 2, worker: {cpus: 1, gpus: 0.5}, server: {gpus: 0.5}}"
+    trainer = DistributedTrainer(job(tmp_path, topo), **QUIET)
+    assert (trainer.worker_device, trainer.server_device) == ("gpu", "gpu")
+    monkeypatch.setenv("RAYSINGA_DEVICE", "cpu")
+    trainer = DistributedTrainer(job(tmp_path, topo), **QUIET)
+    assert (trainer.worker_device, trainer.server_device) == ("cpu", "cpu")
+    monkeypatch.setenv("RAYSINGA_DEVICE", "gpu")  # the job file's word comes first
+    assert DistributedTrainer(job(tmp_path, topo, "device=cpu"), **QUIET).worker_device == "cpu"
+
+
 # The actors' processes cannot import this test module: ship its classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
