@@ -14,7 +14,11 @@ finds little left to do.
 A writer that laid the shard out in memory beforehand (:class:`.writer.ShardImage`: each tensor
 already at its file offset in one page-aligned region) passes that region as ``image``: tensor
 bytes Arrow hands over from their place in it are not copied at all, and the file is written
-straight from it.
+straight from it. The whole file being in memory, its hashing does not wait for the disk: the
+file's hash and each tensor's run in one pass over the image, a piece at a time (the tensor's
+hash reads the piece again from the cache, not from memory), as fast as the data is placed,
+while the writes follow at the disk's pace. A parameter server's checkpoint is hashed in the
+time its workers compute the next step, not spread over the server's memory-bound update.
 
 Elsewhere (object stores) the bytes go to the filesystem's output stream as they come.
 """
@@ -41,6 +45,7 @@ STAGE = 8 << 20  # bytes per staging buffer (a multiple of every block size O_DI
 NBUF = 4  # staging buffers: one filling, the others being hashed and written
 BLOCK = 4096  # O_DIRECT writes are whole blocks; the file is cut back to size at the end
 PIECE = 16 << 20  # stream writes (and their hashing) per call on large buffers
+HASH_PIECE = 1 << 20  # bytes of an image hashed at once, for the file and the tensor in them
 
 
 def address(mv: memoryview) -> int:
@@ -107,6 +112,12 @@ class ShardSink:
 
     def hexdigest(self) -> str:
         return self.hash.hexdigest()
+
+    def hash_in_place(self, mv: memoryview) -> Future[str] | None:
+        """The xxh3 of ``mv``, a tensor's bytes at their place in the image that is yet to be
+        written, taken in the pass that hashes the file; ``None`` where the bytes are not
+        there (no image, or elsewhere in memory): the caller hashes them itself."""
+        return self._file.hash_in_place(mv) if isinstance(self._file, _ImageFile) else None
 
 
 class _StagedFile:
@@ -207,11 +218,25 @@ class _StagedFile:
         self.views, self.bufs = [], []
 
 
+class _Span:
+    """A tensor's bytes in a shard image, ``[start, end)``, hashed as the file's pass reaches
+    them; ``done`` gets the hex digest."""
+
+    __slots__ = ("start", "end", "hash", "done")
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+        self.hash = xxhash.xxh3_64()
+        self.done: Future[str] = Future()
+
+
 class _ImageFile(_StagedFile):
     """A local file written straight from a shard image: Arrow's writes of tensor bytes that
     already sit at their file offset in the image cost nothing; the small pieces in between
     (Arrow's framing and metadata) are copied to their places. Every ``STAGE`` bytes placed
-    are hashed (in order) and written, up to ``NBUF`` writes side by side."""
+    are hashed (in order, with the tensors' hashes asked for by :meth:`hash_in_place`) and
+    queued for writing, up to ``NBUF`` writes side by side. Neither waits for the other: the
+    image holds the whole file."""
 
     def __init__(self, path: str, hash_: Any, hasher: ThreadPoolExecutor, image: mmap.mmap) -> None:
         self.image = image
@@ -221,8 +246,18 @@ class _ImageFile(_StagedFile):
         self.view = memoryview(self.image)
         self.base = address(self.view)
         self.placed = self.sent = 0
-        self.inflight: list[list[Future[None]]] = []
+        self.inflight: list[Future[None]] = []
+        self.spans: list[_Span] = []  # asked for, not yet wholly sent to the hasher
         self.bufs, self.views, self.pending = [], [], []
+
+    def hash_in_place(self, mv: memoryview) -> Future[str] | None:
+        n = len(mv)
+        start = address(mv) - self.base if n else -1
+        if start < self.placed or start + n > len(self.view):
+            return None  # empty, outside the image, or already placed (and maybe hashed)
+        span = _Span(start, start + n)
+        self.spans.append(span)
+        return span.done
 
     def write(self, mv: memoryview) -> None:
         n = len(mv)
@@ -248,32 +283,51 @@ class _ImageFile(_StagedFile):
 
     def _send(self, upto: int) -> None:
         a = self.sent
-        self.inflight.append(
-            [
-                self.hasher.submit(self.hash.update, self.view[a:upto]),
-                self.writers.submit(self._out, self.view[a:], upto - a, a),
-            ]
-        )
+        spans = [s for s in self.spans if s.start < upto]
+        self.spans = [s for s in self.spans if s.end > upto]
+        self.inflight.append(self.hasher.submit(self._hash, a, upto, spans))
+        self.inflight.append(self.writers.submit(self._out, self.view[a:], upto - a, a))
         self.sent = upto
-        if len(self.inflight) >= NBUF:  # bound the writes in flight
-            for f in self.inflight.pop(0):
-                f.result()
+        while self.inflight and self.inflight[0].done():  # a failure shows as soon as it can
+            self.inflight.pop(0).result()
+
+    def _hash(self, a: int, upto: int, spans: list[_Span]) -> None:
+        """Hash ``[a, upto)`` into the file's hash and the tensors' (on the hasher thread, in
+        file order), and hand over the digests of the tensors that end here."""
+        try:
+            for lo in range(a, upto, HASH_PIECE):
+                hi = min(lo + HASH_PIECE, upto)
+                self.hash.update(self.view[lo:hi])
+                for s in spans:
+                    x, y = max(lo, s.start), min(hi, s.end)
+                    if x < y:
+                        s.hash.update(self.view[x:y])
+        except BaseException as e:
+            for s in spans:
+                if not s.done.done():
+                    s.done.set_exception(e)
+            raise
+        for s in spans:
+            if s.end <= upto:
+                s.done.set_result(s.hash.hexdigest())
 
     def finish(self, size: int) -> None:
         if self.placed > self.sent:
             self._send(self.placed)
         while self.inflight:
-            for f in self.inflight.pop(0):
-                f.result()
+            self.inflight.pop(0).result()
         if os.fstat(self.fd).st_size != size:
             os.ftruncate(self.fd, size)
         os.fsync(self.fd)
 
     def release(self) -> None:
-        for futs in self.inflight:
-            for f in futs:
-                f.exception()
+        for f in self.inflight:
+            f.exception()
         self.inflight = []
+        for s in self.spans:  # asked for but never reached: the write failed before them
+            if not s.done.done():
+                s.done.set_exception(RuntimeError("the shard's write stopped before this tensor"))
+        self.spans = []
         self.writers.shutdown(wait=True)
         if self.fd is not None:
             os.close(self.fd)

@@ -98,7 +98,8 @@ def write_shard(
 
     Hashing costs a save almost nothing: each tensor and the file's bytes are hashed on helper
     threads while Arrow writes them (see :mod:`.sink`). With ``image`` (the tensors having been
-    placed in it by :meth:`ShardImage.place`), a local file is written from it without copying.
+    placed in it by :meth:`ShardImage.place`), a local file is written from it without copying,
+    and its tensors are hashed in the file's own pass over it.
     """
     if compression not in COMPRESSIONS:
         raise CheckpointError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
@@ -117,10 +118,16 @@ def write_shard(
                     arr = as_array(a)
                     info = _checked(info, arr, shard)
                     flat = memoryview(arr.reshape(-1).view("uint8"))
-                    hashes.append(pool.submit(xxhash.xxh3_64_hexdigest, flat))
+                    in_place = sink.hash_in_place(flat)  # hashed with the file's bytes
+                    hashes.append(
+                        in_place
+                        if in_place is not None
+                        else pool.submit(xxhash.xxh3_64_hexdigest, flat)
+                    )
                     w.write_batch(_record_batch(info, arr))
                     infos.append(info)
-                    hashes[-1].result()  # the caller may reuse ``a`` once we move on
+                    if in_place is None:
+                        hashes[-1].result()  # the caller may reuse ``a`` once we move on
             sink.finish()
         finally:
             sink.release()
