@@ -12,7 +12,7 @@ SINGA's cluster presets map onto it:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 PRESETS = ("sandblaster", "downpour", "hogwild", "allreduce")
@@ -149,7 +149,9 @@ class Topology:
                     raise TopologyError(
                         f"topology.{role}: expected a mapping of cpus, gpus, memory, got {r!r}"
                     )
-                kw[role] = Resources(**r)
+                # what the mapping leaves out keeps the role's default (a server given
+                # only GPUs reserves no CPU, as a server given nothing)
+                kw[role] = replace(cls.__dataclass_fields__[role].default_factory(), **r)
         if d.get("preset") == "allreduce" and "n_servers" not in d:
             d["n_servers"] = d.get("workers_per_group", 1)
         return cls(**d, **kw)

@@ -42,11 +42,21 @@ def _checkpoint_arg(where: str) -> str:
         return where
     if p.is_file():
         raise CheckpointError(f"{where}: a file, not a checkpoint (a step-N directory)")
-    steps = [q for q in (*p.glob("step-*"), *p.glob("checkpoints/step-*")) if q.is_dir()]
-    steps = [q for q in steps if re.fullmatch(r"step-\d+", q.name)]
-    if steps:
-        newest = max(steps, key=lambda q: int(q.name[5:]))
-        raise CheckpointError(f"{where}: not a checkpoint but holds some; give one, e.g. {newest}")
+    from .checkpoint.manage import latest  # noqa: PLC0415 - pyarrow, only where needed
+
+    for root in (p, p / "checkpoints"):
+        if not any(re.fullmatch(r"step-\d+", q.name) for q in root.glob("step-*") if q.is_dir()):
+            continue
+        found = latest(str(root), verify="fast")  # sizes only: a directory listing's worth
+        newer = "".join(f"; newer {Path(d).name} is not valid ({why})" for d, why in found.skipped)
+        if found.checkpoint is None:
+            raise CheckpointError(
+                f"{where}: not a checkpoint, and none of its step-N is valid{newer}"
+            )
+        raise CheckpointError(
+            f"{where}: not a checkpoint but holds some; the newest valid is "
+            f"{root / f'step-{found.checkpoint.step}'}{newer}"
+        )
     return where
 
 
@@ -71,13 +81,26 @@ def _check_train(cfg: config_mod.JobConfig, args: argparse.Namespace) -> None:
 def _train(args: argparse.Namespace) -> int:
     if args.address and args.local:
         raise ValueError("--address and --local exclude one another (--local trains without Ray)")
+    chosen = [
+        flag
+        for flag, on in (
+            ("--resume", args.resume),
+            ("--auto-resume", args.auto_resume),
+            ("--init-from", args.init_from),
+            ("--fresh", args.fresh),
+        )
+        if on
+    ]
+    if len(chosen) > 1:
+        raise ValueError(
+            f"{' and '.join(chosen)} were given together: --resume, --auto-resume, "
+            "--init-from and --fresh exclude one another"
+        )
     start = {
         "resume": "auto" if args.auto_resume else args.resume,
         "init_from": args.init_from,
         "fresh": args.fresh,
     }
-    if sum(map(bool, start.values())) > 1:
-        raise ValueError("--resume, --auto-resume, --init-from and --fresh exclude one another")
     cfg = config_mod.load(args.config, args.set)
     _check_train(cfg, args)
     if args.init_from and args.init_from.endswith((".pt", ".pth")):  # PyTorch's state_dict

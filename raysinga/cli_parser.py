@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         "graph",
         help="write a job's net structure as JSON and draw it (PNG or SVG)",
         description="Write the net of a YAML job file as JSON (every layer with its options, "
-        "output shape and parameters) and draw the layer chain. Needs matplotlib.",
+        "output shape and parameters) and draw the layer chain (drawing needs matplotlib; "
+        "-o NAME.json writes the JSON alone).",
     )
     g.add_argument("config", metavar="CONFIG", help="YAML job file")
     g.add_argument(
@@ -157,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--output",
         metavar="FILE",
         default=None,
-        help="the drawing, .png or .svg (default: <name>-net.png); the JSON goes beside it",
+        help="the drawing, .png or .svg (default: <name>-net.png), the JSON beside it; "
+        "or .json: the JSON alone",
     )
     _add_set(g)
     return p

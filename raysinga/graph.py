@@ -40,7 +40,7 @@ def draw(net: dict[str, Any], out: Path) -> None:
     where it skips layers."""
     from .plots import pyplot  # noqa: PLC0415 - matplotlib, only here
 
-    plt = pyplot()
+    plt = pyplot("graph")
     boxes = [f"input  {_shape(net['input_shape'])}"]
     boxes += [_box_text(ly) for ly in net["layers"]]
     boxes.append(f"loss: {net['loss']}   ({net['param_count']:,} parameters in all)")
@@ -94,13 +94,26 @@ def draw(net: dict[str, Any], out: Path) -> None:
 
 
 def write_graph(cfg: JobConfig, out: str | Path | None = None) -> list[Path]:
-    """``<out>.json`` and the drawing ``out`` (.png or .svg; default ``<name>-net.png``)."""
+    """``<out>.json`` and the drawing ``out`` (.png or .svg; default ``<name>-net.png``); only
+    the JSON where ``out`` ends in .json (no matplotlib needed)."""
     path = Path(out) if out is not None else Path(f"{cfg.name}-net.png")
-    if path.suffix.lower() not in FORMATS:
-        raise ValueError(f"{path}: the drawing must be {' or '.join(FORMATS)}")
+    drawing = path.suffix.lower() != ".json"
+    if drawing and path.suffix.lower() not in FORMATS:
+        raise ValueError(f"{path}: the drawing must be {' or '.join(FORMATS)} (or .json alone)")
+    if drawing:
+        try:
+            from .plots import pyplot  # noqa: PLC0415
+
+            pyplot("graph")  # before anything is written
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"{e}; -o {path.with_suffix('.json')} writes the JSON alone"
+            ) from None
     net = describe(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     js = path.with_suffix(".json")
     js.write_text(json.dumps(net, indent=2) + "\n")
+    if not drawing:
+        return [js]
     draw(net, path)
     return [js, path]

@@ -31,11 +31,16 @@ def load_records(run: str | Path) -> tuple[Path, list[dict[str, Any]]]:
     return path, records
 
 
-def pyplot() -> Any:
+def pyplot(command: str = "plot") -> Any:
+    """matplotlib's pyplot, drawing to files; a clear error naming ``raysinga <command>``
+    where matplotlib is not installed."""
     try:
         import matplotlib  # noqa: PLC0415 - optional: only plots need it
     except ImportError:
-        raise RuntimeError("raysinga plot needs matplotlib: pip install 'raysinga[plot]'") from None
+        raise RuntimeError(
+            f"raysinga {command} needs matplotlib to draw: pip install matplotlib (in a "
+            "raysinga checkout, pip install -e '.[plot]' does the same)"
+        ) from None
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt  # noqa: PLC0415
 

@@ -50,6 +50,18 @@ def test_presets_and_totals():
     assert d.total() == {"CPU": 5.0}
 
 
+def test_a_partial_resource_mapping_keeps_the_roles_defaults_for_the_rest():
+    """A server or stub given only GPUs reserves no CPU (as one given nothing); a worker given
+    only GPUs keeps its one CPU."""
+    t = Topology.from_dict(
+        {"server": {"gpus": 0.25}, "stub": {"memory": 1 << 20}, "worker": {"gpus": 0.5}}
+    )
+    assert (t.server.cpus, t.server.gpus) == (0.0, 0.25)
+    assert (t.stub.cpus, t.stub.memory) == (0.0, 1 << 20)
+    assert (t.worker.cpus, t.worker.gpus) == (1.0, 0.5)
+    assert t.total() == {"CPU": 1.0, "GPU": 0.75, "memory": float(1 << 20)}
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
 def test_slices_cover_every_parameter_once_and_balance_bytes(m):
     slices = plan_slices(MLP, 4, m, 1 << 20)

@@ -184,3 +184,48 @@ def test_ctrl_c_checkpoints_and_stops_a_distributed_run(tmp_path):
     assert m, out
     ck = Checkpoint.open(m.group(2), verify="full")
     assert ck.step == int(m.group(1)) > 0 and m.group(2).endswith(f"step-{ck.step}")
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--resume", "--auto-resume"],
+        ["--auto-resume", "--fresh"],
+        ["--resume", "--init-from", "runs/x/checkpoints/step-1"],
+        ["--auto-resume", "--init-from", "runs/x/checkpoints/step-1", "--fresh"],
+    ],
+    ids=lambda f: " ".join(x for x in f if x.startswith("--")),
+)
+def test_start_options_given_together_are_refused_by_name(tmp_path, flags, capsys):
+    from raysinga.cli import main
+
+    job = ROOT / "examples/digits_mlp.yaml"
+    assert main(["train", str(job), "--set", f"run_dir={tmp_path / 'run'}", *flags]) == 2
+    err = capsys.readouterr().err
+    named = " and ".join(x for x in flags if x.startswith("--"))
+    assert err.startswith(f"raysinga: error: {named} were given together"), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoints_directory_given_for_one_names_its_newest_valid_step(tmp_path, capsys):
+    import numpy as np
+
+    from raysinga.checkpoint import save
+    from raysinga.cli import main
+
+    root = tmp_path / "run" / "checkpoints"
+    for step in (10, 20, 30):
+        save(str(root), step, {"w": np.full(1000, step, np.float32)})
+    shard = next((root / "step-30").glob("shard-*.arrow"))
+    shard.write_bytes(shard.read_bytes()[:100])  # the newest is truncated
+    for given in (root, root.parent):
+        assert main(["inspect", str(given)]) == 1  # a checkpoint error, as for a bad one
+        err = capsys.readouterr().err
+        assert err.startswith(
+            f"raysinga: error: {given}: not a checkpoint but holds some; the newest valid is "
+            f"{root / 'step-20'}; newer step-30 is not valid ("
+        ), err
+    (root / "step-10" / "shard-0.arrow").unlink()
+    (root / "step-20" / "shard-0.arrow").unlink()
+    assert main(["inspect", str(root)]) == 1
+    assert "none of its step-N is valid" in capsys.readouterr().err

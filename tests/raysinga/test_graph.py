@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import numpy as np
@@ -13,11 +16,12 @@ from raysinga.cli import main
 from raysinga.graph import write_graph
 from raysinga.model import Net
 
-pytest.importorskip("matplotlib")
+draws = pytest.mark.skipif(find_spec("matplotlib") is None, reason="matplotlib is not installed")
 
 CNN = Path(__file__).resolve().parents[2] / "examples" / "digits_cnn.yaml"
 
 
+@draws
 def test_the_json_has_every_layer_with_shapes_and_parameters(tmp_path):
     cfg = config.load(CNN)
     js, png = write_graph(cfg, tmp_path / "net.png")
@@ -35,6 +39,7 @@ def test_the_json_has_every_layer_with_shapes_and_parameters(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@draws
 def test_svg_and_the_cli(tmp_path, capsys):
     out = tmp_path / "deep" / "net.svg"
     assert main(["graph", str(CNN), "-o", str(out), "--set", "name=renamed"]) == 0
@@ -49,6 +54,7 @@ def test_a_drawing_must_be_png_or_svg(tmp_path, capsys):
     assert not (tmp_path / "net.json").exists()
 
 
+@draws
 def test_residual_connections_are_in_the_json_and_drawn_as_arrows(tmp_path):
     cfg = config.load(CNN.with_name("charlm.yaml"))
     js, svg = write_graph(cfg, tmp_path / "net.svg")
@@ -59,3 +65,27 @@ def test_residual_connections_are_in_the_json_and_drawn_as_arrows(tmp_path):
     assert "sum of pos + b1.attn" in text
     # one arrow per residual skip besides the chain's: pos -> b1.res1, then each block's two
     assert text.count("#3b6fd1") >= 8
+
+
+def test_the_json_alone_needs_no_matplotlib(tmp_path):
+    """In a Python where matplotlib cannot be imported: ``-o NAME.json`` writes the JSON; a
+    drawing is refused, naming what to install and the JSON-only way, and nothing is written."""
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"  # import matplotlib now fails
+        "from raysinga.cli import main\n"
+        f"sys.exit(main(['graph', {str(CNN)!r}, '-o', sys.argv[1]]))"
+    )
+
+    def graph(out: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=120
+        )
+
+    run = graph(tmp_path / "net.json")
+    assert run.returncode == 0, run.stderr
+    assert json.loads((tmp_path / "net.json").read_text())["name"] == "digits-cnn"
+    run = graph(tmp_path / "other" / "net.png")
+    assert run.returncode != 0
+    assert "raysinga graph needs matplotlib to draw: pip install matplotlib" in run.stderr
+    assert f"-o {tmp_path / 'other' / 'net.json'} writes the JSON alone" in run.stderr
+    assert not (tmp_path / "other").exists()
