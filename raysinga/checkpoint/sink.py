@@ -1,7 +1,9 @@
 """Where a shard's bytes go: the file-like object Arrow's IPC writer writes into.
 
 Every byte is hashed (xxh3) on its way out, on a helper thread, so the file's checksum costs no
-extra pass over the data.
+extra pass over the data. On local disk the tensors' own checksums come from the same pass: a
+tensor announced with :meth:`ShardSink.expect` is hashed a piece at a time right after the
+file's hash read that piece, from the cache rather than from memory.
 
 On local disk the bytes are gathered into page-aligned staging buffers and written with
 ``O_DIRECT`` while the next buffer fills: no page-cache copy, no dirty pages to flush at
@@ -14,11 +16,10 @@ finds little left to do.
 A writer that laid the shard out in memory beforehand (:class:`.writer.ShardImage`: each tensor
 already at its file offset in one page-aligned region) passes that region as ``image``: tensor
 bytes Arrow hands over from their place in it are not copied at all, and the file is written
-straight from it. The whole file being in memory, its hashing does not wait for the disk: the
-file's hash and each tensor's run in one pass over the image, a piece at a time (the tensor's
-hash reads the piece again from the cache, not from memory), as fast as the data is placed,
-while the writes follow at the disk's pace. A parameter server's checkpoint is hashed in the
-time its workers compute the next step, not spread over the server's memory-bound update.
+straight from it. The whole file being in memory, its hashing does not wait for the disk: it
+runs as fast as the data is placed, while the writes follow at the disk's pace. A parameter
+server's checkpoint is hashed in the time its workers compute the next step, not spread over
+the server's memory-bound update.
 
 Elsewhere (object stores) the bytes go to the filesystem's output stream as they come.
 """
@@ -58,6 +59,7 @@ class ShardSink:
         self.hash, self.size, self.closed = xxhash.xxh3_64(), 0, False
         self._io = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
         self._local = loc.local
+        self._expected: _Span | None = None  # a tensor announced by expect()
         if self._local:
             self._file: Any = (
                 _StagedFile(loc.path, self.hash, self._io)
@@ -72,6 +74,10 @@ class ShardSink:
         mv = memoryview(data).cast("B")
         n = len(mv)
         if self._local:
+            span = self._expected
+            if span is not None and n == span.n and address(mv) == span.addr:
+                span.start, span.end, self._expected = self.size, self.size + n, None
+                self._file.spans.append(span)
             self._file.write(mv)
         else:
             for i in range(0, n, PIECE):  # hash one piece while the stream takes it
@@ -113,11 +119,62 @@ class ShardSink:
     def hexdigest(self) -> str:
         return self.hash.hexdigest()
 
-    def hash_in_place(self, mv: memoryview) -> Future[str] | None:
-        """The xxh3 of ``mv``, a tensor's bytes at their place in the image that is yet to be
-        written, taken in the pass that hashes the file; ``None`` where the bytes are not
-        there (no image, or elsewhere in memory): the caller hashes them itself."""
-        return self._file.hash_in_place(mv) if isinstance(self._file, _ImageFile) else None
+    def expect(self, mv: memoryview) -> _Span | None:
+        """Announce a tensor's bytes, about to be written: where Arrow writes them whole (from
+        their own memory), they are hashed in the file's pass (see :meth:`took`). ``None``
+        where this sink cannot (an empty tensor, a stream): the caller hashes them itself."""
+        if not self._local or not len(mv):
+            return None
+        self._expected = _Span(address(mv), len(mv))
+        return self._expected
+
+    def took(self, span: _Span | None) -> bool:
+        """Whether the announced tensor's bytes went through in one piece, their digest then
+        coming in ``span.done``; if not, the caller hashes them itself."""
+        self._expected = None
+        return span is not None and span.start >= 0
+
+
+class _Span:
+    """A tensor's bytes: at ``addr`` in memory as Arrow hands them over (``n`` of them), and
+    at ``[start, end)`` in the file once seen there; ``done`` gets their hex digest."""
+
+    __slots__ = ("addr", "n", "start", "end", "hash", "done")
+
+    def __init__(self, addr: int, n: int) -> None:
+        self.addr, self.n, self.start, self.end = addr, n, -1, -1
+        self.hash = xxhash.xxh3_64()
+        self.done: Future[str] = Future()
+
+
+def _hash_pass(file_hash: Any, view: memoryview, base: int, spans: list[_Span]) -> None:
+    """Hash ``view`` (the file's bytes from offset ``base``) into the file's hash and, a piece
+    at a time while the piece is in the cache, into the tensors' in it; hand over the digests
+    of the tensors that end in it. Runs on the sink's one hasher thread, in file order."""
+    try:
+        end = base + len(view)
+        for lo in range(0, len(view), HASH_PIECE):
+            piece = view[lo : lo + HASH_PIECE]
+            file_hash.update(piece)
+            a, b = base + lo, base + lo + len(piece)
+            for s in spans:
+                x, y = max(a, s.start), min(b, s.end)
+                if x < y:
+                    s.hash.update(view[x - base : y - base])
+    except BaseException as e:
+        for s in spans:
+            if not s.done.done():
+                s.done.set_exception(e)
+        raise
+    for s in spans:
+        if s.end <= end:
+            s.done.set_result(s.hash.hexdigest())
+
+
+def _fail_spans(spans: list[_Span]) -> None:
+    for s in spans:  # announced but never reached: the write failed before them
+        if not s.done.done():
+            s.done.set_exception(RuntimeError("the shard's write stopped before this tensor"))
 
 
 class _StagedFile:
@@ -145,6 +202,7 @@ class _StagedFile:
         self.views = [memoryview(b) for b in self.bufs]
         self.pending: list[list[Future[None]]] = [[] for _ in range(NBUF)]
         self.cur, self.fill, self.offset = 0, 0, 0
+        self.spans: list[_Span] = []  # tensors seen, not yet wholly handed to the hasher
 
     def write(self, mv: memoryview) -> None:
         while len(mv):
@@ -160,12 +218,19 @@ class _StagedFile:
         i, n = self.cur, self.fill
         view = self.views[i]
         self.pending[i] = [
-            self.hasher.submit(self.hash.update, view[:n]),
+            self.hasher.submit(_hash_pass, self.hash, view[:n], self.offset, self._take(n)),
             self.writers.submit(self._out, view, n, self.offset),
         ]
         self.offset += n
         self.cur, self.fill = (i + 1) % NBUF, 0
         self._wait(self.cur)  # its earlier hashing and writing must be done before a refill
+
+    def _take(self, n: int) -> list[_Span]:
+        """The tensors with bytes in the next ``n`` bytes handed off (from ``self.offset``)."""
+        a, b = self.offset, self.offset + n
+        spans = [s for s in self.spans if s.start < b and s.end > a]
+        self.spans = [s for s in self.spans if s.end > b]
+        return spans
 
     def _wait(self, i: int) -> None:
         futs, self.pending[i] = self.pending[i], []
@@ -207,6 +272,8 @@ class _StagedFile:
             for f in futs:
                 f.exception()
         self.pending = [[] for _ in range(NBUF)]
+        _fail_spans(self.spans)
+        self.spans = []
         self.writers.shutdown(wait=True)
         if self.fd is not None:
             os.close(self.fd)
@@ -218,25 +285,12 @@ class _StagedFile:
         self.views, self.bufs = [], []
 
 
-class _Span:
-    """A tensor's bytes in a shard image, ``[start, end)``, hashed as the file's pass reaches
-    them; ``done`` gets the hex digest."""
-
-    __slots__ = ("start", "end", "hash", "done")
-
-    def __init__(self, start: int, end: int) -> None:
-        self.start, self.end = start, end
-        self.hash = xxhash.xxh3_64()
-        self.done: Future[str] = Future()
-
-
 class _ImageFile(_StagedFile):
     """A local file written straight from a shard image: Arrow's writes of tensor bytes that
     already sit at their file offset in the image cost nothing; the small pieces in between
     (Arrow's framing and metadata) are copied to their places. Every ``STAGE`` bytes placed
-    are hashed (in order, with the tensors' hashes asked for by :meth:`hash_in_place`) and
-    queued for writing, up to ``NBUF`` writes side by side. Neither waits for the other: the
-    image holds the whole file."""
+    are hashed (in order) and queued for writing, up to ``NBUF`` writes side by side. Neither
+    waits for the other: the image holds the whole file."""
 
     def __init__(self, path: str, hash_: Any, hasher: ThreadPoolExecutor, image: mmap.mmap) -> None:
         self.image = image
@@ -245,19 +299,10 @@ class _ImageFile(_StagedFile):
     def _buffers(self) -> None:
         self.view = memoryview(self.image)
         self.base = address(self.view)
-        self.placed = self.sent = 0
+        self.placed = self.sent = self.offset = 0
         self.inflight: list[Future[None]] = []
-        self.spans: list[_Span] = []  # asked for, not yet wholly sent to the hasher
+        self.spans = []
         self.bufs, self.views, self.pending = [], [], []
-
-    def hash_in_place(self, mv: memoryview) -> Future[str] | None:
-        n = len(mv)
-        start = address(mv) - self.base if n else -1
-        if start < self.placed or start + n > len(self.view):
-            return None  # empty, outside the image, or already placed (and maybe hashed)
-        span = _Span(start, start + n)
-        self.spans.append(span)
-        return span.done
 
     def write(self, mv: memoryview) -> None:
         n = len(mv)
@@ -283,33 +328,13 @@ class _ImageFile(_StagedFile):
 
     def _send(self, upto: int) -> None:
         a = self.sent
-        spans = [s for s in self.spans if s.start < upto]
-        self.spans = [s for s in self.spans if s.end > upto]
-        self.inflight.append(self.hasher.submit(self._hash, a, upto, spans))
+        self.offset = a
+        spans = self._take(upto - a)
+        self.inflight.append(self.hasher.submit(_hash_pass, self.hash, self.view[a:upto], a, spans))
         self.inflight.append(self.writers.submit(self._out, self.view[a:], upto - a, a))
         self.sent = upto
         while self.inflight and self.inflight[0].done():  # a failure shows as soon as it can
             self.inflight.pop(0).result()
-
-    def _hash(self, a: int, upto: int, spans: list[_Span]) -> None:
-        """Hash ``[a, upto)`` into the file's hash and the tensors' (on the hasher thread, in
-        file order), and hand over the digests of the tensors that end here."""
-        try:
-            for lo in range(a, upto, HASH_PIECE):
-                hi = min(lo + HASH_PIECE, upto)
-                self.hash.update(self.view[lo:hi])
-                for s in spans:
-                    x, y = max(lo, s.start), min(hi, s.end)
-                    if x < y:
-                        s.hash.update(self.view[x:y])
-        except BaseException as e:
-            for s in spans:
-                if not s.done.done():
-                    s.done.set_exception(e)
-            raise
-        for s in spans:
-            if s.end <= upto:
-                s.done.set_result(s.hash.hexdigest())
 
     def finish(self, size: int) -> None:
         if self.placed > self.sent:
@@ -324,9 +349,7 @@ class _ImageFile(_StagedFile):
         for f in self.inflight:
             f.exception()
         self.inflight = []
-        for s in self.spans:  # asked for but never reached: the write failed before them
-            if not s.done.done():
-                s.done.set_exception(RuntimeError("the shard's write stopped before this tensor"))
+        _fail_spans(self.spans)
         self.spans = []
         self.writers.shutdown(wait=True)
         if self.fd is not None:

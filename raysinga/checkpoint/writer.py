@@ -118,16 +118,17 @@ def write_shard(
                     arr = as_array(a)
                     info = _checked(info, arr, shard)
                     flat = memoryview(arr.reshape(-1).view("uint8"))
-                    in_place = sink.hash_in_place(flat)  # hashed with the file's bytes
-                    hashes.append(
-                        in_place
-                        if in_place is not None
-                        else pool.submit(xxhash.xxh3_64_hexdigest, flat)
-                    )
+                    # hashed in the file's pass where Arrow writes the bytes as they are,
+                    # else here, beside Arrow's write
+                    span = sink.expect(flat) if compression is None else None
+                    own = None if span is not None else pool.submit(xxhash.xxh3_64_hexdigest, flat)
                     w.write_batch(_record_batch(info, arr))
                     infos.append(info)
-                    if in_place is None:
-                        hashes[-1].result()  # the caller may reuse ``a`` once we move on
+                    if sink.took(span):
+                        hashes.append(span.done)
+                    else:  # the caller may reuse ``a`` once we move on: hashed by then
+                        hashes.append(own or pool.submit(xxhash.xxh3_64_hexdigest, flat))
+                        hashes[-1].result()
             sink.finish()
         finally:
             sink.release()

@@ -165,21 +165,20 @@ def test_shard_written_from_an_image_is_the_same_file(tmp_path, monkeypatch, dir
     sizes = [stage // 4 + 3, 0, 5, 2 * stage // 4 + 1, 1]
     tensors = _image_tensors(rng, sizes, ["float32", "float32", "float64", "float32", "int8"])
     image = writer.ShardImage(tensors)
-    in_place = []  # the tensors hashed in the file's pass over the image
-    ask = sink.ShardSink.hash_in_place
+    in_place = []  # whether each tensor was hashed in the file's pass
+    took = sink.ShardSink.took
     monkeypatch.setattr(
-        sink.ShardSink,
-        "hash_in_place",
-        lambda self, mv: in_place.append(ask(self, mv)) or in_place[-1],
+        sink.ShardSink, "took", lambda self, span: in_place.append(took(self, span)) or in_place[-1]
     )
     for step in (1, 2):
         plain = write_shard(begin(tmp_path / "plain", step), 0, tensors)
-        assert in_place and not any(in_place)
+        assert in_place == [bool(n) for n in sizes]  # staged: also in the file's pass
+        in_place.clear()
         placed = image.place(tensors)
         assert all(a is not b for (_, a), (_, b) in zip(placed, tensors, strict=True) if b.size)
         in_place.clear()
         via = write_shard(begin(tmp_path / "image", step), 0, placed, image=image)
-        assert [f is not None for f in in_place] == [bool(n) for n in sizes]
+        assert in_place == [bool(n) for n in sizes]
         in_place.clear()
         assert via == plain
         files = [
