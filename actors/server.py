@@ -39,6 +39,7 @@ class ParamServer(Abortable):
     def __init__(self, spec: ServerSpec) -> None:
         retain_freed_memory()  # each update's temporaries reuse the last one's pages
         self.index = spec.index
+        self.label = f"{spec.tag} server {spec.index}"  # the run (name and id), the role
         self.slices = [s for s in spec.slices if s.server == spec.index]
         net = Net(ModelSpec.from_dict(spec.model), dtype=spec.dtype)
         self.layout = Layout.of({s.name: ((s.size,), spec.dtype) for s in self.slices})
@@ -68,6 +69,9 @@ class ParamServer(Abortable):
             self.gpu = ServerDevice(self.layout, self.buf)
         elif spec.device != "cpu":
             raise ValueError(f"device must be 'cpu' or 'gpu', got {spec.device!r}")
+
+    def __repr__(self) -> str:  # how Ray's dashboard and log prefixes name this actor
+        return f"ParamServer({self.label})"
 
     @reports_role
     def describe(self) -> dict[str, Any]:

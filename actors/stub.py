@@ -54,6 +54,7 @@ class Stub(GroupBells):
         ``ref``, where it publishes one)."""
         retain_freed_memory()
         self.index = self.group = spec.index
+        self.label = f"{spec.tag} group {spec.index}"  # the run (name and id), the role
         self.servers = servers  # the workers are wired by _wire_workers, as on a rewire
         self.clip_norm, self.n_groups = spec.clip_norm, spec.n_groups
         self.node = node_id()
@@ -80,6 +81,9 @@ class Stub(GroupBells):
         # each step's summed gradient, and the servers' copies: what a lost server is rebuilt from
         self.log = ReplayLog(self.count, dtype, spec.replay)
         self._wire_workers(workers, worker_infos)
+
+    def __repr__(self) -> str:  # how Ray's dashboard and log prefixes name this actor
+        return f"Stub({self.label})"
 
     def _wire_workers(self, workers: list[Any], worker_infos: list[dict[str, Any]]) -> None:
         """Connect this group's workers: their gradient buffers, where each reads the servers

@@ -94,6 +94,7 @@ class Worker(Abortable):
         self._blas = blas_threads(spec.blas_threads)
         retain_freed_memory()  # each step's temporaries reuse the last step's pages
         self.index, self.group, self.seed = spec.index, spec.group, spec.seed
+        self.label = f"{spec.tag} g{spec.group}w{spec.index}"  # the run (name and id), the role
         self.n_groups, self.group_batch = spec.n_groups, spec.group_batch
         self.net = Net(ModelSpec.from_dict(spec.model), dtype=spec.dtype)
         self.state = self.net.init_state()
@@ -118,6 +119,9 @@ class Worker(Abortable):
             self.state = {k: self.gpu.asarray(v) for k, v in self.state.items()}
         elif spec.device != "cpu":
             raise ValueError(f"device must be 'cpu' or 'gpu', got {spec.device!r}")
+
+    def __repr__(self) -> str:  # how Ray's dashboard and log prefixes name this actor
+        return f"Worker({self.label})"
 
     @reports_role
     def describe(self) -> dict[str, Any]:

@@ -216,6 +216,15 @@ def run_group(ray, remote: bool, steps: int) -> tuple[list, dict[str, np.ndarray
             .remote(spec, workers, servers, worker_infos, server_infos)
         )
         actors.append(stub)
+        # Ray's dashboard and log prefixes name an actor by its repr: the run and the role
+        names = ray.get([a.__ray_call__.remote(lambda self: repr(self)) for a in actors])
+        assert names == [
+            f"ParamServer({tag} server 0)",
+            f"ParamServer({tag} server 1)",
+            f"Worker({tag} g0w0)",
+            f"Worker({tag} g0w1)",
+            f"Stub({tag} group 0)",
+        ]
         # The path under test: doorbells exactly when every role shares the stub's node.
         assert ray.get(stub.__ray_call__.remote(lambda self: bool(self.bells))) is not remote
         stats = ray.get(stub.run.remote(0, 2)) + ray.get(stub.run.remote(2, steps))
