@@ -9,6 +9,12 @@ From the repository root, with the virtual environment active (``. .venv/bin/act
 Ray turns token authentication on for clusters started with ``ray start``; the job client finds
 the token in ``~/.ray/auth_token`` only when ``RAY_AUTH_MODE=token`` is set. Extra arguments are
 ``--set key=value`` overrides of ``examples/digits_mlp.yaml``.
+
+The run's record and checkpoints go to ``~/raysinga-runs/digits-mlp`` on the driver's machine
+(the head, under ``ray job submit``), not to the job file's default ``runs/digits-mlp``: the job
+runs in Ray's temporary copy of the working directory, deleted after it. Each submission starts
+over there (``--fresh``). ``--set run_dir=PATH`` puts them elsewhere; on several machines, see
+``docs/cluster.md`` for ``checkpoint.dir``.
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args()
-    cfg = config.load(Path(__file__).with_name("digits_mlp.yaml"), args.set)
-    result = DistributedTrainer(cfg).fit()  # joins the job's cluster through RAY_ADDRESS
+    lasting = f"run_dir={Path.home() / 'raysinga-runs' / 'digits-mlp'}"
+    cfg = config.load(Path(__file__).with_name("digits_mlp.yaml"), [lasting, *args.set])
+    # joins the job's cluster through RAY_ADDRESS
+    result = DistributedTrainer(cfg, fresh=True).fit()
+    print(f"run record and checkpoints in {Path(cfg.run_path).resolve()}")
     print(f"final test accuracy: {result.final_eval['test_accuracy']:.4f}")
 
 

@@ -40,6 +40,16 @@ class Preempted(Exception):
         )
 
 
+def in_ray_working_dir_copy(where: str) -> bool:
+    """Whether a local path lies in the copy of a job's working directory that Ray unpacks
+    under its session's ``runtime_resources`` (``ray job submit --working-dir``): a relative
+    ``run_dir`` left at its default lands there, and is lost with it."""
+    if "://" in where:
+        return False
+    parts = Path(where).resolve().parts
+    return "runtime_resources" in parts and any(p.startswith("working_dir_files") for p in parts)
+
+
 def check_start_options(resume: Any, init_from: Any, fresh: bool) -> None:
     """``resume``: True, False or "auto"; it, ``init_from`` and ``fresh`` exclude one another."""
     if resume not in (False, True, "auto"):
@@ -107,6 +117,14 @@ class RunSession:
         self.saved_at: dict[int, tuple[int, ...]] = {}
         self.saved: list[dict[str, Any]] = []  # per commit: step, path, blocked, seconds
         self.adopting: list[Any] = []  # the object-store registry's calls still running
+        places = [("run_dir", cfg.run_path), ("checkpoint.dir", cfg.checkpoint.dir)]
+        for what, where in places:
+            if where and in_ray_working_dir_copy(where):
+                hub.notice(
+                    f"raysinga: warning: {what} {Path(where).resolve()} is inside Ray's temporary "
+                    "copy of the job's working directory, which Ray deletes; set it to a lasting "
+                    f"place (--set {what}=PATH)"
+                )
 
     def log(self, text: str) -> None:
         self.hub.notice(text)

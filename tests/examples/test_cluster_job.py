@@ -35,7 +35,7 @@ def ray_cli(*args: str, env: dict, timeout: float) -> subprocess.CompletedProces
 
 @pytest.mark.slow
 @pytest.mark.ray_stop
-def test_ray_job_submit_of_the_example_succeeds_and_logs_the_accuracy():
+def test_ray_job_submit_of_the_example_succeeds_and_logs_the_accuracy(tmp_path):
     import ray
 
     ray.shutdown()  # two clusters at once are too much for two cores; later tests restart it
@@ -55,6 +55,8 @@ def test_ray_job_submit_of_the_example_succeeds_and_logs_the_accuracy():
                 "train_steps=300",
                 "--set",
                 "disp_freq=100",
+                "--set",
+                f"run_dir={tmp_path / 'run'}",  # the example's own default is in $HOME
                 env={**env, "RAY_AUTH_MODE": "token"},
                 timeout=600,
             )
@@ -66,6 +68,9 @@ def test_ray_job_submit_of_the_example_succeeds_and_logs_the_accuracy():
     assert "succeeded" in log
     acc = float(log.split("final test accuracy: ")[1].split()[0])
     assert acc >= 0.9, log
+    assert f"run record and checkpoints in {tmp_path / 'run'}" in log, log
+    assert "temporary copy" not in log, log
+    assert (tmp_path / "run" / "checkpoints" / "step-300").is_dir()
 
 
 @pytest.mark.slow

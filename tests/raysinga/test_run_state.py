@@ -217,3 +217,20 @@ def test_resume_refuses_another_dtype(tmp_path):
     train(tmp_path, "train_steps=10")
     with pytest.raises(CheckpointError, match=r"trains in float64 but the checkpoint holds fc1/W"):
         train(tmp_path, "dtype=float64", resume=True)
+
+
+def test_a_run_dir_in_rays_copy_of_the_working_directory_is_warned_about(tmp_path):
+    """Under `ray job submit --working-dir .`, the default run_dir is relative to Ray's
+    temporary copy of the working directory: the run says so, once, at its start."""
+    copy = tmp_path / "session_1" / "runtime_resources" / "working_dir_files" / "_ray_pkg_0a1b"
+    lines: list[str] = []
+    train(copy / "runs" / "local", "train_steps=2", lines=lines)
+    warned = [x for x in lines if "temporary copy" in x]
+    assert warned == [
+        f"raysinga: warning: run_dir {copy / 'runs' / 'local'} is inside Ray's temporary copy "
+        "of the job's working directory, which Ray deletes; set it to a lasting place "
+        "(--set run_dir=PATH)"
+    ]
+    lines.clear()
+    train(tmp_path / "elsewhere", "train_steps=2", lines=lines)
+    assert not [x for x in lines if "temporary copy" in x]
