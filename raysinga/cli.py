@@ -7,6 +7,7 @@ exit with status 2; nothing else of the library imports this module.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import signal
 import sys
@@ -17,6 +18,7 @@ from . import config as config_mod
 from .checkpoint.format import MANIFEST, CheckpointError
 from .checkpoint.storage import redact_text
 from .cli_parser import build_parser
+from .config_init import init_section
 
 EXPORT_SUFFIX = {"npz": ".npz", "safetensors": ".safetensors", "torch": ".pt"}
 
@@ -78,6 +80,22 @@ def _check_train(cfg: config_mod.JobConfig, args: argparse.Namespace) -> None:
         _dir_usable(Path(cfg.checkpoint.dir), "checkpoint.dir")
 
 
+def _with_init_names(cfg: config_mod.JobConfig, args: argparse.Namespace) -> config_mod.JobConfig:
+    """``--rename`` and ``--strip-prefix`` added to the job file's ``init`` section."""
+    if not (args.rename or args.strip_prefix):
+        return cfg
+    if not args.init_from:
+        raise ValueError("--rename and --strip-prefix go with --init-from")
+    rename = dict(cfg.init.rename)
+    for pair in args.rename:
+        old, eq, new = pair.partition("=")
+        if not eq:
+            raise ValueError(f"--rename {pair}: expected OLD=NEW")
+        rename[old] = new
+    strip = args.strip_prefix or cfg.init.strip_prefix
+    return dataclasses.replace(cfg, init=init_section({"rename": rename, "strip_prefix": strip}))
+
+
 def _train(args: argparse.Namespace) -> int:
     if args.address and args.local:
         raise ValueError("--address and --local exclude one another (--local trains without Ray)")
@@ -101,7 +119,7 @@ def _train(args: argparse.Namespace) -> int:
         "init_from": args.init_from,
         "fresh": args.fresh,
     }
-    cfg = config_mod.load(args.config, args.set)
+    cfg = _with_init_names(config_mod.load(args.config, args.set), args)
     _check_train(cfg, args)
     if args.init_from and args.init_from.endswith((".pt", ".pth")):  # PyTorch's state_dict
         from .torch_interop import as_checkpoint  # noqa: PLC0415

@@ -67,6 +67,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(fine-tuning); prints what matched",
     )
     t.add_argument(
+        "--rename",
+        action="append",
+        default=[],
+        metavar="OLD=NEW",
+        help="with --init-from: the checkpoint's name OLD is this model's NEW (OLD ending in "
+        "'/' renames every name it starts); repeatable, added to the job file's init.rename",
+    )
+    t.add_argument(
+        "--strip-prefix",
+        metavar="PREFIX",
+        default=None,
+        help="with --init-from: removed from the front of each checkpoint name before renames",
+    )
+    t.add_argument(
         "--fresh",
         action="store_true",
         help="delete the run's existing checkpoints and start over",

@@ -19,6 +19,8 @@ from .actors.topology import Topology, TopologyError
 from .config_checks import ConfigError, check_sizes, check_source, storable
 from .config_checks import integer as _int
 from .config_checks import mapping as _mapping
+from .config_checks import section as _section
+from .config_init import InitConfig, init_section
 from .data_check import DEFAULT_SCAN_BYTES
 from .model import ModelSpec
 
@@ -90,6 +92,7 @@ TOP_KEYS = {
     "checkpoint_frequency": "checkpoint every N steps from checkpoint_after (0: none)",
     "checkpoint_every_seconds": "also checkpoint when this many seconds have passed (0: never)",
     "checkpoint": "dir (a path or URI), keep_last, keep_every, object_store, compression, final",
+    "init": "rename, strip_prefix: how --init-from's checkpoint names map onto this model",
     "fault": "max_failures, window_s, min_workers, min_groups, grow_check_s, recovery, spares, "
     "replay_steps, replay_mb: how a distributed run recovers from lost roles and nodes",
 }
@@ -183,6 +186,7 @@ class JobConfig:
     checkpoint_every_seconds: float = 0.0
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    init: InitConfig = field(default_factory=InitConfig)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -237,15 +241,6 @@ def _data(d: Any) -> DataConfig:
         eval_batch_size=_int("data.eval_batch_size", d.get("eval_batch_size", 1024), 1),
         scan_bytes=_int("data.scan_bytes", d.get("scan_bytes", DEFAULT_SCAN_BYTES), 0),
     )
-
-
-def _section(name: str, d: Any, keys: dict[str, str]) -> dict[str, Any]:
-    """An optional section of the job (absent: empty), refusing keys it does not know."""
-    d = _mapping(name, d or {})
-    unknown = set(d) - set(keys)
-    if unknown:
-        raise ConfigError(f"{name}: unknown key(s) {sorted(unknown)}; allowed: {', '.join(keys)}")
-    return d
 
 
 def _checkpoint(d: Any) -> CheckpointConfig:
@@ -403,6 +398,7 @@ def from_dict(d: Any) -> JobConfig:
         ),
         checkpoint=_checkpoint(d.get("checkpoint")),
         fault=fault,
+        init=init_section(d.get("init")),
         raw=copy.deepcopy(d),
     )
 

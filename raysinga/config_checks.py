@@ -53,6 +53,15 @@ def mapping(path: str, v: Any) -> dict[str, Any]:
     return v
 
 
+def section(name: str, d: Any, keys: dict[str, str]) -> dict[str, Any]:
+    """An optional section of the job (absent: empty), refusing keys it does not know."""
+    d = mapping(name, d or {})
+    unknown = set(d) - set(keys)
+    if unknown:
+        raise ConfigError(f"{name}: unknown key(s) {sorted(unknown)}; allowed: {', '.join(keys)}")
+    return d
+
+
 # Value checks of data set spec keys (which keys a kind takes is raysinga.data's): integer keys
 # -> their smallest and largest value (the teacher's bounds keep its labels exact), text keys.
 _SOURCE_INTS = {

@@ -59,8 +59,8 @@ def load_start(start: Start, net: Any, optimizer: Any) -> tuple[dict, dict]:
             }
         )
     else:  # --init-from: the parameters that fit, cast to this run's dtype
-        for p in start.names:
-            params[p] = np.array(ck.array(p), dtype=net.dtype)
+        for p, stored in start.names.items():
+            params[p] = np.array(ck.array(stored), dtype=net.dtype)
     # group 0 / worker 0's saved non-trainable state, as writable copies
     saved = worker_state(ck, 0, 0, list(state))
     state.update({k: np.array(v) for k, v in saved.items()})

@@ -209,7 +209,7 @@ class RoleGroup:
     def restore(self, start: Any, cursor: DataCursor, state_names: list[str]) -> None:
         """Load a verified start checkpoint into the servers (parameters; on a resume also the
         optimizer) and the workers (non-trainable state; on a resume also the data cursor)."""
-        names = None if start.resumed else {n: n for n in start.names}
+        names = None if start.resumed else start.names
         get_all([s.load.remote(start.source, start.resumed, names) for s in self.servers], "server")
         calls = []
         for g, row in enumerate(self.workers):

@@ -10,7 +10,7 @@ from typing import Any
 from . import run_registry
 from .checkpoint import Checkpoint, CheckpointError, Location, placement, storage
 from .checkpoint.filehash import hash_file
-from .checkpoint.finetune import match
+from .checkpoint.finetune import map_name, match
 from .checkpoint.manage import latest, recover, remove_staged, steps
 from .run_state import run_info
 
@@ -217,18 +217,25 @@ def _set_aside_skipped(root: Location, skipped: list, log: Any) -> None:
 
 
 def open_init(
-    where: Any, shapes: dict[str, tuple[int, ...]], log: Any
-) -> tuple[Source, Checkpoint, list[str]]:
-    """``--init-from``: the checkpoint (size checks only: the caller verifies its files) and the
-    names of its parameters that fit this model by name and shape; an error when none does."""
+    where: Any,
+    shapes: dict[str, tuple[int, ...]],
+    log: Any,
+    rename: dict[str, str] | None = None,
+    strip_prefix: str | None = None,
+) -> tuple[Source, Checkpoint, dict[str, str]]:
+    """``--init-from``: the checkpoint (size checks only: the caller verifies its files) and its
+    parameters that fit this model by name (after ``strip_prefix`` and ``rename``, as
+    :func:`~raysinga.checkpoint.match`) and shape, as model name -> checkpoint name; an error
+    when none does."""
     src = init_source(where)
     ck = src.open(verify="fast")
     stored = {n: _Shape(ck.info(n).shape) for n in ck.names("param")}
-    _, report = match(stored, shapes)  # type: ignore[arg-type]
+    _, report = match(stored, shapes, rename, strip_prefix)  # type: ignore[arg-type]
     log(f"raysinga: --init-from {src.label} (step {ck.step}): {report}")
     if not report.matched:
         raise CheckpointError(f"--init-from {src.label}: no parameter of it fits this model")
-    return src, ck, list(report.matched)
+    source_of = {map_name(n, rename, strip_prefix): n for n in stored}
+    return src, ck, {t: source_of[t] for t in report.matched}
 
 
 @dataclass

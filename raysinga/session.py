@@ -68,7 +68,7 @@ class Start:
     source: Source | None = None
     checkpoint: Checkpoint | None = None
     info: dict[str, Any] | None = None
-    names: list[str] = field(default_factory=list)
+    names: dict[str, str] = field(default_factory=dict)  # init: model name -> checkpoint name
 
     @property
     def resumed(self) -> bool:
@@ -175,7 +175,10 @@ class RunSession:
         if src is not None and ck is not None:
             return self.adopt(src, ck)
         if self.init_from is not None:
-            src, ck, names = run_sources.open_init(self.init_from, self.shapes, self.log)
+            init = cfg.init
+            src, ck, names = run_sources.open_init(
+                self.init_from, self.shapes, self.log, init.rename, init.strip_prefix
+            )
             return Start("init", cfg.seed, src, ck, names=names)
         return Start("fresh", cfg.seed)
 

@@ -111,6 +111,9 @@ MALFORMED = {  # a job-file edit -> the start of its one-line error
     "negative keep": (_edit(["checkpoint"], {"keep_last": -1}), "checkpoint.keep_last"),
     "failures as text": (_edit(["fault"], {"max_failures": "x"}), "fault.max_failures"),
     "elastic minimum": (_edit(["fault"], {"min_workers": 5}), "fault.min_workers: 5 is more"),
+    "init typo": (_edit(["init"], {"renames": {"a": "b"}}), "init: unknown key(s) ['renames']"),
+    "init rename": (_edit(["init"], {"rename": {"a": 3}}), "init.rename: expected names"),
+    "init prefix": (_edit(["init"], {"strip_prefix": 2}), "init.strip_prefix: expected"),
 }
 
 
@@ -229,3 +232,31 @@ def test_a_checkpoints_directory_given_for_one_names_its_newest_valid_step(tmp_p
     (root / "step-20" / "shard-0.arrow").unlink()
     assert main(["inspect", str(root)]) == 1
     assert "none of its step-N is valid" in capsys.readouterr().err
+
+
+def test_init_from_with_renames_on_the_command_line(tmp_path, capsys):
+    import numpy as np
+    import yaml
+
+    from raysinga.cli import main
+
+    job = yaml.safe_load((ROOT / "examples/digits_mlp.yaml").read_text())
+    job["model"]["layers"][0]["name"] = "hidden"  # fc1 of the checkpoint, renamed here
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    first = ["train", str(ROOT / "examples/digits_mlp.yaml"), "--local"]
+    first += ["--set", "train_steps=5", "--set", f"run_dir={tmp_path / 'a'}"]
+    assert main(first) == 0
+    src = tmp_path / "a" / "checkpoints" / "step-5"
+    again = ["train", str(tmp_path / "job.yaml"), "--local", "--set", "updater.lr=0.0"]
+    again += ["--set", "train_steps=1", "--set", f"run_dir={tmp_path / 'b'}"]
+    assert main([*again, "--rename", "fc1/=hidden/"]) == 2
+    assert "--rename and --strip-prefix go with --init-from" in capsys.readouterr().err
+    assert main([*again, "--init-from", str(src), "--rename", "fc1"]) == 2
+    assert "--rename fc1: expected OLD=NEW" in capsys.readouterr().err
+    assert main([*again, "--init-from", str(src), "--rename", "fc1/=hidden"]) == 2
+    assert "a prefix (ending in '/') renames to a prefix" in capsys.readouterr().err
+    assert main([*again, "--init-from", str(src), "--rename", "fc1/=hidden/"]) == 0
+    assert "matched 6, missing 0, unexpected 0" in capsys.readouterr().out
+    a = Checkpoint.open(src)
+    b = Checkpoint.open(tmp_path / "b" / "checkpoints" / "step-1")
+    np.testing.assert_array_equal(b.array("hidden/W"), a.array("fc1/W"))

@@ -357,6 +357,15 @@ def test_init_from_loads_what_matches(halfway, tmp_path):
     ck = Checkpoint.open(src)
     np.testing.assert_array_equal(res.params["fc1/W"], ck.array("fc1/W"))  # lr 0: unchanged
     assert not np.array_equal(res.params["head/b"], ck.array("out/b"))
+    # the job file's init section renames the old head onto the new one
+    (tmp_path / "job.yaml").write_text(text + "init: {rename: {out/: head/}}\n")
+    lines.clear()
+    cfg = job(tmp_path / "renamed", "train_steps=1", "updater.lr=0.0")
+    res = DistributedTrainer(cfg, init_from=str(src), log=lines.append).fit()
+    report = next(line for line in lines if "--init-from" in line)
+    assert "matched 6, missing 0, unexpected 0" in report, report
+    for name in ("W", "b"):
+        np.testing.assert_array_equal(res.params[f"head/{name}"], ck.array(f"out/{name}"))
 
 
 def test_init_from_something_that_is_not_a_checkpoint(ray_session, tmp_path):

@@ -126,6 +126,22 @@ def test_init_from_loads_what_matches_and_verifies(straight, tmp_path):
     assert any("matched 4, missing 2, unexpected 2" in line for line in lines), lines
     ck = Checkpoint.open(sd / "checkpoints/step-30")
     np.testing.assert_array_equal(res.params["fc1/W"], ck.array("fc1/W"))
+    # a prefix stripped, then renamed: fc1/W -> 1/W -> fc1/W; out/ -> head/
+    (tmp_path / "renamed").mkdir()
+    (tmp_path / "renamed" / "job.yaml").write_text(JOB.replace("name: out", "name: head"))
+    lines.clear()
+    res = train(
+        tmp_path / "renamed",
+        "train_steps=1",
+        "updater.lr=0.0",
+        "init.strip_prefix=fc",
+        'init.rename={"1/": "fc1/", "out/": "head/"}',
+        lines=lines,
+        init_from=str(sd / "checkpoints/step-30"),
+    )
+    assert any("matched 6, missing 0, unexpected 0" in line for line in lines), lines
+    for a, b in (("fc1/W", "fc1/W"), ("head/W", "out/W"), ("head/b", "out/b")):
+        np.testing.assert_array_equal(res.params[a], ck.array(b))
     bad = tmp_path / "bad"
     shutil.copytree(sd / "checkpoints/step-30", bad)
     flip_a_byte(bad)
