@@ -93,7 +93,9 @@ def _with_init_names(cfg: config_mod.JobConfig, args: argparse.Namespace) -> con
             raise ValueError(f"--rename {pair}: expected OLD=NEW")
         rename[old] = new
     strip = args.strip_prefix or cfg.init.strip_prefix
-    return dataclasses.replace(cfg, init=init_section({"rename": rename, "strip_prefix": strip}))
+    section = {"rename": rename, "strip_prefix": strip}
+    raw = {**cfg.raw, "init": section}  # the job as run, kept in its record and checkpoints
+    return dataclasses.replace(cfg, init=init_section(section), raw=raw)
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -1,8 +1,9 @@
-"""The run's record next to its checkpoints: ``metrics.jsonl``, the TensorBoard event files and
-the plots, copied from ``run_dir`` (a local directory of the driver's node) into
-``<checkpoint dir>/record/`` at every commit and at the end, so that a run whose checkpoints go
-to shared storage (``s3://``, a cluster filesystem) leaves its whole record there, as Ray
-Train's ``storage_path`` does. ``raysinga plot`` reads a record from there too."""
+"""The run's record next to its checkpoints: the job as run (``job.resolved.yaml``),
+``metrics.jsonl``, the TensorBoard event files and the plots, copied from ``run_dir`` (a local
+directory of the driver's node) into ``<checkpoint dir>/record/`` at every commit and at the
+end, so that a run whose checkpoints go to shared storage (``s3://``, a cluster filesystem)
+leaves its whole record there, as Ray Train's ``storage_path`` does. ``raysinga plot`` reads a
+record from there too."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from .checkpoint import storage
 from .checkpoint.storage import Location
 
 RECORD = "record"
-FILES = ("metrics.jsonl", "tensorboard/*", "*.png")
+RESOLVED_JOB = "job.resolved.yaml"  # the job after --set and the command line's other changes
+FILES = (RESOLVED_JOB, "metrics.jsonl", "tensorboard/*", "*.png")
 
 
 def mirrored(run_dir: Path, root: Location) -> bool:

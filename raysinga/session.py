@@ -10,6 +10,7 @@ it committed.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -18,12 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from . import data_identity, run_record, run_registry, run_sources
 from .checkpoint import Checkpoint, CheckpointError, storage
 from .checkpoint.lock import RunLock
 from .checkpoint.manage import prune
 from .cursor import DataCursor
 from .events import CheckpointCommitted, EventHub
+from .run_record import RESOLVED_JOB
 from .run_sources import Source
 from .run_state import check_fits, cursor_for, run_info
 
@@ -139,10 +143,20 @@ class RunSession:
             raise CheckpointError(f"checkpoint.dir {self.root} cannot be written: {e}") from None
         try:
             self.start = self._decide()
+            self._keep_job()
         except BaseException:
             self._release()
             raise
         return self
+
+    def _keep_job(self) -> None:
+        """``<run_dir>/job.resolved.yaml``: the job as this run (its latest start) runs it,
+        after ``--set`` and the command line's other changes; part of the run's record."""
+        run_dir = Path(self.cfg.run_path)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / f".{RESOLVED_JOB}.{os.getpid()}"
+        tmp.write_text(yaml.safe_dump(self.cfg.raw, sort_keys=False))
+        os.replace(tmp, run_dir / RESOLVED_JOB)
 
     def __exit__(self, *exc: object) -> None:
         try:

@@ -260,3 +260,5 @@ def test_init_from_with_renames_on_the_command_line(tmp_path, capsys):
     a = Checkpoint.open(src)
     b = Checkpoint.open(tmp_path / "b" / "checkpoints" / "step-1")
     np.testing.assert_array_equal(b.array("hidden/W"), a.array("fc1/W"))
+    kept = yaml.safe_load((tmp_path / "b" / "job.resolved.yaml").read_text())  # as run
+    assert kept["init"] == {"rename": {"fc1/": "hidden/"}, "strip_prefix": None}

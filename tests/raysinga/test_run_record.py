@@ -20,7 +20,13 @@ def test_the_copy_follows_the_run_directory(tmp_path):
     (run / "tensorboard" / "events.1").write_bytes(b"one")
     (run / "loss.png").write_bytes(b"png")
     (run / "job.yaml").write_text("not part of the record")
-    assert mirror(run, resolve(shared)) == ["metrics.jsonl", "tensorboard/events.1", "loss.png"]
+    (run / "job.resolved.yaml").write_text("name: run\n")  # the job as run: part of it
+    assert mirror(run, resolve(shared)) == [
+        "job.resolved.yaml",
+        "metrics.jsonl",
+        "tensorboard/events.1",
+        "loss.png",
+    ]
     (run / "tensorboard" / "events.1").unlink()  # a resumed run started a new event file
     (run / "tensorboard" / "events.2").write_bytes(b"two")
     (run / "metrics.jsonl").write_text('{"kind": "train"}\n{"kind": "eval"}\n')
@@ -28,5 +34,5 @@ def test_the_copy_follows_the_run_directory(tmp_path):
     got = sorted(
         p.relative_to(shared / "record").as_posix() for p in shared.rglob("*") if p.is_file()
     )
-    assert got == ["loss.png", "metrics.jsonl", "tensorboard/events.2"]
+    assert got == ["job.resolved.yaml", "loss.png", "metrics.jsonl", "tensorboard/events.2"]
     assert (shared / "record" / "metrics.jsonl").read_text().count("\n") == 2

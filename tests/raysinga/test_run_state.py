@@ -250,3 +250,15 @@ def test_a_run_dir_in_rays_copy_of_the_working_directory_is_warned_about(tmp_pat
     lines.clear()
     train(tmp_path / "elsewhere", "train_steps=2", lines=lines)
     assert not [x for x in lines if "temporary copy" in x]
+
+
+def test_the_job_as_run_is_kept_in_the_runs_record(tmp_path):
+    import yaml
+
+    train(tmp_path, "train_steps=2", "updater.lr=0.5")
+    kept = yaml.safe_load((tmp_path / "job.resolved.yaml").read_text())
+    assert kept["train_steps"] == 2 and kept["updater"]["lr"] == 0.5  # after --set
+    assert config.from_dict(kept) == job(tmp_path, "train_steps=2", "updater.lr=0.5")
+    train(tmp_path, "train_steps=4", resume=True)  # a later start: the job as it runs now
+    assert yaml.safe_load((tmp_path / "job.resolved.yaml").read_text())["train_steps"] == 4
+    assert (tmp_path / "job.yaml").read_text() == JOB  # the user's own file is left alone
