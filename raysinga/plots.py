@@ -4,6 +4,7 @@ with checkpoints, failures and resizes marked (``raysinga plot RUN``)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +83,21 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     plt = pyplot()
     name = path.parent.name
-    written = []
+    fig, ax = loss_figure(plt, records)
+    written = [_save(plt, fig, ax, f"{name}: loss and accuracy", out_dir / "loss.png")]
+    if any("samples_per_s" in r for r in train):
+        fig, ax = throughput_figure(plt, records)
+        lr = any(r["kind"] == "train" and "lr" in r for r in records)
+        title = f"{name}: training throughput" + (" and learning rate" if lr else "")
+        written.append(_save(plt, fig, ax, title, out_dir / "throughput.png"))
+    return written
 
+
+def loss_figure(plt: Any, records: list[dict[str, Any]]) -> tuple[Any, Any]:
+    """Train and test loss (a log scale where they span more than a decade), test accuracy on
+    a second axis that spans at least ``ACCURACY_SPAN``, and the run's events."""
+    train = [r for r in records if r["kind"] == "train" and "loss" in r]
+    evals = [r for r in records if r["kind"] == "eval"]
     fig, ax = plt.subplots(figsize=(9, 5), layout="constrained")
     handles: list[Any] = []
     if train:
@@ -91,6 +105,8 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
     tests = [r for r in evals if "test_loss" in r]
     if tests:
         handles += _series(ax, tests, "test_loss", "o-", "test loss")
+    losses = [r["loss"] for r in train] + [r["test_loss"] for r in tests]
+    ax.set_yscale(loss_scale(losses))
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     _mark_events(ax, records)
@@ -98,23 +114,59 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
     if acc:
         ax2 = ax.twinx()
         handles += _series(ax2, acc, "test_accuracy", "s-", "test accuracy", color="tab:purple")
+        ax2.set_ylim(*accuracy_limits([r["test_accuracy"] for r in acc]))
         ax2.set_ylabel("test accuracy")
     marks = [h for h in ax.get_legend_handles_labels()[0] if h not in handles]
     ax.legend(handles=handles + marks, loc="upper right")
-    written.append(_save(plt, fig, ax, f"{name}: loss and accuracy", out_dir / "loss.png"))
+    return fig, ax
 
-    rate = [r for r in train if "samples_per_s" in r]
-    if rate:
+
+def throughput_figure(plt: Any, records: list[dict[str, Any]]) -> tuple[Any, Any]:
+    """Samples per second and, below it where the records carry it, the learning rate (a log
+    scale where it spans more than a decade), with the run's events on both."""
+    rate = [r for r in records if r["kind"] == "train" and "samples_per_s" in r]
+    lrs = [r for r in records if r["kind"] == "train" and isinstance(r.get("lr"), (int, float))]
+    if lrs:
+        fig, (ax, lax) = plt.subplots(
+            2, 1, figsize=(9, 6), layout="constrained", sharex=True, height_ratios=(3, 2)
+        )
+    else:
         fig, ax = plt.subplots(figsize=(9, 4), layout="constrained")
-        _series(ax, rate, "samples_per_s", ".-", "samples/s")
+    _series(ax, rate, "samples_per_s", ".-", "samples/s")
+    ax.set_ylabel("samples/s")
+    ax.set_ylim(bottom=0)
+    _mark_events(ax, records)
+    ax.legend(loc="lower right")
+    if lrs:
+        _series(lax, lrs, "lr", "-", "learning rate", color="tab:green")
+        lax.set_yscale(loss_scale([r["lr"] for r in lrs]))
+        lax.set_ylabel("learning rate")
+        lax.grid(alpha=0.3)
+        _mark_events(lax, records)
+        lax.set_xlabel("step")
+    else:
         ax.set_xlabel("step")
-        ax.set_ylabel("samples/s")
-        ax.set_ylim(bottom=0)
-        _mark_events(ax, records)
-        ax.legend(loc="lower right")
-        title = f"{name}: training throughput"
-        written.append(_save(plt, fig, ax, title, out_dir / "throughput.png"))
-    return written
+    return fig, ax
+
+
+ACCURACY_SPAN = 0.1  # the accuracy axis spans at least this much: a 0.3% wiggle stays small
+
+
+def loss_scale(values: list[float]) -> str:
+    """``"log"`` for positive values that span more than a factor of ten, else ``"linear"``."""
+    finite = [v for v in values if math.isfinite(v)]
+    if finite and min(finite) > 0 and max(finite) > 10 * min(finite):
+        return "log"
+    return "linear"
+
+
+def accuracy_limits(values: list[float]) -> tuple[float, float]:
+    """The accuracy axis: up to 1 (or the highest value, if above), down to a little below the
+    lowest value, and at least ``ACCURACY_SPAN`` tall, never below 0."""
+    finite = [v for v in values if math.isfinite(v)] or [0.0]
+    hi = max(1.0, max(finite))
+    lo = min(min(finite) - 0.02, hi - ACCURACY_SPAN)
+    return max(0.0, lo), hi
 
 
 def _series(ax: Any, recs: list[dict[str, Any]], key: str, fmt: str, label: str, **style: Any):

@@ -7,7 +7,15 @@ import json
 import pytest
 
 from raysinga.cli import main
-from raysinga.plots import _mark_events, load_records, plot_run
+from raysinga.plots import (
+    _mark_events,
+    accuracy_limits,
+    load_records,
+    loss_figure,
+    loss_scale,
+    plot_run,
+    throughput_figure,
+)
 
 pytest.importorskip("matplotlib")
 
@@ -71,3 +79,32 @@ def test_a_missing_run_is_a_clear_error(tmp_path, capsys):
         load_records(tmp_path / "nothing")
     assert main(["plot", str(tmp_path / "nothing")]) == 2
     assert "no such metrics file" in capsys.readouterr().err
+
+
+def test_axes_that_show_what_changed():
+    """Loss and learning rate on a log scale once they span a decade; an accuracy axis at
+    least 0.1 tall, so that 0.970 to 0.973 is not drawn as a climb from floor to ceiling."""
+    assert loss_scale([2.3, 0.9, 0.05]) == "log"
+    assert loss_scale([0.5, 0.2]) == "linear"
+    assert loss_scale([0.5, 0.0, 3.0]) == "linear"  # not positive: no log scale
+    assert accuracy_limits([0.970, 0.973, 0.971]) == pytest.approx((0.9, 1.0))
+    assert accuracy_limits([0.1, 0.95]) == pytest.approx((0.08, 1.0))
+    assert accuracy_limits([0.01]) == (0.0, 1.0)
+    import matplotlib.pyplot as plt
+
+    records = [
+        *(
+            {"kind": "train", "step": s, "loss": 3.0 / s, "samples_per_s": 500.0, "lr": 0.1 / s}
+            for s in range(1, 101)
+        ),
+        *({"kind": "eval", "step": s, "test_accuracy": 0.97 + s * 1e-5} for s in (50, 100)),
+    ]
+    fig, ax = loss_figure(plt, records)
+    assert ax.get_yscale() == "log"
+    (acc_ax,) = [a for a in fig.axes if a is not ax]
+    assert acc_ax.get_ylim() == pytest.approx((0.9, 1.0))
+    plt.close(fig)
+    fig, ax = throughput_figure(plt, records)
+    (lr_ax,) = [a for a in fig.axes if a is not ax]
+    assert lr_ax.get_ylabel() == "learning rate" and lr_ax.get_yscale() == "log"
+    plt.close(fig)
