@@ -116,6 +116,8 @@ def _train(args: argparse.Namespace) -> int:
             f"{' and '.join(chosen)} were given together: --resume, --auto-resume, "
             "--init-from and --fresh exclude one another"
         )
+    if isinstance(args.resume, str) and "://" not in args.resume:
+        args.resume = str(Path(args.resume).resolve())  # a path, never the word "auto"
     start = {
         "resume": "auto" if args.auto_resume else args.resume,
         "init_from": args.init_from,

@@ -51,8 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--resume",
-        action="store_true",
-        help="continue the run from its newest valid checkpoint (an error if there is none)",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="CKPT",
+        help="continue the run from its newest valid checkpoint (an error if there is none); "
+        "with CKPT, one of the run's step-N checkpoints, from that one (the newer ones are "
+        "moved aside)",
     )
     t.add_argument(
         "--auto-resume",

@@ -11,6 +11,7 @@ from . import run_registry
 from .checkpoint import Checkpoint, CheckpointError, Location, placement, storage
 from .checkpoint.filehash import hash_file
 from .checkpoint.finetune import map_name, match
+from .checkpoint.format import STEP_DIR
 from .checkpoint.manage import latest, recover, remove_staged, steps
 from .run_state import run_info
 
@@ -101,6 +102,8 @@ def open_run(
             storage.remove_dir(root.join(f"step-{s}"))
         log(f"raysinga: --fresh: deleted {len(have)} checkpoint(s) in {root}")
         have = []
+    if resume not in (False, True, "auto"):  # a chosen checkpoint of the run
+        return _resume_chosen(root, cfg, str(resume), log)
     if not resume:
         if have:
             raise CheckpointError(
@@ -125,6 +128,34 @@ def open_run(
         )
     _describe(ck, cfg, log)
     return src, ck
+
+
+def _resume_chosen(root: Location, cfg: Any, where: str, log: Any) -> tuple[Source, Checkpoint]:
+    """``--resume PATH``: go on from a chosen checkpoint of this run. Its newer checkpoints
+    are moved aside (``step-N.abandoned-<id>``), so that the run, and any later resume, goes
+    on from the chosen one only; an object-store copy of the run is forgotten."""
+    name = where.rstrip("/").rsplit("/", 1)[-1]
+    m = STEP_DIR.match(name)
+    if m is None or storage.resolve(where).path.rstrip("/") != root.join(name).path.rstrip("/"):
+        raise CheckpointError(
+            f"--resume {where}: not a checkpoint of run {cfg.name!r}, whose checkpoints are "
+            f"the step-N directories in {root}; to start a new run from it, use --init-from"
+        )
+    chosen = int(m.group(1))
+    if chosen not in steps(root):
+        raise CheckpointError(
+            f"--resume {where}: no such checkpoint (steps in {root}: "
+            f"{', '.join(map(str, steps(root))) or 'none'})"
+        )
+    ck = Checkpoint.open(root.join(name), verify="fast")
+    for s in steps(root):
+        if s > chosen:
+            moved = set_aside(root, f"step-{s}", "abandoned")
+            log(f"raysinga: --resume step-{chosen}: the newer step-{s} moved aside to {moved}")
+    if cfg.checkpoint.object_store:
+        run_registry.forget(run_registry.key(cfg.name, root))
+    _describe(ck, cfg, log)
+    return Source(location=ck.location, label=str(ck.location)), ck
 
 
 def _describe(ck: Checkpoint, cfg: Any, log: Any) -> None:
@@ -185,21 +216,21 @@ def verify_start(
     return src, ck
 
 
-def set_aside(root: Location, name: str) -> str:
-    """Move the committed checkpoint directory ``name`` that failed validation out of the way,
-    to ``<name>.invalid-<id>`` beside it: kept for a look, ignored by readers, and out of the
-    way of the resumed run, which writes that step again (without ``replace``, a checkpoint is
-    never overwritten). On object stores the move is a copy of every object, then a delete
+def set_aside(root: Location, name: str, why: str = "invalid") -> str:
+    """Move the committed checkpoint directory ``name`` (one that failed validation, or one
+    newer than the checkpoint a ``--resume PATH`` goes on from) out of the way, to
+    ``<name>.<why>-<id>`` beside it: kept for a look, ignored by readers, and out of the way of
+    the resumed run, which writes that step again (without ``replace``, a checkpoint is never
+    overwritten). On object stores the move is a copy of every object, then a delete
     (placement.move_dir)."""
     import uuid  # noqa: PLC0415
 
-    src, dst = root.join(name), root.join(f"{name}.invalid-{uuid.uuid4().hex[:8]}")
+    src, dst = root.join(name), root.join(f"{name}.{why}-{uuid.uuid4().hex[:8]}")
     try:
         placement.move_dir(src, dst)
     except Exception as e:  # pyarrow raises OSError, or NotImplementedError on some stores
         raise CheckpointError(
-            f"{src}: failed validation and could not be moved aside ({e}); move or delete it, "
-            "then resume again"
+            f"{src}: could not be moved aside ({e}); move or delete it, then resume again"
         ) from e
     return str(dst)
 

@@ -55,9 +55,10 @@ def in_ray_working_dir_copy(where: str) -> bool:
 
 
 def check_start_options(resume: Any, init_from: Any, fresh: bool) -> None:
-    """``resume``: True, False or "auto"; it, ``init_from`` and ``fresh`` exclude one another."""
-    if resume not in (False, True, "auto"):
-        raise ValueError(f"resume must be True, False or 'auto', got {resume!r}")
+    """``resume``: True, False, "auto" or a path (a ``step-N`` checkpoint of the run, to go on
+    from instead of the newest); it, ``init_from`` and ``fresh`` exclude one another."""
+    if resume not in (False, True, "auto") and not isinstance(resume, (str, os.PathLike)):
+        raise ValueError(f"resume must be True, False, 'auto' or a path, got {resume!r}")
     if sum(map(bool, (resume, init_from is not None, fresh))) > 1:
         raise ValueError("resume, init_from and fresh exclude one another")
 

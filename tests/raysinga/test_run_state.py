@@ -82,6 +82,25 @@ def test_resume_is_bit_exact(straight, tmp_path):
     assert [(r["step"], r["loss"]) for r in res.history if r["kind"] == "train"] == want
 
 
+def test_resume_from_a_chosen_checkpoint_moves_the_newer_ones_aside(straight, tmp_path):
+    """``--resume PATH``: the run goes on from that checkpoint, bit-exact; its newer
+    checkpoints are kept aside, out of the way of this and later resumes."""
+    sd, sres = straight
+    shutil.copytree(sd / "checkpoints", tmp_path / "checkpoints")
+    lines: list[str] = []
+    res = train(tmp_path, resume=str(tmp_path / "checkpoints" / "step-10"), lines=lines)
+    for k in sres.params:
+        assert res.params[k].tobytes() == sres.params[k].tobytes(), k
+    assert steps(tmp_path / "checkpoints") == [30, 20, 10]  # written again by this run
+    aside = sorted(p.name.split(".")[0] for p in (tmp_path / "checkpoints").glob("*.abandoned-*"))
+    assert aside == ["step-20", "step-30"]
+    assert sum("--resume step-10: the newer step-" in x for x in lines) == 2, lines
+    with pytest.raises(CheckpointError, match="not a checkpoint of run 'local'"):
+        train(tmp_path / "other", resume=str(tmp_path / "checkpoints" / "step-10"))
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        train(tmp_path, resume=str(tmp_path / "checkpoints" / "step-15"))
+
+
 @pytest.mark.parametrize("damage", [flip_a_byte, truncate], ids=["flipped_byte", "truncated"])
 def test_a_damaged_newest_checkpoint_is_set_aside_for_the_one_before(straight, tmp_path, damage):
     """Resume finds step 20 damaged (a flipped byte only a full hash sees, or a truncated file
