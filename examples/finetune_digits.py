@@ -20,7 +20,6 @@ import tempfile
 from pathlib import Path
 
 from raysinga import config
-from raysinga.checkpoint import latest
 from raysinga.distributed import DistributedTrainer
 
 JOB = Path(__file__).resolve().parent / "digits_mlp.yaml"
@@ -50,8 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
         ],
     )
     base = DistributedTrainer(base_cfg).fit()
-    ck = latest(work / "base" / "checkpoints").checkpoint
-    assert ck is not None, "the base run left no checkpoint"
+    assert base.checkpoint is not None, "the base run left no checkpoint"
 
     tuned_cfg = config.load(
         JOB,
@@ -65,18 +63,12 @@ def main(argv: list[str] | None = None) -> dict:
             NEW_LAYERS,
         ],
     )
-    lines: list[str] = []
-
-    def log(line: str) -> None:
-        lines.append(line)
-        print(line, flush=True)
-
-    tuned = DistributedTrainer(tuned_cfg, init_from=str(ck.location), log=log).fit()
-    report = next(line for line in lines if "--init-from" in line)
+    tuned = DistributedTrainer(tuned_cfg, init_from=base.checkpoint).fit()
     out = {
+        "base_checkpoint": base.checkpoint,
         "base_accuracy": base.final_eval["test_accuracy"],
         "tuned_accuracy": tuned.final_eval["test_accuracy"],
-        "report": report,
+        "report": str(tuned.init_report),  # what of the base checkpoint matched
     }
     print(f"base ({args.base_steps} steps): test accuracy {out['base_accuracy']:.4f}")
     print(f"tuned (+{args.steps} steps, two new layers): test accuracy {out['tuned_accuracy']:.4f}")

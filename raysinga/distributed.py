@@ -114,7 +114,7 @@ class DistributedTrainer:
             self.controller = Controller(
                 cfg, self.plan, self.session, self.hub, self.classes, self.gather
             )
-            return self.controller.run()
+            return self.session.finish(self.controller.run())
 
     # What tests and tools look at while a run goes on, or after it.
     @property

@@ -20,9 +20,17 @@ from .tb_events import EventWriter
 
 @dataclass
 class TrainResult:
+    """What a run hands back: the final parameters and state (where gathered), every record of
+    ``metrics.jsonl`` in ``history``, the newest checkpoint (``checkpoint``: its path or URI,
+    ``checkpoint_step``; ``None`` where the run left none) and, for a run started with
+    ``init_from``, the report of what matched (:class:`~raysinga.checkpoint.MatchReport`)."""
+
     params: dict[str, np.ndarray]
     state: dict[str, np.ndarray]
     history: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint: str | None = None
+    checkpoint_step: int | None = None
+    init_report: Any = None
 
     @property
     def final_eval(self) -> dict[str, Any] | None:

@@ -10,7 +10,7 @@ from typing import Any
 from . import run_registry
 from .checkpoint import Checkpoint, CheckpointError, Location, placement, storage
 from .checkpoint.filehash import hash_file
-from .checkpoint.finetune import map_name, match
+from .checkpoint.finetune import MatchReport, map_name, match
 from .checkpoint.format import STEP_DIR
 from .checkpoint.manage import latest, recover, remove_staged, steps
 from .run_state import run_info
@@ -253,7 +253,7 @@ def open_init(
     log: Any,
     rename: dict[str, str] | None = None,
     strip_prefix: str | None = None,
-) -> tuple[Source, Checkpoint, dict[str, str]]:
+) -> tuple[Source, Checkpoint, dict[str, str], MatchReport]:
     """``--init-from``: the checkpoint (size checks only: the caller verifies its files) and its
     parameters that fit this model by name (after ``strip_prefix`` and ``rename``, as
     :func:`~raysinga.checkpoint.match`) and shape, as model name -> checkpoint name; an error
@@ -266,7 +266,7 @@ def open_init(
     if not report.matched:
         raise CheckpointError(f"--init-from {src.label}: no parameter of it fits this model")
     source_of = {map_name(n, rename, strip_prefix): n for n in stored}
-    return src, ck, {t: source_of[t] for t in report.matched}
+    return src, ck, {t: source_of[t] for t in report.matched}, report
 
 
 @dataclass

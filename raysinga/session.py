@@ -27,6 +27,7 @@ from .checkpoint.lock import RunLock
 from .checkpoint.manage import prune
 from .cursor import DataCursor
 from .events import CheckpointCommitted, EventHub
+from .metrics import TrainResult
 from .run_record import RESOLVED_JOB
 from .run_sources import Source
 from .run_state import check_fits, cursor_for, run_info
@@ -74,6 +75,7 @@ class Start:
     checkpoint: Checkpoint | None = None
     info: dict[str, Any] | None = None
     names: dict[str, str] = field(default_factory=dict)  # init: model name -> checkpoint name
+    report: Any = None  # init: the MatchReport of the names
 
     @property
     def resumed(self) -> bool:
@@ -166,6 +168,21 @@ class RunSession:
         finally:
             self._release()
 
+    def finish(self, result: TrainResult) -> TrainResult:
+        """``result`` with where the run's newest checkpoint is (the last committed, or the
+        one resumed from where none was) and the ``init_from`` match report."""
+        if self.saved:
+            result.checkpoint, result.checkpoint_step = (
+                self.saved[-1]["path"],
+                self.saved[-1]["step"],
+            )
+        elif self.start.resumed and self.start.checkpoint is not None:
+            ck, src = self.start.checkpoint, self.start.source
+            where = ck.location if ck.location is not None else getattr(src, "label", None)
+            result.checkpoint, result.checkpoint_step = str(where), ck.step
+        result.init_report = self.start.report
+        return result
+
     def keep_record(self) -> None:
         """Copy the run's record beside its checkpoints (:mod:`.run_record`); a failure is
         told, not raised: the checkpoints themselves are what a resume needs."""
@@ -191,10 +208,10 @@ class RunSession:
             return self.adopt(src, ck)
         if self.init_from is not None:
             init = cfg.init
-            src, ck, names = run_sources.open_init(
+            src, ck, names, report = run_sources.open_init(
                 self.init_from, self.shapes, self.log, init.rename, init.strip_prefix
             )
-            return Start("init", cfg.seed, src, ck, names=names)
+            return Start("init", cfg.seed, src, ck, names=names, report=report)
         return Start("fresh", cfg.seed)
 
     def adopt(self, src: Source, ck: Checkpoint) -> Start:

@@ -103,7 +103,7 @@ class Trainer:
         with session, session.stop_signals(), blas_threads(self.blas_threads):
             start = session.verify(verify_all)
             params, state = local_checkpoint.load_start(start, self.net, self.optimizer)
-            return self._fit(session, start, params, state)
+            return session.finish(self._fit(session, start, params, state))
 
     @property
     def blas_threads(self) -> int | None:

@@ -45,7 +45,8 @@ def test_fine_tuning_reuses_the_base_layers_under_new_ones(ray_session):
         sys.path.remove(str(ROOT / "examples"))
     out = finetune_digits.main(["--base-steps", "200", "--steps", "150"])
     # fc1 and fc2 (W and b) from the base; fc3 and cls new; the base head out unused
-    assert "(step 200): matched 4, missing 4, unexpected 2, shape-mismatched 0\n" in out["report"]
+    assert out["base_checkpoint"].endswith("/checkpoints/step-200"), out
+    assert out["report"].startswith("matched 4, missing 4, unexpected 2, shape-mismatched 0\n")
     assert "missing (initialised fresh): fc3/W" in out["report"]
     assert "unexpected (ignored): out/W" in out["report"]
     assert out["tuned_accuracy"] >= 0.85, out

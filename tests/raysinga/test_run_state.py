@@ -76,6 +76,11 @@ def test_resume_is_bit_exact(straight, tmp_path):
     train(tmp_path, "train_steps=10")
     res = train(tmp_path, resume=True)
     assert tensors(tmp_path / "checkpoints/step-30") == tensors(sd / "checkpoints/step-30")
+    # the result says where the run's newest checkpoint is
+    assert (res.checkpoint, res.checkpoint_step) == (str(tmp_path / "checkpoints/step-30"), 30)
+    assert res.init_report is None
+    again = train(tmp_path, resume=True)  # nothing left to train: the one resumed from
+    assert (again.checkpoint, again.checkpoint_step) == (res.checkpoint, 30)
     for k in sres.params:
         assert res.params[k].tobytes() == sres.params[k].tobytes(), k
     want = [(r["step"], r["loss"]) for r in sres.history if r["kind"] == "train"]
@@ -143,6 +148,7 @@ def test_init_from_loads_what_matches_and_verifies(straight, tmp_path):
         init_from=str(sd / "checkpoints/step-30"),
     )
     assert any("matched 4, missing 2, unexpected 2" in line for line in lines), lines
+    assert res.init_report.missing == ["head/W", "head/b"]  # the report, as an object
     ck = Checkpoint.open(sd / "checkpoints/step-30")
     np.testing.assert_array_equal(res.params["fc1/W"], ck.array("fc1/W"))
     # a prefix stripped, then renamed: fc1/W -> 1/W -> fc1/W; out/ -> head/
