@@ -50,3 +50,25 @@ def test_fine_tuning_reuses_the_base_layers_under_new_ones(ray_session):
     assert "missing (initialised fresh): fc3/W" in out["report"]
     assert "unexpected (ignored): out/W" in out["report"]
     assert out["tuned_accuracy"] >= 0.85, out
+
+
+@pytest.mark.slow
+def test_the_api_tour_runs_as_docs_api_says(ray_session):
+    """examples/api_tour.py: the result's checkpoint, the registry's key read in another Ray
+    task, and a renamed fine-tune whose report comes with its result."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import api_tour
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    out = api_tour.main(["--steps", "150"])
+    assert out["checkpoint"].endswith("/base/checkpoints/step-150"), out
+    assert set(out["norms"]) == {"fc1/W", "fc1/b", "out/W", "out/b"}
+    assert all(v > 0 for v in out["norms"].values())
+    assert out["report"].perfect and sorted(out["report"].matched) == [
+        "hidden/W",
+        "hidden/b",
+        "out/W",
+        "out/b",
+    ]
+    assert out["accuracy"] >= 0.85 and out["tuned_accuracy"] >= 0.85, out
