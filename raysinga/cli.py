@@ -315,6 +315,51 @@ def _graph(args: argparse.Namespace) -> int:
     return 0
 
 
+def _runs(args: argparse.Namespace) -> int:
+    import json  # noqa: PLC0415
+
+    from . import runs  # noqa: PLC0415
+
+    if not args.registry:
+        if args.drop is not None or args.step is not None:
+            raise ValueError("--drop and --step go with --registry")
+        where = Path(args.dir)
+        if not where.is_dir():
+            raise ValueError(f"{where}: no such directory of runs")
+        rows = runs.local_runs(where)
+        if not rows and not args.json:
+            print(f"no runs with checkpoints under {where}")
+            return 0
+        cols = [("run", "run"), ("checkpoints", "checkpoints"), ("newest_valid", "newest valid")]
+        cols += [("bytes", "size"), ("set_aside", "set aside")]
+        print(json.dumps(rows, indent=2) if args.json else runs.table(rows, cols))
+        return 0
+    if args.step is not None and args.drop is None:
+        raise ValueError("--step goes with --drop")
+    from .actors import cluster  # noqa: PLC0415
+
+    if not cluster.joins_cluster(args.address):
+        raise ValueError(
+            "--registry: no Ray cluster to ask (give --address or RAY_ADDRESS, or run it where "
+            "`ray start` runs); an embedded Ray has no registry"
+        )
+    cluster.connect(args.address)
+    if args.drop is not None:
+        gone = runs.drop(args.drop, args.step)
+        if not gone:
+            raise ValueError(f"--drop {args.drop}: no such entry in the registry")
+        print(f"dropped {args.drop} step(s) {', '.join(map(str, gone))}")
+        return 0
+    rows = runs.registry_entries()
+    if not rows and not args.json:
+        print("the registry holds no checkpoints")
+        return 0
+    cols = [("run", "run key"), ("step", "step"), ("nbytes", "size"), ("in_memory", "in memory")]
+    cols += [("uri", "disk copy")]
+    print(json.dumps(rows, indent=2) if args.json else runs.table(rows, cols))
+    return 0
+
+
 def program() -> None:
     """The ``raysinga`` command: :func:`main` as the process itself, ended with its status."""
     sys.exit(main(own_process=True))
@@ -333,6 +378,7 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
         "plot": _plot,
         "generate": _generate,
         "graph": _graph,
+        "runs": _runs,
     }
     try:
         return commands[args.command](args)

@@ -164,6 +164,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
 
+    r = sub.add_parser(
+        "runs",
+        help="list runs and their checkpoints, or the object-store registry's entries",
+        description="List the runs under DIR (each run directory with checkpoints: how many, "
+        "the newest valid one, their size, what was set aside), or with --registry the "
+        "entries of the cluster's object-store checkpoint registry; --drop removes entries.",
+    )
+    r.add_argument("dir", metavar="DIR", nargs="?", default="runs", help="default: runs")
+    r.add_argument(
+        "--registry",
+        action="store_true",
+        help="the registry of the cluster in --address / RAY_ADDRESS (or run by `ray start` "
+        "here) instead",
+    )
+    r.add_argument("--address", default=None, help="Ray cluster of the registry")
+    r.add_argument(
+        "--drop",
+        metavar="RUN_KEY",
+        default=None,
+        help="with --registry: drop this run's entries (key as listed: NAME@CHECKPOINT_DIR)",
+    )
+    r.add_argument("--step", type=int, default=None, help="with --drop: only this step")
+    r.add_argument("--json", action="store_true", help="machine-readable output")
+
     g = sub.add_parser(
         "graph",
         help="write a job's net structure as JSON and draw it (PNG or SVG)",
