@@ -154,11 +154,12 @@ class RunSession:
 
     def _keep_job(self) -> None:
         """``<run_dir>/job.resolved.yaml``: the job as this run (its latest start) runs it,
-        after ``--set`` and the command line's other changes; part of the run's record."""
+        after ``--set`` and the command line's other changes; part of the run's record.
+        Credentials in its URIs are left out, as in every file and log line of the run."""
         run_dir = Path(self.cfg.run_path)
         run_dir.mkdir(parents=True, exist_ok=True)
         tmp = run_dir / f".{RESOLVED_JOB}.{os.getpid()}"
-        tmp.write_text(yaml.safe_dump(self.cfg.raw, sort_keys=False))
+        tmp.write_text(yaml.safe_dump(storage.redact_all(self.cfg.raw), sort_keys=False))
         os.replace(tmp, run_dir / RESOLVED_JOB)
 
     def __exit__(self, *exc: object) -> None:

@@ -360,7 +360,8 @@ def test_init_from_loads_what_matches(halfway, tmp_path):
     # the job file's init section renames the old head onto the new one
     (tmp_path / "job.yaml").write_text(text + "init: {rename: {out/: head/}}\n")
     lines.clear()
-    cfg = job(tmp_path / "renamed", "train_steps=1", "updater.lr=0.0")
+    more = [f"run_dir={tmp_path / 'renamed'}", "train_steps=1", "updater.lr=0.0"]
+    cfg = config.load(tmp_path / "job.yaml", more)
     res = DistributedTrainer(cfg, init_from=str(src), log=lines.append).fit()
     report = next(line for line in lines if "--init-from" in line)
     assert "matched 6, missing 0, unexpected 0" in report, report
