@@ -57,6 +57,7 @@ class WorkerSpec:
     tag: str
     device: str = "cpu"
     blas_threads: int = 1  # kernels.cpu_threads.compute_threads of the worker's CPUs
+    validation: dict[str, Any] | None = None  # data.validation: held out of the training split
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,14 @@ from typing import Any
 import numpy as np
 
 from raysinga.cursor import DataCursor
-from raysinga.data import BatchPlan, has_split, load_dataset
+from raysinga.data import BatchPlan
+from raysinga.data_split import open_splits
 from raysinga.kernels import to_numpy
 from raysinga.kernels.cpu_memory import retain_freed_memory
 from raysinga.kernels.cpu_threads import blas_threads
 from raysinga.layers import StepContext
 from raysinga.model import ModelSpec, Net
-from raysinga.trainer import evaluate
+from raysinga.trainer import evaluate_splits
 
 from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, stable_copy
 from .device import WorkerDevice
@@ -99,9 +100,8 @@ class Worker(Abortable):
         self.net = Net(ModelSpec.from_dict(spec.model), dtype=spec.dtype)
         self.state = self.net.init_state()
         self.cursor = DataCursor()  # a resumed run's, else from the start
-        data = spec.data
-        self.train = load_dataset(data, split="train")
-        self.test = load_dataset(data, split="test") if has_split(data, "test") else None
+        self.splits = open_splits(spec.data, spec.validation)
+        self.train = self.splits.train
         self.plan = BatchPlan(len(self.train), spec.group_batch, spec.seed, spec.shuffle)
         shapes = self.net.param_shapes()
         self.reader = ParamReader(
@@ -220,7 +220,7 @@ class Worker(Abortable):
 
     @reports_role
     def evaluate(self, batch_size: int, *sources: ShmHandle | np.ndarray) -> dict[str, float]:
-        if self.test is None:
+        if not self.splits.held_out():
             return {}
         params = self.reader.read(sources)
         if self.gpu is not None:
@@ -228,7 +228,7 @@ class Worker(Abortable):
             xp = self.gpu.cp
         else:
             xp = np
-        return evaluate(self.net, params, self.state, self.test, batch_size, xp)
+        return evaluate_splits(self.net, params, self.state, self.splits, batch_size, xp)
 
     @reports_role
     def pid(self) -> int:

@@ -70,7 +70,7 @@ def _check_train(cfg: config_mod.JobConfig, args: argparse.Namespace) -> None:
         _warn("fault.* applies to distributed runs; ignored")
     if cfg.topology is None and args.address:
         _warn("--address applies to distributed runs and this job has no topology; ignored")
-    if cfg.test_freq and not has_split(cfg.data.source, "test"):
+    if cfg.test_freq and not has_split(cfg.data.source, "test") and not cfg.data.validation:
         _warn(
             f"test_freq: data.source (kind {cfg.data.source['kind']}) has no 'test' entry, so "
             "there is no test split and nothing is evaluated"
@@ -180,6 +180,10 @@ def _train(args: argparse.Namespace) -> int:
         print(final_line(cfg.data.source, final["test_bits"]))
     elif final is not None and "test_accuracy" in final:
         print(f"final test accuracy: {final['test_accuracy']:.4f}")
+    if result.best is not None:
+        b = result.best
+        where = redact_text(b["path"])
+        print(f"best checkpoint by {b['metric']} ({b['value']:.4f}): step {b['step']}, {where}")
     return 0
 
 

@@ -16,7 +16,10 @@ from typing import Any
 import yaml
 
 from .actors.topology import Topology, TopologyError
+from .config_checkpoint import CheckpointConfig, checkpoint_section
 from .config_checks import ConfigError, check_sizes, check_source, storable
+from .config_checks import choice as _choice
+from .config_checks import flag as _flag
 from .config_checks import integer as _int
 from .config_checks import mapping as _mapping
 from .config_checks import section as _section
@@ -82,7 +85,7 @@ TOP_KEYS = {
     "data": "source (a data set; its held-out split is the test set) and batch_size",
     "updater": "optimizer name, lr (number or schedule), its options, clip_norm",
     "train_steps": "number of training steps",
-    "test_freq": "evaluate on the test set every N steps (0: only at the end)",
+    "test_freq": "evaluate on the test (and validation) split every N steps (0: only at the end)",
     "disp_freq": "print training metrics every N steps",
     "run_dir": "where metrics.jsonl is written (default: runs/<name>)",
     "tensorboard": "also write the metrics as TensorBoard event files in <run_dir>/tensorboard "
@@ -91,7 +94,8 @@ TOP_KEYS = {
     "checkpoint_after": "no periodic checkpoint before this step (SINGA's checkpoint_after)",
     "checkpoint_frequency": "checkpoint every N steps from checkpoint_after (0: none)",
     "checkpoint_every_seconds": "also checkpoint when this many seconds have passed (0: never)",
-    "checkpoint": "dir (a path or URI), keep_last, keep_every, object_store, compression, final",
+    "checkpoint": "dir (a path or URI), keep_last, keep_every, keep_best, object_store, "
+    "compression, final",
     "init": "rename, strip_prefix: how --init-from's checkpoint names map onto this model",
     "fault": "max_failures, window_s, min_workers, min_groups, grow_check_s, recovery, spares, "
     "replay_steps, replay_mb: how a distributed run recovers from lost roles and nodes",
@@ -114,19 +118,13 @@ FAULT_KEYS = {
     "of each server every half of them, to rebuild a lost server (default 20; 0: restart)",
     "replay_mb": "at most this many MiB of logged gradients per group (default 256)",
 }
-CHECKPOINT_KEYS = {
-    "dir": "where checkpoints go: a path or a pyarrow URI (default: <run_dir>/checkpoints)",
-    "keep_last": "keep the newest N checkpoints (default 3)",
-    "keep_every": "also keep every checkpoint whose step is a multiple of N (default: none)",
-    "object_store": "also put each checkpoint into Ray's object store (default false)",
-    "compression": "null | zstd | lz4 (default null)",
-    "final": "checkpoint at the end and on SIGTERM/Ctrl-C (default true)",
-}
 DATA_KEYS = {
     "source": "a data set, by kind; its held-out split is the test set",
     "batch_size": "the batch of one step (default 64)",
     "shuffle": "a new sample order every epoch (default true)",
     "eval_batch_size": "batch size of evaluation (default 1024)",
+    "validation": "hold out this fraction of the training split (0 < f < 1; rows chosen by a "
+    "fixed seed, or {fraction: f, seed: n}) as the validation split, evaluated as valid_*",
     "scan_bytes": "the data check scans every row of a split up to this many bytes, an even "
     "sample of rows beyond (default 134217728: 128 MiB)",
 }
@@ -141,16 +139,7 @@ class DataConfig:
     shuffle: bool = True
     eval_batch_size: int = 1024
     scan_bytes: int = DEFAULT_SCAN_BYTES
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    dir: str | None = None
-    keep_last: int = 3
-    keep_every: int | None = None
-    object_store: bool = False
-    compression: str | None = None
-    final: bool = True
+    validation: dict[str, Any] | None = None  # {"fraction": f, "seed": n}: held out of "train"
 
 
 @dataclass(frozen=True)
@@ -206,6 +195,14 @@ class JobConfig:
         f, a = self.checkpoint_frequency, self.checkpoint_after
         return bool(f) and step > 0 and step >= a and (step - a) % f == 0
 
+    def evaluation_due(self, step: int) -> bool:
+        """Whether the held-out splits are evaluated once ``step`` steps are done: every
+        ``test_freq`` steps, at the end, and (``checkpoint.keep_best``) at each periodic
+        checkpoint, whose value the retention compares."""
+        if step == self.train_steps or (self.test_freq and step % self.test_freq == 0):
+            return True
+        return bool(self.checkpoint.keep_best) and self.checkpoint_due(step)
+
     def next_checkpoint(self, step: int) -> int | None:
         """The first periodic checkpoint step after ``step``, or None."""
         f, a = self.checkpoint_frequency, self.checkpoint_after
@@ -218,12 +215,6 @@ class JobConfig:
 
 def _optional_int(path: str, v: Any, minimum: int) -> int | None:
     return None if v is None else _int(path, v, minimum)
-
-
-def _choice(path: str, v: Any, allowed: tuple[str, ...]) -> str:
-    if v not in allowed:
-        raise ConfigError(f"{path}: expected one of {', '.join(map(str, allowed))}, got {v!r}")
-    return v
 
 
 def _data(d: Any) -> DataConfig:
@@ -240,31 +231,21 @@ def _data(d: Any) -> DataConfig:
         shuffle=shuffle,
         eval_batch_size=_int("data.eval_batch_size", d.get("eval_batch_size", 1024), 1),
         scan_bytes=_int("data.scan_bytes", d.get("scan_bytes", DEFAULT_SCAN_BYTES), 0),
+        validation=_validation(d.get("validation")),
     )
 
 
-def _checkpoint(d: Any) -> CheckpointConfig:
-    d = _section("checkpoint", d, CHECKPOINT_KEYS)
-    where = d.get("dir")
-    if where is not None and (not isinstance(where, str) or not where):
-        raise ConfigError(f"checkpoint.dir: expected a path or URI, got {where!r}")
-    keep_every = d.get("keep_every")
-    object_store = _flag("checkpoint.object_store", d.get("object_store", False))
-    final = _flag("checkpoint.final", d.get("final", True))
-    return CheckpointConfig(
-        dir=where,
-        keep_last=_int("checkpoint.keep_last", d.get("keep_last", 3), 1),
-        keep_every=None if keep_every is None else _int("checkpoint.keep_every", keep_every, 1),
-        object_store=object_store,
-        compression=_choice("checkpoint.compression", d.get("compression"), (None, "zstd", "lz4")),
-        final=final,
-    )
-
-
-def _flag(path: str, v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise ConfigError(f"{path}: expected true or false, got {v!r}")
-    return v
+def _validation(v: Any) -> dict[str, Any] | None:
+    if v is None:
+        return None
+    d = v if isinstance(v, dict) else {"fraction": v}
+    d = _section("data.validation", d, {"fraction": "", "seed": ""})
+    f = d.get("fraction")
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < 1:
+        raise ConfigError(
+            f"data.validation: expected a fraction of the training split (0 < f < 1), got {f!r}"
+        )
+    return {"fraction": float(f), "seed": _int("data.validation.seed", d.get("seed", 0), 0)}
 
 
 def _fault(d: Any) -> FaultConfig:
@@ -363,6 +344,12 @@ def from_dict(d: Any) -> JobConfig:
             f"topology.workers_per_group ({topology.workers_per_group}): every "
             "worker needs at least one sample"
         )
+    checkpoint = checkpoint_section(d.get("checkpoint"))
+    if checkpoint.best_split == "valid" and data.validation is None:
+        raise ConfigError(
+            f"checkpoint.keep_best: {checkpoint.keep_best} needs a validation split "
+            "(data.validation: a fraction of the training split, e.g. 0.1)"
+        )
     device = _choice("device", d.get("device", "auto"), ("auto", "cpu", "gpu"))
     if device == "gpu" and topology is not None and not topology.worker.gpus:
         raise ConfigError(
@@ -396,7 +383,7 @@ def from_dict(d: Any) -> JobConfig:
         checkpoint_every_seconds=_seconds(
             "checkpoint_every_seconds", d.get("checkpoint_every_seconds", 0)
         ),
-        checkpoint=_checkpoint(d.get("checkpoint")),
+        checkpoint=checkpoint,
         fault=fault,
         init=init_section(d.get("init")),
         raw=copy.deepcopy(d),

@@ -26,6 +26,18 @@ def integer(path: str, v: Any, minimum: int, maximum: int | None = None) -> int:
     return v
 
 
+def flag(path: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{path}: expected true or false, got {v!r}")
+    return v
+
+
+def choice(path: str, v: Any, allowed: tuple[Any, ...]) -> Any:
+    if v not in allowed:
+        raise ConfigError(f"{path}: expected one of {', '.join(map(str, allowed))}, got {v!r}")
+    return v
+
+
 def storable(path: str, v: Any) -> None:
     """The job is stored in every checkpoint (msgpack): refuse at once what could not be stored
     there a run later, such as YAML's dates and integers beyond 64 bits."""

@@ -38,10 +38,15 @@ def render(ev: Event) -> str | None:
             f"lr {ev.lr:.4g}  {ev.samples_per_s:,.0f} samples/s"
         )
     if isinstance(ev, Evaluated):
-        m = ev.metrics
-        acc = f"  test_accuracy {m['test_accuracy']:.4f}" if "test_accuracy" in m else ""
-        bits = f"  ({m['test_bits']:.3f} bits per token)" if "test_bits" in m else ""
-        return f"{step_head(ev.step, ev.total)}  test_loss {m['test_loss']:.4f}{bits}{acc}"
+        m, parts = ev.metrics, []
+        for split in ("valid", "test"):
+            if f"{split}_loss" in m:
+                bits = f"{split}_bits"
+                parts.append(f"{split}_loss {m[f'{split}_loss']:.4f}")
+                parts += [f"({m[bits]:.3f} bits per token)"] if bits in m else []
+                acc = f"{split}_accuracy"
+                parts += [f"{acc} {m[acc]:.4f}"] if acc in m else []
+        return f"{step_head(ev.step, ev.total)}  {'  '.join(parts)}"
     if isinstance(ev, RunStarted):
         return f"raysinga: training {ev.name!r} on {ev.where}"
     if isinstance(ev, CheckpointCommitted):

@@ -68,7 +68,7 @@ class DistributedTrainer:
         self.classes = {**ROLE_CLASSES, **(classes or {})}
         topo = cfg.topology
         self.net = Net(cfg.model, dtype=cfg.dtype)
-        train, _ = open_data(cfg, self.net, self.hub.notice)  # the workers load their own
+        train = open_data(cfg, self.net, self.hub.notice).train  # the workers load their own
         self.data = data_identity.identity(train, cfg.data.batch_size, cfg.data.shuffle)
         if cfg.data.batch_size < topo.workers_per_group:
             raise ValueError(

@@ -72,8 +72,9 @@ class TrainStep(Event):
 
 @dataclass(frozen=True)
 class Evaluated(Event):
-    """The test split was evaluated at ``step``: ``metrics`` holds test_loss (and
-    test_accuracy for classifiers)."""
+    """The held-out splits were evaluated at ``step``: ``metrics`` holds test_loss (and
+    test_accuracy for classifiers, test_bits for language models), and the same as valid_*
+    for the validation split (``data.validation``)."""
 
     step: int
     total: int

@@ -23,7 +23,9 @@ class TrainResult:
     """What a run hands back: the final parameters and state (where gathered), every record of
     ``metrics.jsonl`` in ``history``, the newest checkpoint (``checkpoint``: its path or URI,
     ``checkpoint_step``; ``None`` where the run left none) and, for a run started with
-    ``init_from``, the report of what matched (:class:`~raysinga.checkpoint.MatchReport`)."""
+    ``init_from``, the report of what matched (:class:`~raysinga.checkpoint.MatchReport`).
+    With ``checkpoint.keep_best``, ``best`` is the kept best checkpoint: its step, metric,
+    value and path or URI."""
 
     params: dict[str, np.ndarray]
     state: dict[str, np.ndarray]
@@ -31,6 +33,7 @@ class TrainResult:
     checkpoint: str | None = None
     checkpoint_step: int | None = None
     init_report: Any = None
+    best: dict[str, Any] | None = None
 
     @property
     def final_eval(self) -> dict[str, Any] | None:

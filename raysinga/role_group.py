@@ -140,6 +140,7 @@ class RoleGroup:
             self.tag,
             plan.worker_device,
             compute_threads(topo.worker.cpus),
+            cfg.data.validation,
         )
 
     def describe(self) -> None:

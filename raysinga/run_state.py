@@ -144,22 +144,30 @@ def run_meta(
             "optimizer": optimizer,
             "data": data,
             "history": history,
-            "best": best_eval(history),
+            "best": best_eval(history, cfg.checkpoint.keep_best),
             "config": storage.redact_all(cfg.raw),  # the job, without credentials
         }
     }
 
 
-def best_eval(history: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The best evaluation: highest test accuracy where there is one, else lowest test loss."""
+def best_eval(history: list[dict[str, Any]], metric: str | None = None) -> dict[str, Any] | None:
+    """The best evaluation by ``metric`` (``checkpoint.keep_best``), or without one: the highest
+    test accuracy where every evaluation has one, else the lowest test loss (the validation
+    split's where there is no test split). Ties go to the earliest step."""
     evals = [r for r in history if r.get("kind") == "eval"]
-    if not evals:
+    if metric is None:
+        for name in ("test_accuracy", "test_loss", "valid_accuracy", "valid_loss"):
+            if evals and all(name in r for r in evals):
+                metric = name
+                break
+        else:
+            return None
+    scored = [r for r in evals if metric in r]
+    if not scored:
         return None
-    if all("test_accuracy" in r for r in evals):
-        r = max(evals, key=lambda r: (r["test_accuracy"], -r["step"]))
-        return {"step": r["step"], "metric": "test_accuracy", "value": r["test_accuracy"]}
-    r = min(evals, key=lambda r: (r["test_loss"], r["step"]))
-    return {"step": r["step"], "metric": "test_loss", "value": r["test_loss"]}
+    sign = -1.0 if metric.endswith("_accuracy") else 1.0
+    r = min(scored, key=lambda r: (sign * r[metric], r["step"]))
+    return {"step": r["step"], "metric": metric, "value": r[metric]}
 
 
 # --------------------------------------------------------------------------- reading

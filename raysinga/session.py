@@ -26,7 +26,7 @@ from .checkpoint import Checkpoint, CheckpointError, storage
 from .checkpoint.lock import RunLock
 from .checkpoint.manage import prune
 from .cursor import DataCursor
-from .events import CheckpointCommitted, EventHub
+from .events import CheckpointCommitted, Evaluated, EventHub
 from .metrics import TrainResult
 from .run_record import RESOLVED_JOB
 from .run_sources import Source
@@ -124,6 +124,12 @@ class RunSession:
         self.saved_at: dict[int, tuple[int, ...]] = {}
         self.saved: list[dict[str, Any]] = []  # per commit: step, path, blocked, seconds
         self.adopting: list[Any] = []  # the object-store registry's calls still running
+        # checkpoint.keep_best: its metric's value at each evaluated step, and the steps with
+        # a checkpoint (committed in this run or, before a resume, in its history)
+        self.scores: dict[int, float] = {}
+        self.checkpointed: set[int] = set()
+        if cfg.checkpoint.keep_best:
+            hub.subscribe(self._scored)
         places = [("run_dir", cfg.run_path), ("checkpoint.dir", cfg.checkpoint.dir)]
         for what, where in places:
             if where and in_ray_working_dir_copy(where):
@@ -146,6 +152,8 @@ class RunSession:
             raise CheckpointError(f"checkpoint.dir {self.root} cannot be written: {e}") from None
         try:
             self.start = self._decide()
+            for rec in self.start.info["history"] if self.start.resumed else ():
+                self._score(rec)
             self._keep_job()
         except BaseException:
             self._release()
@@ -182,6 +190,12 @@ class RunSession:
             where = ck.location if ck.location is not None else getattr(src, "label", None)
             result.checkpoint, result.checkpoint_step = str(where), ck.step
         result.init_report = self.start.report
+        best = self.best() if self.cfg.checkpoint.keep_best else None
+        if best is not None:
+            metric = self.cfg.checkpoint.keep_best
+            here = [x["path"] for x in self.saved if x["step"] == best]
+            path = here[-1] if here else str(self.root.join(f"step-{best}"))
+            result.best = {"step": best, "metric": metric, "value": self.scores[best], "path": path}
         return result
 
     def keep_record(self) -> None:
@@ -296,6 +310,28 @@ class RunSession:
         return Preempted(self.stop_signal or signal.SIGTERM, step, path)
 
     # ------------------------------------------------------------------ commits
+    def _scored(self, ev: Any) -> None:
+        if isinstance(ev, Evaluated):
+            self._score(ev.record())
+
+    def _score(self, rec: dict[str, Any]) -> None:
+        """Note a metric record's ``keep_best`` value, or a checkpoint it tells of."""
+        metric = self.cfg.checkpoint.keep_best
+        if rec.get("kind") == "eval" and metric in rec:
+            self.scores[rec["step"]] = rec[metric]
+        elif rec.get("kind") == "checkpoint":
+            self.checkpointed.add(rec["step"])
+
+    def best(self, steps: list[int] | None = None) -> int | None:
+        """The step of the best checkpoint by ``checkpoint.keep_best`` among ``steps`` (those
+        on disk; by default, those this run knows of). Ties go to the earliest step."""
+        there = self.checkpointed | set(self.saved_at) if steps is None else set(steps)
+        scored = [s for s in there if s in self.scores]
+        if not scored:
+            return None
+        sign = -1.0 if self.cfg.checkpoint.best_is_max else 1.0
+        return min(scored, key=lambda s: (sign * self.scores[s], s))
+
     def replaces(self, step: int, steps: tuple[int, ...]) -> bool | None:
         """Whether a checkpoint of ``step`` holding the groups at ``steps`` replaces one
         already committed (True) or is new (False); None when that exact state is saved."""
@@ -318,7 +354,8 @@ class RunSession:
         self.saved.append({"step": step, "path": path, "blocked": blocked_s, "seconds": seconds})
         self.hub.emit(CheckpointCommitted(step, path, blocked_s, seconds, in_background))
         c = self.cfg.checkpoint
-        deleted = prune(self.root, c.keep_last, c.keep_every, lock=False, known_valid=step)
+        best = self.best if c.keep_best else None
+        deleted = prune(self.root, c.keep_last, c.keep_every, False, step, best)
         if c.object_store:
             key = run_registry.key(self.cfg.name, self.root)
             run_registry.keep_in_object_store(key, step, path, deleted, self.adopting)

@@ -116,7 +116,7 @@ class StepRunner:
         if e % cfg.disp_freq == 0 or e == total:
             self.hub.emit(self._train_event(e, time.perf_counter() - self.t_window))
             self.window, self.t_window = [], time.perf_counter()
-        if (cfg.test_freq and e % cfg.test_freq == 0) or e == total:
+        if cfg.evaluation_due(e):
             metrics = get_all([roles.stubs[0].evaluate.remote(cfg.data.eval_batch_size)], "stub", 0)
             if metrics[0]:
                 self.hub.emit(Evaluated(e, total, metrics[0]))

@@ -20,8 +20,9 @@ from . import data_identity, local_checkpoint
 from . import kernels as K
 from .config import JobConfig
 from .console import hub_for
-from .data import BatchPlan, Dataset, has_split, load_dataset
+from .data import BatchPlan, Dataset
 from .data_check import check_splits
+from .data_split import Splits, open_splits
 from .events import Evaluated, RunStarted, Subscriber, TrainStep
 from .finite import NonFiniteLoss
 from .kernels.cpu_threads import blas_threads, compute_threads
@@ -35,9 +36,16 @@ from .session import RunSession, Start, check_start_options
 
 
 def evaluate(
-    net: Net, params: dict, state: dict, data: Dataset, batch_size: int, xp: Any
+    net: Net,
+    params: dict,
+    state: dict,
+    data: Dataset,
+    batch_size: int,
+    xp: Any,
+    split: str = "test",
 ) -> dict[str, float]:
-    """Mean loss and accuracy over a whole data set, in inference mode."""
+    """Mean loss and accuracy over a whole data set, in inference mode, named for ``split``
+    (``test_loss``, ``valid_accuracy``, ...)."""
     total_loss, correct, n = 0.0, 0.0, len(data)
     for start in range(0, n, batch_size):
         idx = np.arange(start, min(start + batch_size, n))
@@ -45,11 +53,21 @@ def evaluate(
         loss, acc = net.evaluate(params, state, net.prepare_input(x, xp), xp.asarray(y))
         total_loss += loss * len(idx)
         correct += (acc or 0.0) * len(idx)
-    out = {"test_loss": total_loss / n}
+    out = {f"{split}_loss": total_loss / n}
     if net.spec.loss in CLASSIFYING:
-        out["test_accuracy"] = correct / n
+        out[f"{split}_accuracy"] = correct / n
     if net.spec.loss == "sequence_cross_entropy":
-        out["test_bits"] = out["test_loss"] / math.log(2)  # per token
+        out[f"{split}_bits"] = out[f"{split}_loss"] / math.log(2)  # per token
+    return out
+
+
+def evaluate_splits(
+    net: Net, params: dict, state: dict, splits: Splits, batch_size: int, xp: Any
+) -> dict[str, float]:
+    """:func:`evaluate` on each held-out split (validation, test), in one mapping."""
+    out: dict[str, float] = {}
+    for name, data in splits.held_out().items():
+        out.update(evaluate(net, params, state, data, batch_size, xp, name))
     return out
 
 
@@ -78,7 +96,8 @@ class Trainer:
         self.device = _resolve_device(cfg.device, self.hub.notice)
         self.xp = K.xp_for(self.device)
         self.net = Net(cfg.model, dtype=cfg.dtype)
-        self.train_data, self.test_data = open_data(cfg, self.net, self.hub.notice)
+        self.splits = open_data(cfg, self.net, self.hub.notice)
+        self.train_data = self.splits.train
         self.plan = BatchPlan(len(self.train_data), cfg.data.batch_size, cfg.seed, cfg.data.shuffle)
         self.optimizer = make_optimizer({k: v for k, v in cfg.updater.items() if k != "clip_norm"})
         self.run_dir = Path(cfg.run_path)
@@ -173,15 +192,9 @@ class Trainer:
                         )
                     )
                     window_loss, window_steps, t0 = 0.0, 0, time.perf_counter()
-                at_test = (cfg.test_freq and done % cfg.test_freq == 0) or done == cfg.train_steps
-                if at_test and self.test_data is not None:
-                    metrics = evaluate(
-                        self.net,
-                        params,
-                        state,
-                        self.test_data,
-                        cfg.data.eval_batch_size,
-                        xp,
+                if cfg.evaluation_due(done) and self.splits.held_out():
+                    metrics = evaluate_splits(
+                        self.net, params, state, self.splits, cfg.data.eval_batch_size, xp
                     )
                     self.hub.emit(Evaluated(done, cfg.train_steps, metrics))
                     t0 = time.perf_counter()  # evaluation time is not training throughput
@@ -210,16 +223,15 @@ def _resolve_device(want: str, notice: Callable[[str], None]) -> str:
     return want
 
 
-def open_data(cfg: JobConfig, net: Net, log: Callable[[str], None]) -> tuple[Dataset, Any]:
-    """The training and test splits, checked against the model and each other before step 0:
-    a mistake in the data is refused now, not after minutes of training (or at the final
-    evaluation). Splits too large to scan whole are sampled, and the log says so."""
+def open_data(cfg: JobConfig, net: Net, log: Callable[[str], None]) -> Splits:
+    """The training, validation and test splits, checked against the model and each other
+    before step 0: a mistake in the data is refused now, not after minutes of training (or at
+    the final evaluation). Splits too large to scan whole are sampled, and the log says so."""
     source = cfg.data.source
-    train = load_dataset(source, split="train")
-    test = load_dataset(source, split="test") if has_split(source, "test") else None
+    splits = open_splits(source, cfg.data.validation)
     notes = check_splits(
-        train,
-        test,
+        splits.train,
+        splits.test,
         input_shape=net.spec.input_shape,
         output_shape=net.output_shape,
         loss=net.spec.loss,
@@ -229,8 +241,29 @@ def open_data(cfg: JobConfig, net: Net, log: Callable[[str], None]) -> tuple[Dat
     )
     for note in notes:
         log(f"raysinga: {note}")
-    _check_fits(net, train)
-    return train, test
+    _check_fits(net, splits.train)
+    _check_best(cfg, net, splits)
+    return splits
+
+
+def _check_best(cfg: JobConfig, net: Net, splits: Splits) -> None:
+    """``checkpoint.keep_best`` names a metric that this model and these splits measure."""
+    best = cfg.checkpoint.keep_best
+    if best is None:
+        return
+    split, _, metric = best.partition("_")
+    if split not in splits.held_out():
+        raise ValueError(
+            f"checkpoint.keep_best: {best} needs a test split; data.source "
+            f"(kind {cfg.data.source.get('kind')}) has none (give it a 'test' entry, or use "
+            "data.validation and valid_" + metric + ")"
+        )
+    measured = {"loss": True, "accuracy": net.spec.loss in CLASSIFYING}
+    measured["bits"] = net.spec.loss == "sequence_cross_entropy"
+    if not measured[metric]:
+        raise ValueError(
+            f"checkpoint.keep_best: {best}: loss {net.spec.loss} has no {metric}; use {split}_loss"
+        )
 
 
 def _check_fits(net: Net, data: Dataset) -> None:

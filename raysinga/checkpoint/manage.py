@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,9 +97,11 @@ def prune(
     keep_every: int | None = None,
     lock: bool = True,
     known_valid: int | None = None,
+    best: Callable[[list[int]], int | None] | None = None,
 ) -> list[int]:
-    """Delete checkpoints beyond the newest ``keep_last``, except every ``keep_every``-th step
-    and the newest valid one; remove leftover temporary directories. Returns deleted steps.
+    """Delete checkpoints beyond the newest ``keep_last``, except every ``keep_every``-th step,
+    the newest valid one and the one ``best`` picks of the steps there (the best by a metric:
+    ``checkpoint.keep_best``); remove leftover temporary directories. Returns deleted steps.
 
     It takes the run's writer lock (a live writer's temporary directory is not leftover);
     ``lock=False`` is for a writer that already holds it. ``known_valid``: a step the caller
@@ -111,11 +114,15 @@ def prune(
     if not storage.exists(root):
         raise CheckpointError(f"{root}: no such run directory")
     with RunLock(root) if lock else contextlib.nullcontext():
-        return _prune(root, keep_last, keep_every, known_valid)
+        return _prune(root, keep_last, keep_every, known_valid, best)
 
 
 def _prune(
-    root: Location, keep_last: int, keep_every: int | None, known_valid: int | None
+    root: Location,
+    keep_last: int,
+    keep_every: int | None,
+    known_valid: int | None,
+    best: Callable[[list[int]], int | None] | None,
 ) -> list[int]:
     # Replaces cut short first (an unfinished step-N may be mid-replace); then the staging
     # directories, while their steps stand (remove_dir keeps one that is its step's only copy).
@@ -127,6 +134,9 @@ def _prune(
     keep = set(all_steps[:keep_last])
     if keep_every:
         keep |= {s for s in all_steps if s % keep_every == 0}
+    chosen = best(all_steps) if best is not None else None
+    if chosen is not None:
+        keep.add(chosen)
     # full: a checkpoint whose bytes are corrupt but sizes right must not count as the valid one
     if known_valid is not None:
         keep.add(known_valid)

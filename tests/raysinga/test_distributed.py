@@ -269,3 +269,30 @@ def test_shared_memory_is_released_after_a_run(ray_session, tmp_path):
     cfg = job(tmp_path, "{workers_per_group: 2}", "name=shmcheck")
     DistributedTrainer(cfg, **QUIET).fit()
     assert glob.glob("/dev/shm/raysinga-shmcheck-*") == []
+
+
+def test_validation_and_the_best_checkpoint_as_in_the_single_process_run(ray_session, tmp_path):
+    """The workers hold out the same validation rows as the single process, evaluate it at
+    each checkpoint, and the driver keeps the same best checkpoint beside the newest."""
+    more = [
+        "train_steps=60",
+        "test_freq=0",
+        "updater.lr=1.5",  # a loss that rises again: the best is not the newest
+        "checkpoint_frequency=10",
+        "data.validation=0.2",
+        "checkpoint={keep_last: 1, keep_best: valid_loss}",
+        "topology={workers_per_group: 1, n_servers: 1}",
+    ]
+    runs = []
+    for name, trainer in (("local", Trainer), ("dist", DistributedTrainer)):
+        cfg = config.load(EXAMPLES / "digits_mlp.yaml", [*more, f"run_dir={tmp_path / name}"])
+        runs.append(trainer(cfg, **QUIET).fit())
+    evals = [[r for r in res.history if r["kind"] == "eval"] for res in runs]
+    assert [r["step"] for r in evals[1]] == list(range(10, 61, 10))
+    assert evals[0] == evals[1]  # bit-exact reference: the same numbers
+    assert runs[0].best["step"] == runs[1].best["step"] != 60
+    kept = [
+        sorted(p.name for p in (tmp_path / n / "checkpoints").glob("step-*"))
+        for n in ("local", "dist")
+    ]
+    assert kept[0] == kept[1] == sorted([f"step-{runs[0].best['step']}", "step-60"])
