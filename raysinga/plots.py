@@ -93,29 +93,37 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
     return written
 
 
+SPLIT_MARKS = {"valid": "^", "test": "o"}  # held-out splits and their markers
+
+
 def loss_figure(plt: Any, records: list[dict[str, Any]]) -> tuple[Any, Any]:
-    """Train and test loss (a log scale where they span more than a decade), test accuracy on
-    a second axis that spans at least ``ACCURACY_SPAN``, and the run's events."""
+    """Train, validation and test loss (a log scale where they span more than a decade), their
+    accuracy on a second axis that spans at least ``ACCURACY_SPAN``, and the run's events."""
     train = [r for r in records if r["kind"] == "train" and "loss" in r]
     evals = [r for r in records if r["kind"] == "eval"]
     fig, ax = plt.subplots(figsize=(9, 5), layout="constrained")
     handles: list[Any] = []
     if train:
         handles += _series(ax, train, "loss", "-", "train loss")
-    tests = [r for r in evals if "test_loss" in r]
-    if tests:
-        handles += _series(ax, tests, "test_loss", "o-", "test loss")
-    losses = [r["loss"] for r in train] + [r["test_loss"] for r in tests]
+    losses = [r["loss"] for r in train]
+    for split, mark in SPLIT_MARKS.items():
+        held = [r for r in evals if f"{split}_loss" in r]
+        if held:
+            handles += _series(ax, held, f"{split}_loss", f"{mark}-", f"{split} loss")
+            losses += [r[f"{split}_loss"] for r in held]
     ax.set_yscale(loss_scale(losses))
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     _mark_events(ax, records)
-    acc = [r for r in evals if "test_accuracy" in r]
-    if acc:
+    accs = {s: [r for r in evals if f"{s}_accuracy" in r] for s in SPLIT_MARKS}
+    if any(accs.values()):
         ax2 = ax.twinx()
-        handles += _series(ax2, acc, "test_accuracy", "s-", "test accuracy", color="tab:purple")
-        ax2.set_ylim(*accuracy_limits([r["test_accuracy"] for r in acc]))
-        ax2.set_ylabel("test accuracy")
+        for (split, acc), color in zip(accs.items(), ("tab:olive", "tab:purple"), strict=True):
+            if acc:
+                name = f"{split}_accuracy"
+                handles += _series(ax2, acc, name, "s-", f"{split} accuracy", color=color)
+        ax2.set_ylim(*accuracy_limits([r[f"{s}_accuracy"] for s in accs for r in accs[s]]))
+        ax2.set_ylabel("accuracy")
     marks = [h for h in ax.get_legend_handles_labels()[0] if h not in handles]
     ax.legend(handles=handles + marks, loc="upper right")
     return fig, ax

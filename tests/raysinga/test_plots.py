@@ -108,3 +108,25 @@ def test_axes_that_show_what_changed():
     (lr_ax,) = [a for a in fig.axes if a is not ax]
     assert lr_ax.get_ylabel() == "learning rate" and lr_ax.get_yscale() == "log"
     plt.close(fig)
+
+
+def test_the_validation_split_is_drawn_beside_the_test_split():
+    import matplotlib.pyplot as plt
+
+    records = [
+        *({"kind": "train", "step": s, "loss": 1.0 / s} for s in range(1, 21)),
+        *(
+            {"kind": "eval", "step": s, "valid_loss": 0.5, "valid_accuracy": 0.8}
+            | ({"test_loss": 0.6, "test_accuracy": 0.7} if s == 20 else {})
+            for s in (10, 20)
+        ),
+    ]
+    fig, ax = loss_figure(plt, records)
+    labels = ax.get_legend_handles_labels()[1]
+    (acc_ax,) = [a for a in fig.axes if a is not ax]
+    labels += acc_ax.get_legend_handles_labels()[1]
+    assert {"train loss", "valid loss", "test loss", "valid accuracy", "test accuracy"} <= set(
+        labels
+    )
+    assert acc_ax.get_ylim() == pytest.approx((0.68, 1.0))  # both splits on the axis
+    plt.close(fig)
