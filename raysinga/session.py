@@ -24,7 +24,7 @@ import yaml
 from . import data_identity, run_record, run_registry, run_sources
 from .checkpoint import Checkpoint, CheckpointError, storage
 from .checkpoint.lock import RunLock
-from .checkpoint.manage import prune
+from .checkpoint.manage import prune, steps
 from .cursor import DataCursor
 from .events import CheckpointCommitted, Evaluated, EventHub
 from .metrics import TrainResult
@@ -124,10 +124,9 @@ class RunSession:
         self.saved_at: dict[int, tuple[int, ...]] = {}
         self.saved: list[dict[str, Any]] = []  # per commit: step, path, blocked, seconds
         self.adopting: list[Any] = []  # the object-store registry's calls still running
-        # checkpoint.keep_best: its metric's value at each evaluated step, and the steps with
-        # a checkpoint (committed in this run or, before a resume, in its history)
+        # checkpoint.keep_best: its metric's value at each evaluated step (of this run and,
+        # before a resume, of its history)
         self.scores: dict[int, float] = {}
-        self.checkpointed: set[int] = set()
         if cfg.checkpoint.keep_best:
             hub.subscribe(self._scored)
         places = [("run_dir", cfg.run_path), ("checkpoint.dir", cfg.checkpoint.dir)]
@@ -190,7 +189,8 @@ class RunSession:
             where = ck.location if ck.location is not None else getattr(src, "label", None)
             result.checkpoint, result.checkpoint_step = str(where), ck.step
         result.init_report = self.start.report
-        best = self.best() if self.cfg.checkpoint.keep_best else None
+        # of those on disk: a run that set keep_best only on its resume pruned some before
+        best = self.best(steps(self.root)) if self.cfg.checkpoint.keep_best else None
         if best is not None:
             metric = self.cfg.checkpoint.keep_best
             here = [x["path"] for x in self.saved if x["step"] == best]
@@ -315,17 +315,14 @@ class RunSession:
             self._score(ev.record())
 
     def _score(self, rec: dict[str, Any]) -> None:
-        """Note a metric record's ``keep_best`` value, or a checkpoint it tells of."""
+        """Note a metric record's ``keep_best`` value."""
         metric = self.cfg.checkpoint.keep_best
         if rec.get("kind") == "eval" and metric in rec:
             self.scores[rec["step"]] = rec[metric]
-        elif rec.get("kind") == "checkpoint":
-            self.checkpointed.add(rec["step"])
 
-    def best(self, steps: list[int] | None = None) -> int | None:
-        """The step of the best checkpoint by ``checkpoint.keep_best`` among ``steps`` (those
-        on disk; by default, those this run knows of). Ties go to the earliest step."""
-        there = self.checkpointed | set(self.saved_at) if steps is None else set(steps)
+    def best(self, there: list[int]) -> int | None:
+        """The step of the best checkpoint by ``checkpoint.keep_best`` among steps ``there``
+        (those on disk). Ties go to the earliest step."""
         scored = [s for s in there if s in self.scores]
         if not scored:
             return None

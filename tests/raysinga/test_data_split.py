@@ -154,3 +154,15 @@ def test_keep_best_by_accuracy_keeps_the_highest(tmp_path):
     assert res.best["value"] == top
     assert res.best["step"] == min(s for s, v in evals.items() if v == top)
     assert res.best["step"] in steps_on_disk(tmp_path / "run")
+
+
+def test_keep_best_set_only_on_a_resume_names_a_checkpoint_that_is_there(tmp_path):
+    # evaluated every 10 steps before, but with only the newest checkpoint kept
+    Trainer(
+        job(tmp_path, "train_steps=50", "test_freq=10", "checkpoint={keep_last: 1}"), log=None
+    ).fit()
+    assert steps_on_disk(tmp_path / "run") == [50]
+    res = Trainer(job(tmp_path), log=None, resume=True).fit()
+    on_disk = steps_on_disk(tmp_path / "run")
+    assert res.best["step"] in on_disk and Path(res.best["path"]).is_dir()
+    assert on_disk == sorted({best_of(res.history, "valid_loss", [50, *range(60, 101, 10)]), 100})
