@@ -21,6 +21,7 @@ from typing import Any
 
 from raysinga.data_arrow import ArrowDataset, ParquetDataset
 from raysinga.data_builtin import SPLITS, TeacherDataset, digits
+from raysinga.data_cache import DEFAULT_BLOCK_BYTES, DEFAULT_CACHE_BYTES, CacheSpec
 from raysinga.data_check import DEFAULT_SCAN_BYTES, DataError, check_splits
 from raysinga.data_order import FEISTEL_THRESHOLD, BatchPlan, FeistelPermutation
 from raysinga.data_sources import ArrayDataset, Dataset, NpyDataset, NpzDataset
@@ -48,12 +49,14 @@ __all__ = [
 
 # kind -> (required keys, optional keys). Files may carry a "test" entry for the held-out split.
 _FILE_COMMON = ("sample_shape", "num_classes", "test")
+# The node's block cache for a path that is a URI (raysinga.data_cache); unused for local files.
+_REMOTE = ("cache_dir", "cache_bytes", "block_bytes")
 _KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "digits": ((), ("test_fraction", "seed", "sample_shape")),
     "npy": (("x", "y"), _FILE_COMMON),
     "npz": (("path",), ("x_key", "y_key", *_FILE_COMMON)),
-    "arrow": (("path",), ("x", "y", "cache_chunks", *_FILE_COMMON)),
-    "parquet": (("path",), ("x", "y", "cache_chunks", *_FILE_COMMON)),
+    "arrow": (("path",), ("x", "y", "cache_chunks", *_REMOTE, *_FILE_COMMON)),
+    "parquet": (("path",), ("x", "y", "cache_chunks", *_REMOTE, *_FILE_COMMON)),
     "teacher": (("n", "dim", "num_classes"), ("seed", "hidden", "noise", "n_test", "sample_shape")),
     "text": ((), ("corpus", "context", "valid_every", "max_chars")),
 }
@@ -104,7 +107,9 @@ def has_split(spec: Mapping[str, Any], split: str) -> bool:
 def load_dataset(spec: Mapping[str, Any], split: str = "train") -> Dataset:
     """Build a data set from a config mapping, e.g. ``{"kind": "npy", "x": path, "y": path}``.
 
-    Kinds: digits, npy, npz (path, x_key, y_key), arrow / parquet (path, x, y), teacher (n, dim,
+    Kinds: digits, npy, npz (path, x_key, y_key), arrow / parquet (path, x, y; a path that is a
+    URI such as ``s3://bucket/key?endpoint_override=...`` is read through the node's block cache:
+    cache_dir, cache_bytes, block_bytes, :mod:`raysinga.data_remote`), teacher (n, dim,
     num_classes, seed, hidden, noise, n_test), text (corpus, context, valid_every, max_chars:
     :mod:`raysinga.data_text`). All but text take an optional sample_shape. For files,
     ``"test": {...}`` holds the keys that differ for the held-out split. The teacher's test split is
@@ -162,4 +167,10 @@ def _open(kind: str, spec: Mapping[str, Any], split: str) -> Dataset:
     cls = ArrowDataset if kind == "arrow" else ParquetDataset
     if "cache_chunks" in s:
         common["cache_chunks"] = int(s["cache_chunks"])
+    if any(k in s for k in _REMOTE):
+        common["cache"] = CacheSpec(
+            s.get("cache_dir"),
+            s.get("cache_bytes", DEFAULT_CACHE_BYTES),
+            s.get("block_bytes", DEFAULT_BLOCK_BYTES),
+        )
     return cls(s["path"], s.get("x", "x"), s.get("y", "y"), **common)

@@ -9,6 +9,7 @@ be decoded, so only ``cache_chunks`` of them are ever held.
 from __future__ import annotations
 
 import os
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -19,14 +20,10 @@ import pyarrow.compute as pc
 import pyarrow.ipc
 import pyarrow.parquet as pq
 
+from raysinga.data_cache import CacheSpec
 from raysinga.data_check import DataError
-from raysinga.data_sources import (
-    Dataset,
-    check_indices,
-    label_kind,
-    open_map,
-    resolve_sample_shape,
-)
+from raysinga.data_remote import Source, ipc_batch_rows, open_source
+from raysinga.data_sources import Dataset, check_indices, label_kind, resolve_sample_shape
 
 
 def _is_list(t: pa.DataType) -> bool:
@@ -232,12 +229,13 @@ class _ChunkedDataset(Dataset):
 
 
 class ArrowDataset(_ChunkedDataset):
-    """Rows of an Arrow IPC *file* (random-access format), memory-mapped.
+    """Rows of an Arrow IPC *file* (random-access format): memory-mapped, or behind a URI.
 
     ``x`` names one column of (nested) fixed-size lists / fixed-shape tensors, or a list of scalar
     numeric columns (gathered into a vector per row); ``y`` names the label or target column.
-    Uncompressed files are read zero-copy; compressed record batches are decompressed on first use
-    and the last ``cache_chunks`` kept.
+    Uncompressed local files are read zero-copy; compressed record batches are decompressed on
+    first use and the last ``cache_chunks`` kept. A file behind a URI (:mod:`.data_remote`) is
+    read through the node's block cache ``cache``, only the x and y columns of a batch.
     """
 
     def __init__(
@@ -248,21 +246,40 @@ class ArrowDataset(_ChunkedDataset):
         sample_shape: tuple[int, ...] | None = None,
         num_classes: int | None = None,
         cache_chunks: int = 8,
+        cache: CacheSpec | None = None,
     ) -> None:
-        self._args = (os.fspath(path), x, y, sample_shape, num_classes, cache_chunks)
-        mapped = open_map(path)
+        self._args = (os.fspath(path), x, y, sample_shape, num_classes, cache_chunks, cache)
+        src = open_source(path, cache)
         try:
-            self._reader = pa.ipc.open_file(mapped)
-            count = self._reader.num_record_batches
-            lengths = [self._reader.get_batch(i).num_rows for i in range(count)]
-        except (pa.ArrowInvalid, OSError) as e:
+            self._reader = pa.ipc.open_file(src.file)
+            lengths = self._lengths(src, x, y)
+        except (pa.ArrowInvalid, OSError, ValueError, struct.error) as e:
+            if isinstance(e, DataError):
+                raise
             raise DataError(
                 f"is not an Arrow IPC file ({e}); write one with pyarrow.ipc.new_file "
                 "(the random-access format, not a stream)",
-                file=os.fspath(path),
+                file=src.name,
             ) from None
         names = self._reader.schema.names
-        self._setup(os.fspath(path), lengths, names, x, y, sample_shape, num_classes, cache_chunks)
+        self._setup(src.name, lengths, names, x, y, sample_shape, num_classes, cache_chunks)
+
+    def _lengths(self, src: Source, x: str | Sequence[str], y: str) -> list[int]:
+        """Rows per record batch. A mapped file's batches cost nothing to open; a remote one's
+        headers are read alone, and its reader reopened to read only the needed columns."""
+        count = self._reader.num_record_batches
+        if src.remote is None:
+            return [self._reader.get_batch(i).num_rows for i in range(count)]
+        lengths = ipc_batch_rows(src.remote)
+        if len(lengths) != count:
+            raise ValueError(f"{len(lengths)} batch headers for {count} record batches")
+        names = self._reader.schema.names
+        wanted = {*([x] if isinstance(x, str) else x), y}
+        fields = [i for i, n in enumerate(names) if n in wanted]
+        if fields:  # none: _setup names the missing columns
+            options = pa.ipc.IpcReadOptions(included_fields=fields)
+            self._reader = pa.ipc.open_file(src.file, options=options)
+        return lengths
 
     def __reduce__(self) -> tuple[type, tuple]:
         return ArrowDataset, self._args  # reopen the file rather than pickle the mapped data
@@ -278,7 +295,8 @@ class ParquetDataset(_ChunkedDataset):
     Only the row groups holding requested indices are decoded, and at most ``cache_chunks`` are
     kept, so memory stays at a few row groups whatever the file size. A shuffled batch touches many
     row groups and each touch is a decode, so write such files with small row groups
-    (``row_group_size``); for fast random access prefer .npy or Arrow IPC files.
+    (``row_group_size``); for fast random access prefer .npy or Arrow IPC files. A file behind
+    a URI (:mod:`.data_remote`) is read by byte range through the node's block cache ``cache``.
     """
 
     def __init__(
@@ -289,17 +307,18 @@ class ParquetDataset(_ChunkedDataset):
         sample_shape: tuple[int, ...] | None = None,
         num_classes: int | None = None,
         cache_chunks: int = 4,
+        cache: CacheSpec | None = None,
     ) -> None:
-        self._args = (os.fspath(path), x, y, sample_shape, num_classes, cache_chunks)
-        mapped = open_map(path)  # outside the try: a missing file is no corrupt Parquet file
+        self._args = (os.fspath(path), x, y, sample_shape, num_classes, cache_chunks, cache)
+        src = open_source(path, cache)  # outside the try: a missing file is no corrupt Parquet file
         try:
-            self._file = pq.ParquetFile(mapped)
+            self._file = pq.ParquetFile(src.file)
         except (pa.ArrowInvalid, OSError) as e:
-            raise DataError(f"is not a Parquet file ({e})", file=os.fspath(path)) from None
+            raise DataError(f"is not a Parquet file ({e})", file=src.name) from None
         meta = self._file.metadata
         lengths = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
         names = self._file.schema_arrow.names
-        self._setup(os.fspath(path), lengths, names, x, y, sample_shape, num_classes, cache_chunks)
+        self._setup(src.name, lengths, names, x, y, sample_shape, num_classes, cache_chunks)
 
     def __reduce__(self) -> tuple[type, tuple]:
         return ParquetDataset, self._args

@@ -6,6 +6,15 @@ batch size, whether the order is shuffled, the number of samples and the seed. R
 of these changed, the same step would silently train on other samples, so a resume refuses it and
 says which key changed. The contents are checked too, by a digest of a few rows spread over the
 training split (cheap at any size; it catches a replaced file, not an edit of one row).
+
+A file behind a URI (``s3://...``, :mod:`raysinga.data_remote`) gets the same digest of the same
+rows, read through the node's block cache: a few ranged reads, of blocks training reads anyway.
+It names the contents, not the object: a run started on a local file resumes on its copy in
+object storage, and an object uploaded again with the same bytes is no change. Size and
+modification time would refuse both, and a hash of the footer would miss a rewrite of an Arrow
+IPC file with other values in the same layout (its footer holds only the schema and offsets).
+That the blocks read are the object's current ones, not a cached former version, is the
+cache's part: it is keyed by the object's size and version (ETag, Last-Modified).
 """
 
 from __future__ import annotations

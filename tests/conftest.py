@@ -161,6 +161,69 @@ def two_node_cluster():
         yield c
 
 
+S3_BUCKET = "raysinga-test"
+S3_KEYS = {"access_key": "testing", "secret_key": "testing"}
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """(filesystem, port): an S3FileSystem talking to a real S3 server (moto's server mode) on
+    127.0.0.1, with bucket ``S3_BUCKET``. Its requests are counted with :func:`s3_requests`."""
+    pafs = pytest.importorskip("pyarrow.fs")
+    server_mod = pytest.importorskip("moto.server")
+    import logging  # noqa: PLC0415
+
+    saved = {k: os.environ.get(k) for k in ("AWS_EC2_METADATA_DISABLED", "NO_PROXY", "no_proxy")}
+    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+    os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1"
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        _, port = server.get_host_and_port()
+        opts = dict(
+            endpoint_override=f"127.0.0.1:{port}", scheme="http", region="us-east-1", **S3_KEYS
+        )
+        pafs.S3FileSystem(allow_bucket_creation=True, **opts).create_dir(S3_BUCKET)
+        yield pafs.S3FileSystem(**opts), port
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def s3_requests():
+    """The requests the moto server answers meanwhile, as ``(method, path)``: read off the
+    request lines its HTTP server logs, so a request is counted where it arrives."""
+    import logging  # noqa: PLC0415
+    import re  # noqa: PLC0415
+
+    seen: list[tuple[str, str]] = []
+    line = re.compile(r'"(?:\x1b\[[0-9;]*m)*([A-Z]+) (\S+) HTTP')
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            m = line.search(record.getMessage())
+            if m:
+                seen.append((m.group(1), m.group(2)))
+
+    log = logging.getLogger("werkzeug")
+    handler, level, propagate = Collect(), log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        yield seen
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
+
+
 def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
     """The scalars of a run's TensorBoard event files by tag, as TensorBoard itself reads them."""
     from tensorboard.backend.event_processing.event_accumulator import (  # noqa: PLC0415

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -18,15 +17,13 @@ import time
 
 import numpy as np
 import pytest
-from conftest import TINY_JOB
+from conftest import S3_BUCKET, S3_KEYS, TINY_JOB
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 pytest.importorskip("moto.server")
 pafs = pytest.importorskip("pyarrow.fs")
-
-from moto.server import ThreadedMotoServer  # noqa: E402
 
 from raysinga.checkpoint import (  # noqa: E402
     Checkpoint,
@@ -49,33 +46,7 @@ from raysinga.checkpoint.lock import LEASE_S  # noqa: E402
 from raysinga.checkpoint.manage import recover  # noqa: E402
 from raysinga.checkpoint.storage import Location  # noqa: E402
 
-BUCKET = "raysinga-test"
-KEYS = {"access_key": "testing", "secret_key": "testing"}
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """(filesystem, port): an S3FileSystem talking to a moto server on 127.0.0.1."""
-    saved = {k: os.environ.get(k) for k in ("AWS_EC2_METADATA_DISABLED", "NO_PROXY", "no_proxy")}
-    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
-    os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1"
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        _, port = server.get_host_and_port()
-        opts = dict(
-            endpoint_override=f"127.0.0.1:{port}", scheme="http", region="us-east-1", **KEYS
-        )
-        pafs.S3FileSystem(allow_bucket_creation=True, **opts).create_dir(BUCKET)
-        yield pafs.S3FileSystem(**opts), port
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+BUCKET, KEYS = S3_BUCKET, S3_KEYS
 
 
 _runs = itertools.count()
