@@ -8,6 +8,8 @@ Everything a trainer or worker needs is importable from here::
 
 Before step 0 a trainer runs ``check_splits(train, test, ...)``: both splits against the model
 (shapes, labels, finite values), so a data mistake is one line naming the file, not a lost run.
+A Ray Data ``Dataset`` becomes a source through ``from_ray_dataset(ds, path)``, which writes it
+once, in order, as an Arrow IPC file and returns the spec that reads it.
 
 A worker never receives data from the driver: from the data set spec, the seed and the global step
 it computes its own sub-batch, which is what makes a resumed run see exactly the same samples.
@@ -24,6 +26,7 @@ from raysinga.data_builtin import SPLITS, TeacherDataset, digits
 from raysinga.data_cache import DEFAULT_BLOCK_BYTES, DEFAULT_CACHE_BYTES, CacheSpec
 from raysinga.data_check import DEFAULT_SCAN_BYTES, DataError, check_splits
 from raysinga.data_order import FEISTEL_THRESHOLD, BatchPlan, FeistelPermutation
+from raysinga.data_ray import from_ray_dataset
 from raysinga.data_sources import ArrayDataset, Dataset, NpyDataset, NpzDataset
 from raysinga.data_text import TextDataset, open_split
 
@@ -43,6 +46,7 @@ __all__ = [
     "TextDataset",
     "check_splits",
     "digits",
+    "from_ray_dataset",
     "has_split",
     "load_dataset",
 ]

@@ -300,3 +300,118 @@ def test_training_from_s3_is_bit_identical_to_the_local_file(s3, tmp_path, kind)
     for where, text in texts.items():
         for s in (SECRET_KEY, SECRET, SECRET.replace("+", "%2B").replace("/", "%2F")):
             assert s not in text, f"{s!r} in {where}"
+
+
+# ------------------------------------------------------------------------- Ray Data sources
+
+
+def _ray_items(n: int, scale: float = 1.0) -> list[dict]:
+    return [{"x": np.full((2, 3), i * scale, np.float32), "y": i % 4, "id": i} for i in range(n)]
+
+
+def _slow_first_blocks(ray_data, items: list[dict], blocks: int):
+    """A Dataset whose earlier blocks take longer: unordered, its rows would come out of order."""
+
+    def delay(batch):
+        import time  # noqa: PLC0415 - runs in a Ray task
+
+        time.sleep(0.4 * (blocks - 1 - int(batch["id"][0]) * blocks // len(items)))
+        return batch
+
+    ds = ray_data.from_items(items, override_num_blocks=blocks)
+    return ds.map_batches(delay, batch_size=None)
+
+
+def test_a_ray_dataset_is_written_in_its_order_and_read_as_a_source(ray_session, tmp_path):
+    from raysinga.data import from_ray_dataset  # noqa: PLC0415
+
+    ray_data = pytest.importorskip("ray.data")
+    items = _ray_items(80)
+    ds = _slow_first_blocks(ray_data, items, blocks=4)
+    path = tmp_path / "sets" / "train.arrow"
+    test = ray_data.from_items(_ray_items(12, scale=-1.0))
+    spec = from_ray_dataset(
+        ds, path, test=test, test_path=tmp_path / "test.arrow", rows_per_batch=16
+    )
+    assert spec == {
+        "kind": "arrow",
+        "path": str(path),
+        "x": "x",
+        "y": "y",
+        "test": {"path": str(tmp_path / "test.arrow")},
+    }
+    train = load_dataset(spec)
+    assert len(train) == 80 and train.sample_shape == (2, 3)
+    x, y = train.get(np.arange(80))
+    _same(x, np.stack([it["x"] for it in items]))
+    _same(y, np.arange(80, dtype=np.int64) % 4)
+    with pa.memory_map(str(path)) as f:
+        reader = pa.ipc.open_file(f)
+        assert [reader.get_batch(i).num_rows for i in range(reader.num_record_batches)] == [16] * 5
+        assert reader.schema.names == ["x", "y"]  # only the columns asked for
+    xt, _ = load_dataset(spec, "test").get(np.arange(12))
+    _same(xt, np.stack([it["x"] for it in _ray_items(12, scale=-1.0)]))
+    assert ds.context.execution_options.preserve_order is False  # left as it was
+
+    # Written again from the same rows: the same bytes, so the file in place is kept.
+    before = path.stat()
+    assert from_ray_dataset(_slow_first_blocks(ray_data, items, 4), path, rows_per_batch=16) == {
+        k: v for k, v in spec.items() if k != "test"
+    }
+    after = path.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    # Other rows replace it.
+    from_ray_dataset(ray_data.from_items(_ray_items(80, scale=2.0)), path, rows_per_batch=16)
+    _same(load_dataset(spec).get(np.arange(80))[0], 2 * x)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["train.arrow"]
+
+
+def test_a_ray_dataset_written_to_s3_is_read_back_through_the_cache(ray_session, s3, tmp_path):
+    from raysinga.data import from_ray_dataset  # noqa: PLC0415
+
+    ray_data = pytest.importorskip("ray.data")
+    fs, port = s3
+    uri = _uri(port, "ray/train.arrow", secret=True)
+    spec = from_ray_dataset(ray_data.from_items(_ray_items(40)), uri, rows_per_batch=8)
+    assert spec["path"] == uri
+    listed = fs.get_file_info(pafs_selector(f"{S3_BUCKET}/ray"))
+    assert [i.base_name for i in listed] == ["train.arrow"]  # the temporary object is gone
+    ds = load_dataset({**spec, "cache_dir": str(tmp_path / "cache")})
+    _same(ds.get(np.arange(40))[0], np.stack([it["x"] for it in _ray_items(40)]))
+
+
+def pafs_selector(path: str):
+    import pyarrow.fs as pafs  # noqa: PLC0415
+
+    return pafs.FileSelector(path)
+
+
+def test_a_ray_dataset_that_cannot_be_written_leaves_no_file(ray_session, tmp_path):
+    from raysinga.data import from_ray_dataset  # noqa: PLC0415
+
+    ray_data = pytest.importorskip("ray.data")
+    path = tmp_path / "train.arrow"
+    items = _ray_items(10)
+    with pytest.raises(DataError, match=r"no column\(s\) \['label'\]; it holds \['id', 'x', 'y'\]"):
+        from_ray_dataset(ray_data.from_items(items), path, y="label")
+    words = [{"x": float(i), "y": f"class-{i}"} for i in range(6)]
+    with pytest.raises(DataError, match="column 'y' of the Ray Dataset holds object values"):
+        from_ray_dataset(ray_data.from_items(words), path)
+    with pytest.raises(DataError, match="has no rows"):
+        from_ray_dataset(ray_data.from_items(items).filter(lambda r: False), path)
+
+    def fail(batch):
+        if int(batch["id"][0]) >= 5:
+            raise RuntimeError("the pipeline broke")
+        return batch
+
+    broken = ray_data.from_items(items, override_num_blocks=2).map_batches(fail, batch_size=None)
+    with pytest.raises(Exception, match="the pipeline broke"):
+        from_ray_dataset(broken, path, rows_per_batch=2)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(TypeError, match="expected a ray.data.Dataset, got list"):
+        from_ray_dataset(items, path)
+    with pytest.raises(ValueError, match="test and test_path go together"):
+        from_ray_dataset(ray_data.from_items(items), path, test=ray_data.from_items(items))
+    with pytest.raises(ValueError, match="rows_per_batch must be a positive integer"):
+        from_ray_dataset(ray_data.from_items(items), path, rows_per_batch=0)
