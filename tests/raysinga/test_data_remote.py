@@ -96,6 +96,13 @@ def test_rows_by_index_equal_the_local_files_also_after_pickling(s3, tmp_path, k
     again = pickle.loads(pickle.dumps(remote))
     for a, b in zip(again.get(idx[::-1]), local.get(idx[::-1]), strict=True):
         _same(a, b)
+    # A file:// URI is a local file: memory-mapped, nothing cached.
+    as_uri = load_dataset({**remote_spec, "path": f"file://{local_spec['path']}"})
+    for a, b in zip(as_uri.get(idx), local.get(idx), strict=True):
+        _same(a, b)
+    before = _blocks(tmp_path / "cache")
+    load_dataset({**remote_spec, "path": f"file://{local_spec['path']}"}).get(idx)
+    assert _blocks(tmp_path / "cache") == before
 
 
 @pytest.mark.parametrize("kind", ["arrow", "parquet"])
