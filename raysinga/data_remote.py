@@ -19,6 +19,7 @@ import io
 import os
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -127,6 +128,10 @@ class RemoteFile(io.RawIOBase):
         if len(self._memory) > MEMORY_BLOCKS:
             self._memory.popitem(last=False)
         return data
+
+    def cached(self, name: str, length: int, compute: Callable[[], bytes]) -> bytes:
+        """A ``length``-byte entry of this object's own (``name`` after its key) in the cache."""
+        return self._cache.get(f"{self.key}-{name}.blk", length, compute)
 
     def _fetch(self, offset: int, n: int) -> bytes:
         self.fetches += 1
@@ -246,6 +251,6 @@ def ipc_batch_rows(remote: RemoteFile) -> list[int]:
             headers = pool.map(lambda b: remote.read_uncached(*b), blocks)
             return np.array([_batch_length(h) for h in headers], dtype="<i8").tobytes()
 
-    name = f"{remote.key}-rows.blk"  # evicted like a block; recomputed when gone
-    rows = remote._cache.get(name, 8 * len(blocks), compute) if blocks else b""
+    # kept like a block (and evicted like one: recomputed when gone)
+    rows = remote.cached("rows", 8 * len(blocks), compute) if blocks else b""
     return [int(n) for n in np.frombuffer(rows, dtype="<i8")]
