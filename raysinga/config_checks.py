@@ -88,6 +88,23 @@ _SOURCE_INTS = {
 _SOURCE_TEXT = ("x", "y", "path", "x_key", "y_key")
 
 
+def _check_cache(where: str, spec: dict[str, Any]) -> None:
+    """The block cache keys of a remote file (cache_dir, cache_bytes, block_bytes), as the
+    worker will build them, so that a bad value fails before Ray starts."""
+    from .data_cache import DEFAULT_BLOCK_BYTES, DEFAULT_CACHE_BYTES, CacheSpec  # noqa: PLC0415
+
+    if not any(k in spec for k in ("cache_dir", "cache_bytes", "block_bytes")):
+        return
+    try:
+        CacheSpec(
+            spec.get("cache_dir"),
+            spec.get("cache_bytes", DEFAULT_CACHE_BYTES),
+            spec.get("block_bytes", DEFAULT_BLOCK_BYTES),
+        )
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
 def check_source(spec: dict[str, Any]) -> dict[str, Any]:
     """A data set spec's kind, keys and value types, checked without opening any file (on a
     cluster the files may live only on the workers' nodes)."""
@@ -126,6 +143,8 @@ def check_source(spec: dict[str, Any]) -> dict[str, Any]:
         f = spec["test_fraction"]
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < 1:
             raise ConfigError(f"data.source.test_fraction: expected a number in (0, 1), got {f!r}")
+    for where, part in (("data.source", spec), ("data.source.test", spec.get("test") or {})):
+        _check_cache(where, {**spec, **part})
     if kind == "teacher":
         noise = spec.get("noise", 0.0)
         if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise <= 1:

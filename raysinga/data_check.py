@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from raysinga.checkpoint.storage import redact
+
 if TYPE_CHECKING:
     from raysinga.data_sources import Dataset
 
@@ -92,15 +94,17 @@ def _locate(source: Mapping[str, Any] | None, split: str) -> tuple[_Where, _Wher
     if split == "test" and isinstance(spec.get("test"), Mapping):
         spec = {**spec, **spec["test"]}
     if kind == "npy":
-        return _Where(split, str(spec["x"]), "x array"), _Where(split, str(spec["y"]), "y array")
+        return _Where(split, redact(str(spec["x"])), "x array"), _Where(
+            split, redact(str(spec["y"])), "y array"
+        )
     if kind == "npz":
-        file = str(spec["path"])
+        file = redact(str(spec["path"]))
         return (
             _Where(split, file, f"key {spec.get('x_key', 'x')!r}"),
             _Where(split, file, f"key {spec.get('y_key', 'y')!r}"),
         )
     if kind in ("arrow", "parquet"):
-        file, x = str(spec["path"]), spec.get("x", "x")
+        file, x = redact(str(spec["path"])), spec.get("x", "x")
         cols = (x,) if isinstance(x, str) else tuple(x)
         xkey = f"column {cols[0]!r}" if len(cols) == 1 else f"columns {list(cols)}"
         ykey = f"column {spec.get('y', 'y')!r}"

@@ -191,6 +191,16 @@ EDITS = {  # id -> (edits to the tiny job, extra arguments, what the error line 
     "short betas": ({"updater": {"name": "adam", "lr": 0.1, "betas": [0.9]}}, [], ["betas"]),
     "digits seed as text": ({"data.source.seed": "x"}, [], ["data.source.seed"]),
     "test_fraction above 1": ({"data.source.test_fraction": 1.5}, [], ["data.source"]),
+    "cache size as text": (
+        {"data.source": {"kind": "arrow", "path": "s3://b/k", "cache_bytes": "4GiB"}},
+        [],
+        ["data.source", "cache_bytes", "4GiB"],
+    ),
+    "tiny cache block": (
+        {"data.source": {"kind": "parquet", "path": "s3://b/k", "test": {"block_bytes": 16}}},
+        [],
+        ["data.source.test", "block_bytes"],
+    ),
     "negative sample_shape": ({"data.source.sample_shape": [8, -8]}, [], ["data.source"]),
     "unknown loss": ({"model.loss": "hinge"}, [], ["model.loss"]),
     "fractional input_shape": ({"model.input_shape": [64.0]}, [], ["model.input_shape"]),

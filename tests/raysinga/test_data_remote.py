@@ -243,6 +243,19 @@ def test_bad_uris_and_missing_objects_are_named_without_credentials(s3, tmp_path
     error({**remote_spec, "cache_dir": str(blocked / "sub")}, DataError, "cache_dir.*writable")
 
 
+def test_a_data_check_failure_names_the_uri_without_credentials(s3, tmp_path):
+    fs, port = s3
+    local = _write_tmp(tmp_path)  # 16 features, where the job's model takes 64
+    _upload(fs, local, "narrow/train.parquet")
+    source = {"kind": "parquet", "path": _uri(port, "narrow/train.parquet", secret=True)}
+    with pytest.raises(DataError, match=r"narrow/train\.parquet") as e:
+        _train(tmp_path / "narrow", {**source, "cache_dir": str(tmp_path / "cache")}, [])
+    text = str(e.value)
+    assert "16" in text and "64" in text, text
+    for s in (SECRET_KEY, SECRET, SECRET.replace("+", "%2B").replace("/", "%2F")):
+        assert s not in text, text
+
+
 def _write_tmp(tmp_path):
     path = tmp_path / "tiny.parquet"
     _write("parquet", path, *_xy(20))
