@@ -322,6 +322,43 @@ def test_training_from_s3_is_bit_identical_to_the_local_file(s3, tmp_path, kind)
             assert s not in text, f"{s!r} in {where}"
 
 
+def test_a_distributed_run_reads_s3_in_each_worker_as_it_reads_the_local_file(
+    s3, tmp_path, ray_session
+):
+    from raysinga.distributed import DistributedTrainer  # noqa: PLC0415
+
+    fs, port = s3
+    paths = {}
+    for split in ("train", "test"):
+        ds = digits(split)
+        local = tmp_path / f"{split}.arrow"
+        _write("arrow", local, *ds.get(np.arange(len(ds))), rows_per_chunk=97)
+        _upload(fs, local, f"dist/{split}")
+        paths[split] = (str(local), _uri(port, f"dist/{split}", secret=True))
+    cache = {"cache_dir": str(tmp_path / "cache"), "block_bytes": 16 * KIB}
+    topology = "topology={workers_per_group: 2, n_servers: 2, slice_bytes: 4096}"
+    results = []
+    for i, extra in enumerate(({}, cache)):
+        source = {"kind": "arrow", "path": paths["train"][i], "test": {"path": paths["test"][i]}}
+        source.update(extra)
+        d = tmp_path / f"run{i}"
+        job = tmp_path / f"run{i}.yaml"
+        job.write_text(JOB.format(name=f"run{i}", source=json.dumps(source)))
+        cfg = config.load(job, [f"run_dir={d}", topology])
+        results.append(DistributedTrainer(cfg, log=lambda line: None).fit())
+    got, want = results[1], results[0]
+    for name in want.params:
+        _same(got.params[name], want.params[name])
+    evals = [[r for r in res.history if r.get("kind") == "eval"] for res in (got, want)]
+    assert len(evals[0]) == 2 and evals[0] == evals[1]
+    assert _blocks(tmp_path / "cache"), "the workers read through the node's block cache"
+    for f in (tmp_path / "run1").rglob("*"):
+        if f.is_file():
+            text = f.read_bytes().decode("latin-1")
+            for secret in (SECRET_KEY, SECRET, SECRET.replace("+", "%2B").replace("/", "%2F")):
+                assert secret not in text, f
+
+
 # ------------------------------------------------------------------------- Ray Data sources
 
 
