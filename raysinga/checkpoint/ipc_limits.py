@@ -46,6 +46,21 @@ def _vector(buf: memoryview, table: int, i: int) -> tuple[int, int]:
     return at + 4, _read(buf, "I", at)
 
 
+def footer_blocks(data: Any) -> tuple[int, int, int]:
+    """Where the footer of the Arrow IPC file ``data`` starts, where its record-batch blocks
+    (``Block``: offset int64, metaDataLength int32, 4 bytes of padding, bodyLength int64) start,
+    and how many there are. ValueError if the file lists dictionary batches (a shard has none)."""
+    buf = memoryview(data).cast("B")
+    if bytes(buf[:6]) != b"ARROW1" or bytes(buf[-6:]) != b"ARROW1":
+        raise ValueError("no Arrow file magic")
+    start = len(buf) - 10 - _read(buf, "i", len(buf) - 10)
+    footer = start + _read(buf, "I", start)
+    if _vector(buf, footer, 2)[1]:
+        raise ValueError("dictionary batches")
+    blocks, n = _vector(buf, footer, 3)
+    return start, blocks, n
+
+
 def decompressed_limit(info: TensorInfo) -> int:
     """The most the record of ``info`` may decompress to: its data, plus a generous bound on
     the other columns (Arrow's writer takes about 70 bytes besides the strings and the shape)."""
@@ -58,13 +73,7 @@ def decompressed_sizes(data: Any) -> list[int]:
     allocate to decompress it: 0 for an uncompressed batch. ValueError if the file is not laid
     out as Arrow reads it, or lists dictionary batches (a shard has none)."""
     buf = memoryview(data).cast("B")
-    if bytes(buf[:6]) != b"ARROW1" or bytes(buf[-6:]) != b"ARROW1":
-        raise ValueError("no Arrow file magic")
-    footer = len(buf) - 10 - _read(buf, "i", len(buf) - 10)
-    footer += _read(buf, "I", footer)
-    if _vector(buf, footer, 2)[1]:
-        raise ValueError("dictionary batches")
-    blocks, n = _vector(buf, footer, 3)
+    _, blocks, n = footer_blocks(buf)
     out = []
     for k in range(n):  # Block: offset (int64), metaDataLength (int32, 4 pad), bodyLength
         at, meta_len = _read(buf, "q", blocks + 24 * k), _read(buf, "i", blocks + 24 * k + 8)

@@ -33,6 +33,7 @@ from .format import (
     TensorInfo,
     as_array,
 )
+from .ipc_compress import MixedWriter
 from .manifest import seal
 from .placement import commit_dir, staging_dir
 from .sink import BLOCK, ShardSink, address
@@ -107,28 +108,32 @@ def write_shard(
         raise ValueError("a shard image holds uncompressed tensors only")
     tmp = storage.resolve(tmp)
     loc = tmp.join(f"shard-{shard}.arrow")
-    opts = pa.ipc.IpcWriteOptions(compression=compression)
     infos: list[TensorInfo] = []
     hashes: list[Future[str]] = []
     with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool, _writing(loc):
         sink = ShardSink(loc, None if image is None else image.buf)
         try:
-            with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), SCHEMA, options=opts) as w:
-                for info, a in tensors:
-                    arr = as_array(a)
-                    info = _checked(info, arr, shard)
-                    flat = memoryview(arr.reshape(-1).view("uint8"))
-                    # hashed in the file's pass where Arrow writes the bytes as they are,
-                    # else here, beside Arrow's write
-                    span = sink.expect(flat) if compression is None else None
-                    own = None if span is not None else pool.submit(xxhash.xxh3_64_hexdigest, flat)
-                    w.write_batch(_record_batch(info, arr))
-                    infos.append(info)
-                    if sink.took(span):
-                        hashes.append(span.done)
-                    else:  # the caller may reuse ``a`` once we move on: hashed by then
-                        hashes.append(own or pool.submit(xxhash.xxh3_64_hexdigest, flat))
-                        hashes[-1].result()
+            if compression is None:
+                w: Any = pa.ipc.new_file(pa.PythonFile(sink, mode="w"), SCHEMA)
+            else:  # each record batch compressed only where that makes it smaller
+                tensors = list(tensors)
+                w = MixedWriter(sink, SCHEMA, compression, len(tensors))
+            for info, a in tensors:
+                arr = as_array(a)
+                info = _checked(info, arr, shard)
+                flat = memoryview(arr.reshape(-1).view("uint8"))
+                # hashed in the file's pass where Arrow writes the bytes as they are,
+                # else here, beside Arrow's write
+                span = sink.expect(flat) if compression is None else None
+                own = None if span is not None else pool.submit(xxhash.xxh3_64_hexdigest, flat)
+                w.write_batch(_record_batch(info, arr))
+                infos.append(info)
+                if sink.took(span):
+                    hashes.append(span.done)
+                else:  # the caller may reuse ``a`` once we move on: hashed by then
+                    hashes.append(own or pool.submit(xxhash.xxh3_64_hexdigest, flat))
+                    hashes[-1].result()
+            w.close()
             sink.finish()
         finally:
             sink.release()
