@@ -47,11 +47,13 @@ def load_start(start: Start, net: Any, optimizer: Any) -> tuple[dict, dict]:
         assert start.info is not None
         params = {p: np.array(ck.array(p)) for p in shapes}
         opt = start.info["optimizer"]
+        # a fork goes on under this job's hyperparameters; a resume under the checkpoint's
+        own = optimizer.state_dict() if start.kind == "fork" else opt
         optimizer.load_state_dict(
             {
                 "name": opt["name"],
-                "hparams": opt["hparams"],
-                "schedule": opt["schedule"],
+                "hparams": own["hparams"],
+                "schedule": own["schedule"],
                 "slots": {
                     f"{p}/{s}": ck.array(f"{p}/{s}") for p in shapes for s in slot_names(ck, p)
                 },

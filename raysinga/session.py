@@ -55,19 +55,22 @@ def in_ray_working_dir_copy(where: str) -> bool:
     return "runtime_resources" in parts and any(p.startswith("working_dir_files") for p in parts)
 
 
-def check_start_options(resume: Any, init_from: Any, fresh: bool) -> None:
+def check_start_options(resume: Any, init_from: Any, fresh: bool, fork_from: Any = None) -> None:
     """``resume``: True, False, "auto" or a path (a ``step-N`` checkpoint of the run, to go on
-    from instead of the newest); it, ``init_from`` and ``fresh`` exclude one another."""
+    from instead of the newest); it, ``init_from``, ``fork_from`` and ``fresh`` exclude one
+    another."""
     if resume not in (False, True, "auto") and not isinstance(resume, (str, os.PathLike)):
         raise ValueError(f"resume must be True, False, 'auto' or a path, got {resume!r}")
-    if sum(map(bool, (resume, init_from is not None, fresh))) > 1:
-        raise ValueError("resume, init_from and fresh exclude one another")
+    if sum(map(bool, (resume, init_from is not None, fork_from is not None, fresh))) > 1:
+        raise ValueError("resume, init_from, fork_from and fresh exclude one another")
 
 
 @dataclass
 class Start:
     """What a run starts from: nothing (``fresh``), a checkpoint of this run (``resume``: its
-    run state in ``info``) or another checkpoint's parameters (``init``: those in ``names``)."""
+    run state in ``info``), another run's whole state under this job's hyperparameters
+    (``fork``: as a resume, but the optimizer's hyperparameters and schedule are the job's, not
+    the checkpoint's) or another checkpoint's parameters (``init``: those in ``names``)."""
 
     kind: str
     seed: int
@@ -79,7 +82,8 @@ class Start:
 
     @property
     def resumed(self) -> bool:
-        return self.kind == "resume"
+        """Whether the run goes on from a checkpoint's whole state (a resume or a fork)."""
+        return self.kind in ("resume", "fork")
 
     def position(self, n_groups: int) -> tuple[list[int], DataCursor]:
         """Steps per group and the data cursor for ``n_groups`` groups."""
@@ -111,10 +115,12 @@ class RunSession:
         resume: bool | str = False,
         init_from: Any = None,
         fresh: bool = False,
+        fork_from: Any = None,
     ) -> None:
-        check_start_options(resume, init_from, fresh)
+        check_start_options(resume, init_from, fresh, fork_from)
         self.cfg, self.shapes, self.dtype, self.data, self.hub = cfg, shapes, dtype, data, hub
         self.resume, self.init_from, self.fresh = resume, init_from, fresh
+        self.fork_from = fork_from
         self.root = storage.resolve(cfg.checkpoint_dir)
         self.lock: RunLock | None = None
         self.start = Start("fresh", cfg.seed)
@@ -221,6 +227,9 @@ class RunSession:
         src, ck = run_sources.open_run(self.root, cfg, self.resume, self.fresh, self.log)
         if src is not None and ck is not None:
             return self.adopt(src, ck)
+        if self.fork_from is not None:
+            src = run_sources.init_source(self.fork_from)
+            return self.adopt(src, src.open(verify="fast"), kind="fork")
         if self.init_from is not None:
             init = cfg.init
             src, ck, names, report = run_sources.open_init(
@@ -229,17 +238,18 @@ class RunSession:
             return Start("init", cfg.seed, src, ck, names=names, report=report)
         return Start("fresh", cfg.seed)
 
-    def adopt(self, src: Source, ck: Checkpoint) -> Start:
-        """Start from ``ck``, a checkpoint of this run: it must fit the model, dtype and data."""
+    def adopt(self, src: Source, ck: Checkpoint, kind: str = "resume") -> Start:
+        """Start from ``ck``, a checkpoint of this run (or, ``kind="fork"``, of another run
+        whose state this one goes on from): it must fit the model, dtype and data."""
         info = run_info(ck)
         check_fits(ck, self.shapes, self.dtype)
         data_identity.check_resume(ck, info, self.data)
-        self.saved_at = {ck.step: tuple(int(s) for s in info["steps"])}
-        start = Start("resume", int(info["rng"]["seed"]), src, ck, info)
-        self.log(
-            f"raysinga: resuming {self.cfg.name!r} at step {max(self.saved_at[ck.step])} "
-            f"from {src.label}"
-        )
+        steps_at = tuple(int(s) for s in info["steps"])
+        if kind == "resume":  # a fork commits its own steps, in a checkpoint root of its own
+            self.saved_at = {ck.step: steps_at}
+        start = Start(kind, int(info["rng"]["seed"]), src, ck, info)
+        what = "resuming" if kind == "resume" else "forking"
+        self.log(f"raysinga: {what} {self.cfg.name!r} at step {max(steps_at)} from {src.label}")
         return start
 
     def verify(self, verifier: Callable[[Source, Checkpoint], None]) -> Start:
@@ -249,7 +259,7 @@ class RunSession:
         s = self.start
         if s.source is None or s.checkpoint is None:
             return s
-        if not s.resumed:
+        if s.kind != "resume":  # another run's checkpoint: no older one of it to fall back to
             verifier(s.source, s.checkpoint)
             return s
         src, ck = run_sources.verify_start(

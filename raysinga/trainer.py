@@ -82,16 +82,28 @@ class Trainer:
         init_from: Any = None,
         fresh: bool = False,
         on_event: Subscriber | Iterable[Subscriber] | None = None,
+        fork_from: Any = None,
+        until: int | None = None,
     ) -> None:
         """``resume`` (True, or "auto": only if there is a checkpoint), ``init_from`` (a
         checkpoint path, URI, :class:`~raysinga.checkpoint.Checkpoint` or object-store ref whose
         parameters start a new run) and ``fresh`` (delete the run's checkpoints first) work as
         in :class:`~raysinga.distributed.DistributedTrainer`; checkpoints are written in this
         process, in the same layout (one server). ``log`` gets the run's events as console
-        lines; ``on_event`` gets the events themselves (:mod:`raysinga.events`)."""
-        check_start_options(resume, init_from, fresh)
+        lines; ``on_event`` gets the events themselves (:mod:`raysinga.events`).
+
+        ``fork_from`` (a checkpoint, as ``init_from``, of this job or another run of the same
+        model and data) starts from its whole state, parameters, optimizer state, data position
+        and random stream, but under this job's optimizer hyperparameters and schedule: what
+        population-based training does when a trial takes over a better one's state.
+        ``until`` stops after that step with a checkpoint of it, as if the run were stopped
+        there (``train_steps``, and so the learning-rate schedule, stay the job's)."""
+        check_start_options(resume, init_from, fresh, fork_from)
+        if until is not None and not 0 < until <= cfg.train_steps:
+            raise ValueError(f"until must lie in [1, train_steps={cfg.train_steps}], got {until}")
         self.cfg = cfg
         self.resume, self.init_from, self.fresh = resume, init_from, fresh
+        self.fork_from, self.until = fork_from, until
         self.hub = hub_for(log, on_event)
         self.device = _resolve_device(cfg.device, self.hub.notice)
         self.xp = K.xp_for(self.device)
@@ -118,6 +130,7 @@ class Trainer:
             self.resume,
             self.init_from,
             self.fresh,
+            self.fork_from,
         )
         with session, session.stop_signals(), blas_threads(self.blas_threads):
             start = session.verify(verify_all)
@@ -157,7 +170,8 @@ class Trainer:
 
         window_loss, window_steps, t0 = 0.0, 0, time.perf_counter()
         with recording(self.hub, self.run_dir, result, cfg.tensorboard):
-            for step in range(first, cfg.train_steps):
+            end = cfg.train_steps if self.until is None else self.until
+            for step in range(first, end):
                 if session.stop_signal is not None:
                     save(step, final=True)
                     raise session.preempted(step)
@@ -201,7 +215,10 @@ class Trainer:
                 if cfg.checkpoint_due(done):
                     save(done)
                     t0 = time.perf_counter()
-            save(cfg.train_steps, final=True)
+            if end < cfg.train_steps:
+                save(end)  # stopped at `until`: a checkpoint to go on from
+            else:
+                save(cfg.train_steps, final=True)
         result.params = {k: K.to_numpy(v) for k, v in params.items()}
         result.state = {k: K.to_numpy(v) for k, v in state.items()}
         return result

@@ -88,3 +88,76 @@ def test_model_and_data_mismatch_is_a_clear_error(tmp_path):
 def test_diverging_loss_stops_with_advice(tmp_path):
     with pytest.raises(FloatingPointError, match="lower updater.lr"):
         run("digits_mlp.yaml", tmp_path, "updater.lr=1e6", "updater.momentum=0.99")
+
+
+# Batch norm (state), dropout (the RNG), Adam (slots and update counts), a cosine schedule.
+FORK_JOB = """
+name: fork
+seed: 5
+model:
+  input_shape: [64]
+  layers:
+    - {kind: dense, name: fc1, units: 48, activation: relu}
+    - {kind: batchnorm, name: bn1}
+    - {kind: dropout, name: drop, rate: 0.2}
+    - {kind: dense, name: out, units: 10}
+data: {source: {kind: digits}, batch_size: 32}
+updater: {name: adam, lr: {kind: cosine, lr: 0.01, steps: 60, min_lr: 0.0001}}
+train_steps: 40
+disp_freq: 5
+test_freq: 0
+checkpoint_frequency: 0
+"""
+
+
+def fork_job(d: Path, *more: str):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "job.yaml").write_text(FORK_JOB)
+    return config.load(d / "job.yaml", [f"run_dir={d}", *more])
+
+
+def train_records(result, after: int = 0) -> list[tuple[int, float, float]]:
+    return [(r["step"], r["loss"], r["lr"]) for r in result.history if r["kind"] == "train"]
+
+
+def test_a_run_stopped_by_until_and_forked_on_ends_as_the_straight_run(tmp_path):
+    quiet = {"log": lambda line: None}
+    straight = Trainer(fork_job(tmp_path / "straight"), **quiet).fit()
+    first = Trainer(fork_job(tmp_path / "a"), until=20, **quiet).fit()
+    assert first.checkpoint_step == 20 and first.final_eval is None
+    assert (tmp_path / "a" / "checkpoints" / "step-20").is_dir()
+    lines: list[str] = []
+    second = Trainer(
+        fork_job(tmp_path / "b", "name=other"), fork_from=first.checkpoint, log=lines.append
+    ).fit()
+    assert any("forking 'other' at step 20 from" in line for line in lines), lines
+    for k in straight.params:
+        np.testing.assert_array_equal(second.params[k], straight.params[k])
+    for k in straight.state:
+        np.testing.assert_array_equal(second.state[k], straight.state[k])
+    assert train_records(second) == train_records(straight)  # the history goes on too
+    assert second.final_eval == straight.final_eval
+
+
+def test_a_fork_runs_under_the_jobs_hyperparameters_a_resume_under_the_checkpoints(tmp_path):
+    quiet = {"log": lambda line: None}
+    first = Trainer(fork_job(tmp_path / "a"), until=20, **quiet).fit()
+    lr = "updater.lr={kind: cosine, lr: 0.002, steps: 60, min_lr: 0.0001}"
+    forked = Trainer(fork_job(tmp_path / "b", lr), fork_from=first.checkpoint, **quiet).fit()
+    resumed = Trainer(fork_job(tmp_path / "a", lr), resume=True, **quiet).fit()
+    straight = Trainer(fork_job(tmp_path / "s"), **quiet).fit()
+    lrs = {
+        name: [x[2] for x in train_records(r) if x[0] > 20]
+        for name, r in (("forked", forked), ("resumed", resumed), ("straight", straight))
+    }
+    assert lrs["resumed"] == lrs["straight"]  # the checkpoint's schedule
+    assert all(f < s / 2 for f, s in zip(lrs["forked"], lrs["straight"], strict=True)), lrs
+    assert not np.array_equal(forked.params["fc1/W"], straight.params["fc1/W"])
+
+
+def test_fork_from_and_until_refuse_what_they_cannot_do(tmp_path):
+    cfg = fork_job(tmp_path)
+    with pytest.raises(ValueError, match="exclude one another"):
+        Trainer(cfg, resume=True, fork_from=str(tmp_path), log=None)
+    with pytest.raises(ValueError, match=r"until must lie in \[1, train_steps=40\]"):
+        Trainer(cfg, until=41, log=None)
