@@ -41,15 +41,23 @@ def joins_cluster(address: str | None = None) -> bool:
         return False
 
 
-def connect(address: str | None = None, runtime_env: dict[str, Any] | None = None) -> None:
+def connect(address: str | None = None, runtime_env: dict[str, Any] | None = None) -> str:
     """Join the cluster at ``address`` / ``RAY_ADDRESS`` (else the one ``ray start`` runs on
     this machine, as Ray does), or start an embedded local one; ``runtime_env``: what every
-    task and actor of this driver gets. Nothing where Ray is already initialized."""
+    task and actor of this driver gets. Nothing where Ray is already initialized. Returns
+    the line that says which Ray the run uses."""
     import ray  # noqa: PLC0415
 
     if ray.is_initialized():
-        return
+        return f"raysinga: Ray: the one this process already uses ({_gcs_address()})"
     embedded = not joins_cluster(address)
+    why = (
+        "the address given"
+        if address
+        else "RAY_ADDRESS"
+        if os.environ.get("RAY_ADDRESS")
+        else "the cluster `ray start` runs on this machine"
+    )
     address = "local" if embedded else address or os.environ.get("RAY_ADDRESS")
     if address and not embedded:
         _check_reachable(address)
@@ -69,6 +77,18 @@ def connect(address: str | None = None, runtime_env: dict[str, Any] | None = Non
         )
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConnectError(f"cannot join the Ray cluster at {address}: {first}{hint}") from e
+    if embedded:
+        return f"raysinga: Ray: started an embedded local Ray ({_gcs_address()})"
+    return f"raysinga: Ray: joined the cluster at {_gcs_address()} ({why})"
+
+
+def _gcs_address() -> str:
+    import ray  # noqa: PLC0415
+
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - Ray's API moved: the line goes without it
+        return "address unknown"
 
 
 @contextlib.contextmanager

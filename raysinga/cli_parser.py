@@ -39,8 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ADDR",
         default=None,
         help=(
-            "Ray cluster to join (default: RAY_ADDRESS, else the one `ray start` runs here, "
-            "else an embedded local Ray; 'local': the embedded one)"
+            "Ray cluster to join (default: RAY_ADDRESS). Without either, Ray's own rule: where "
+            "a `ray start` cluster runs on this machine the run joins it, else it starts an "
+            "embedded local Ray; 'local': the embedded one even then. The run prints which "
+            "it did"
         ),
     )
     t.add_argument(

@@ -96,7 +96,10 @@ class DistributedTrainer:
         import ray  # noqa: PLC0415
 
         joins = cluster.joins_cluster(self.address) and not ray.is_initialized()
-        cluster.connect(self.address, shipping.runtime_env() if joins and self.ship else None)
+        line = cluster.connect(
+            self.address, shipping.runtime_env() if joins and self.ship else None
+        )
+        self.hub.notice(line)
         if joins:
             shipping.check_nodes()  # before any role: one line for a node that cannot run one
         cfg = self.cfg

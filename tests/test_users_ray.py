@@ -32,3 +32,25 @@ def test_a_users_ray_outlives_the_whole_suite(users_ray):
     )
     assert found.returncode == 0, found.stderr
     assert found.stdout.strip().splitlines()[-1] == users_ray["address"], found.stdout
+
+
+@pytest.mark.users_ray
+def test_without_an_address_a_run_joins_the_users_ray_and_says_so(users_ray):
+    """Ray's rule, as ``raysinga train --help`` states it: with a ``ray start`` cluster on the
+    machine and neither --address nor RAY_ADDRESS, a run joins that cluster."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # as the user's shell
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import ray; from raysinga.actors import cluster; print(cluster.connect()); "
+            "ray.shutdown()",
+        ],
+        env={**env, "RAY_AUTH_MODE": "token"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    want = f"raysinga: Ray: joined the cluster at {users_ray['address']} (the cluster `ray start`"
+    assert want in r.stdout, r.stdout

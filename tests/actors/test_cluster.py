@@ -93,7 +93,8 @@ def test_the_embedded_rays_roles_start_with_the_blas_settings(tmp_path):
     script = (
         "import os, ray\n"
         "from raysinga.actors import cluster\n"
-        "cluster.connect('local')\n"
+        "print(cluster.connect('local'))\n"
+        "print(cluster.connect('local'))\n"
         "@ray.remote(num_cpus=0)\n"
         "def env():\n"
         "    return os.environ.get('OPENBLAS_THREAD_TIMEOUT')\n"
@@ -114,3 +115,6 @@ def test_the_embedded_rays_roles_start_with_the_blas_settings(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     want = BLAS_ENV["OPENBLAS_THREAD_TIMEOUT"]
     assert f"role {want} driver None" in r.stdout
+    # the line a run prints: which Ray it uses
+    assert "raysinga: Ray: started an embedded local Ray (" in r.stdout
+    assert "raysinga: Ray: the one this process already uses (" in r.stdout
