@@ -129,9 +129,18 @@ class CheckpointRegistry:
     def __init__(self) -> None:
         self._entries: dict[tuple[str, int], dict[str, Any]] = {}
 
-    def register(self, run: str, step: int, refs: list[Any], uri: str | None, nbytes: int) -> None:
-        """Record a checkpoint object that someone else owns (it lives as long as its owner)."""
-        self._entries[(run, step)] = {"refs": refs, "uri": uri, "nbytes": nbytes}
+    def register(
+        self,
+        run: str,
+        step: int,
+        refs: list[Any],
+        uri: str | None,
+        nbytes: int,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        """Record a checkpoint object that someone else owns (it lives as long as its owner),
+        with ``meta``, what its maker wants a reader to know (returned by :meth:`lookup`)."""
+        self._entries[(run, step)] = {"refs": refs, "uri": uri, "nbytes": nbytes, "meta": meta}
 
     def adopt(self, run: str, step: int, uri: str) -> list[Any]:
         """Put the committed checkpoint at ``uri`` into the object store from this actor, which
@@ -186,6 +195,9 @@ def registry(create: bool = True) -> Any:
             lifetime="detached",
             get_if_exists=True,
             num_cpus=0,
+            # not in the placement group of whoever asks first (a Ray Tune trial, a task in a
+            # group that captures its children): the group's end would take the registry along
+            scheduling_strategy="DEFAULT",
         )
         .remote()
     )
