@@ -34,10 +34,29 @@ from . import config
 from .checkpoint import Checkpoint, CheckpointError, objstore
 from .events import CheckpointCommitted, Evaluated, Event, TrainStep
 from .run_state import run_info
+from .tune_lineage import (
+    FORMAT,
+    POINTER,
+    continue_lineage,
+    flat_overrides,
+    job_for,
+    last_metrics,
+    load_job,
+    read_pointer,
+    replay,
+)
 
-POINTER = "raysinga-checkpoint.json"
+__all__ = [
+    "POINTER",
+    "fetch",
+    "flat_overrides",
+    "read_pointer",
+    "release",
+    "replay",
+    "trainable",
+]
+
 SHM_ROOT = "/dev/shm/raysinga-tune"
-_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -71,10 +90,7 @@ def trainable(
     path or URI where every trial also keeps a disk copy (used when an object is lost).
     ``log``: print the runs' console lines. The job is checked here, before any trial starts.
     """
-    if isinstance(job, Mapping):
-        cfg = config.from_dict(config.apply_overrides(dict(job), list(overrides)))
-    else:
-        cfg = config.load(job, list(overrides))
+    cfg = load_job(job, overrides)
     every = report_every or cfg.checkpoint_frequency or cfg.test_freq or -(-cfg.train_steps // 10)
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"report_every must be a positive number of steps, got {report_every!r}")
@@ -88,69 +104,7 @@ def trainable(
     return raysinga_trial
 
 
-def flat_overrides(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Tune's ``config`` (flat dotted keys or nested dicts) as dotted job keys -> values."""
-    out: dict[str, Any] = {}
-    for k, v in params.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping) and not _is_value(key, v):
-            out.update(flat_overrides(v, f"{key}."))
-        else:
-            out[key] = v
-    return out
-
-
-def _is_value(key: str, v: Mapping[str, Any]) -> bool:
-    """A mapping that is a job value itself (a schedule ``{kind: cosine, ...}``)."""
-    return "kind" in v
-
-
-def job_for(spec: TrialSpec, params: Mapping[str, Any], **run: Any) -> config.JobConfig:
-    """The trial's job: the search's job with the trial's hyperparameters and ``run`` keys."""
-    items = {**flat_overrides(params), **run}
-    return config.from_dict(
-        config.apply_overrides(spec.job, [f"{k}={json.dumps(v)}" for k, v in items.items()])
-    )
-
-
-# ------------------------------------------------------------------------ lineage
-
-
-def segment(trial: str, params: Mapping[str, Any], start: int, parent: dict | None) -> dict:
-    """One stretch of steps run under one set of hyperparameters."""
-    return {"trial": trial, "params": flat_overrides(params), "start": start, "from": parent}
-
-
-def continue_lineage(
-    pointer: dict[str, Any] | None, trial: str, params: Mapping[str, Any]
-) -> list[dict[str, Any]]:
-    """The lineage of a trial starting now: a fresh one, or the lineage of the checkpoint it
-    starts from with a new segment (its hyperparameters, from that trial and step), unless it is
-    its own checkpoint under the same hyperparameters (a restart of the same segment)."""
-    if pointer is None:
-        return [segment(trial, params, 0, None)]
-    step = int(pointer["step"])
-    lineage = [dict(s) for s in pointer["lineage"] if s["start"] <= step]
-    last = lineage[-1]
-    if pointer["trial"] == trial and last["params"] == flat_overrides(params):
-        return lineage
-    return [*lineage, segment(trial, params, step, {"trial": pointer["trial"], "step": step})]
-
-
 # ------------------------------------------------------------------------ pointers
-
-
-def read_pointer(where: str | os.PathLike) -> dict[str, Any]:
-    """The pointer in a Tune checkpoint directory (or the file itself)."""
-    p = Path(where)
-    p = p / POINTER if p.is_dir() else p
-    try:
-        d = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{p}: not a raysinga Tune checkpoint ({e})") from None
-    if not isinstance(d, dict) or d.get("format") != _FORMAT:
-        raise CheckpointError(f"{p}: not a raysinga Tune checkpoint of format {_FORMAT}")
-    return d
 
 
 def fetch(pointer: Mapping[str, Any], log: Callable[[str], None] = print) -> Checkpoint:
@@ -234,7 +188,7 @@ class _Reporter:
         nbytes = ray.get(keeper.lookup.remote(self.key, step))["nbytes"]
         uri = path if self.disk else None
         pointer = {
-            "format": _FORMAT,
+            "format": FORMAT,
             "key": self.key,
             "step": step,
             "trial": self.trial,
@@ -283,7 +237,7 @@ def run_trial(spec: TrialSpec, params: dict[str, Any]) -> None:
         where, keep_last = str(Path(SHM_ROOT, experiment, incarnation)), 1
     base = config.from_dict(spec.job)
     cfg = job_for(
-        spec,
+        spec.job,
         params,
         name=f"{base.name}-{trial}",
         run_dir=str(Path(ctx.get_trial_dir(), "raysinga")),
@@ -340,17 +294,6 @@ def _keepers() -> list[Any]:
     ]
 
 
-def last_metrics(history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The newest training loss and learning rate and evaluation of a run's history."""
-    out: dict[str, Any] = {}
-    for r in history:
-        if r.get("kind") == "train":
-            out.update(loss=r["loss"], lr=r["lr"], samples_per_s=r["samples_per_s"])
-        elif r.get("kind") == "eval":
-            out.update({k: v for k, v in r.items() if k not in ("kind", "step")})
-    return out
-
-
 def _drop_earlier(root: Path, trial: str) -> None:
     """Remove this trial's earlier working copies on this node (a trial that Tune stopped and
     started again cannot clean up after itself)."""
@@ -376,49 +319,3 @@ def release(experiment: str, trial: str | None = None) -> int:
     else:
         _drop_earlier(shm, trial)
     return gone
-
-
-# ------------------------------------------------------------------------ replay
-
-
-def replay(
-    lineage: Sequence[Mapping[str, Any]] | str | os.PathLike,
-    job: str | os.PathLike | Mapping[str, Any],
-    work_dir: str | os.PathLike,
-    until: int,
-    overrides: Sequence[str] = (),
-) -> Any:
-    """Run a trial's ``lineage`` (a list of segments, or a Tune checkpoint / pointer file, whose
-    lineage ends at its step) of ``job`` again in this process, each segment from the previous
-    one's checkpoint under its own hyperparameters, to step ``until``. Returns the last
-    segment's :class:`~raysinga.trainer.TrainResult`: bit-identical to the trial at that step.
-    The checkpoints of the segments are written under ``work_dir``."""
-    from .trainer import Trainer  # noqa: PLC0415
-
-    if not isinstance(lineage, Sequence) or isinstance(lineage, str):
-        lineage = read_pointer(lineage)["lineage"]
-    spec = trainable_spec(job, overrides)
-    base = config.from_dict(spec.job)
-    source, result = None, None
-    for i, seg in enumerate(lineage):
-        end = lineage[i + 1]["start"] if i + 1 < len(lineage) else until
-        if end <= seg["start"]:
-            continue
-        d = Path(work_dir, f"segment-{i}")
-        cfg = job_for(spec, seg["params"], name=f"{base.name}-replay-{i}", run_dir=str(d))
-        stop = None if end >= cfg.train_steps else end
-        result = Trainer(cfg, log=None, fork_from=source, until=stop).fit()
-        source = result.checkpoint
-    if result is None:
-        raise ValueError("the lineage holds no steps to run")
-    return result
-
-
-def trainable_spec(
-    job: str | os.PathLike | Mapping[str, Any], overrides: Sequence[str] = ()
-) -> TrialSpec:
-    if isinstance(job, Mapping):
-        cfg = config.from_dict(config.apply_overrides(dict(job), list(overrides)))
-    else:
-        cfg = config.load(job, list(overrides))
-    return TrialSpec(cfg.raw, max(cfg.checkpoint_frequency, 1))
