@@ -37,13 +37,12 @@ class _WholeSlice:
 def load_start(start: Start, net: Any, optimizer: Any) -> tuple[dict, dict]:
     """Parameters and non-trainable state to start from (as writable NumPy arrays), with the
     optimizer's state loaded on a resume. ``start`` is verified already."""
-    params = net.init_params(start.seed)
-    state = net.init_state()
     ck = start.checkpoint
+    state = net.init_state()
     if ck is None:
-        return params, state
+        return net.init_params(start.seed), state
     shapes = net.param_shapes()
-    if start.resumed:
+    if start.resumed:  # every parameter from the checkpoint: none initialised to be overwritten
         assert start.info is not None
         params = {p: np.array(ck.array(p)) for p in shapes}
         opt = start.info["optimizer"]
@@ -61,6 +60,7 @@ def load_start(start: Start, net: Any, optimizer: Any) -> tuple[dict, dict]:
             }
         )
     else:  # --init-from: the parameters that fit, cast to this run's dtype
+        params = net.init_params(start.seed)
         for p, stored in start.names.items():
             params[p] = np.array(ck.array(stored), dtype=net.dtype)
     # group 0 / worker 0's saved non-trainable state, as writable copies
