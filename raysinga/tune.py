@@ -12,6 +12,10 @@ store (zero-copy on the same node) and goes on from its whole state (parameters,
 state, data position, random stream) under its own new hyperparameters (:class:`Trainer`'s
 ``fork_from``). No checkpoint directory is written to disk unless ``checkpoint_dir`` asks for a
 copy; the trial's working copy lives in the node's shared memory (``/dev/shm``).
+``handover="tune_storage"`` hands checkpoints over the way Tune does by default instead: the
+checkpoint directory itself is the Tune checkpoint, copied to the run's ``storage_path`` at every
+report and read from there by the trial that takes it over (``benchmarks/bench_tune.py`` times
+the two).
 
 Every trial records its lineage: the segments of steps it (and the trials it forked from) ran,
 each with its hyperparameters. :func:`replay` runs a lineage again, segment by segment, and ends
@@ -20,6 +24,7 @@ bit-identical to the trial.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -32,6 +37,7 @@ from typing import Any
 
 from . import config
 from .checkpoint import Checkpoint, CheckpointError, objstore
+from .checkpoint.format import MANIFEST
 from .events import CheckpointCommitted, Evaluated, Event, TrainStep
 from .run_state import run_info
 from .tune_lineage import (
@@ -57,6 +63,7 @@ __all__ = [
 ]
 
 SHM_ROOT = "/dev/shm/raysinga-tune"
+HANDOVERS = ("object_store", "tune_storage")
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,7 @@ class TrialSpec:
     keep: int = 2
     checkpoint_dir: str | None = None
     log: bool = False
+    handover: str = "object_store"
 
 
 def trainable(
@@ -79,6 +87,7 @@ def trainable(
     keep: int = 2,
     checkpoint_dir: str | None = None,
     log: bool = False,
+    handover: str = "object_store",
 ) -> Callable[[dict[str, Any]], None]:
     """A Ray Tune function trainable running ``job`` (a job file or dict, with ``overrides``
     as ``--set`` takes them) once per trial, with the trial's ``param_space`` values applied as
@@ -88,7 +97,11 @@ def trainable(
     the job's ``checkpoint_frequency``, else ``test_freq``, else a tenth of the run).
     ``keep``: the newest checkpoints per trial kept in the object store. ``checkpoint_dir``: a
     path or URI where every trial also keeps a disk copy (used when an object is lost).
-    ``log``: print the runs' console lines. The job is checked here, before any trial starts.
+    ``log``: print the runs' console lines. ``handover``: how a checkpoint goes from trial to
+    trial, ``"object_store"`` (a pointer to it is the Tune checkpoint) or ``"tune_storage"``
+    (the checkpoint directory is the Tune checkpoint, which Tune copies to its storage; Tune's
+    ``CheckpointConfig`` then decides how many are kept). The job is checked here, before any
+    trial starts.
     """
     cfg = load_job(job, overrides)
     every = report_every or cfg.checkpoint_frequency or cfg.test_freq or -(-cfg.train_steps // 10)
@@ -96,7 +109,9 @@ def trainable(
         raise ValueError(f"report_every must be a positive number of steps, got {report_every!r}")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be a positive number of checkpoints, got {keep!r}")
-    spec = TrialSpec(cfg.raw, every, keep, checkpoint_dir, log)
+    if handover not in HANDOVERS:
+        raise ValueError(f"handover must be one of {HANDOVERS}, got {handover!r}")
+    spec = TrialSpec(cfg.raw, every, keep, checkpoint_dir, log, handover)
 
     def raysinga_trial(params: dict[str, Any]) -> None:
         run_trial(spec, params)
@@ -175,9 +190,38 @@ class _Reporter:
         elif isinstance(ev, CheckpointCommitted):
             self.report(ev.step, ev.path)
 
+    handover: str = "object_store"
+
     def report(self, step: int, path: str) -> None:
-        import ray  # noqa: PLC0415
         from ray import tune  # noqa: PLC0415
+
+        pointer = self.hand_over(step, path)
+        parent = self.lineage[-1]["from"]
+        metrics = {
+            **self.metrics,
+            "step": step,
+            "segments": len(self.lineage),
+            "forked_from": "" if parent is None else f"{parent['trial']}@{parent['step']}",
+        }
+        # beside the checkpoint: on the same file system, so that its files can be linked
+        with tempfile.TemporaryDirectory(prefix=".tune-report-", dir=Path(path).parent) as d:
+            tune_checkpoint(d, pointer, path, self.handover)
+            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
+
+    def hand_over(self, step: int, path: str) -> dict[str, Any]:
+        """Make the checkpoint at ``path`` readable by other trials (in the object store, owned
+        by the node's keeper, unless Tune's storage carries it); returns its pointer."""
+        pointer = {
+            "format": FORMAT,
+            "key": self.key,
+            "step": step,
+            "trial": self.trial,
+            "uri": path if self.disk else None,
+            "lineage": self.lineage,
+        }
+        if self.handover == "tune_storage":
+            return pointer
+        import ray  # noqa: PLC0415
 
         reg, keeper = objstore.registry(), _keeper()
         # the node's keeper reads the checkpoint from this node's shared memory and owns the
@@ -186,47 +230,60 @@ class _Reporter:
         if not refs:
             raise CheckpointError(f"{path}: gone before it reached the object store")
         nbytes = ray.get(keeper.lookup.remote(self.key, step))["nbytes"]
-        uri = path if self.disk else None
-        pointer = {
-            "format": FORMAT,
-            "key": self.key,
-            "step": step,
-            "trial": self.trial,
-            "uri": uri,
-            "lineage": self.lineage,
-        }
-        ray.get(reg.register.remote(self.key, step, refs, uri, nbytes, pointer))
+        ray.get(reg.register.remote(self.key, step, refs, pointer["uri"], nbytes, pointer))
         del refs
         self.held.append(step)
         while len(self.held) > self.keep:
             old = self.held.pop(0)
             ray.get([reg.delete.remote(self.key, old), keeper.delete.remote(self.key, old)])
-        parent = self.lineage[-1]["from"]
-        metrics = {
-            **self.metrics,
-            "step": step,
-            "segments": len(self.lineage),
-            "forked_from": "" if parent is None else f"{parent['trial']}@{parent['step']}",
-        }
-        with tempfile.TemporaryDirectory(prefix="raysinga-pointer-") as d:
-            Path(d, POINTER).write_text(json.dumps(pointer))
-            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
+        return pointer
+
+
+def tune_checkpoint(into: str | os.PathLike, pointer: dict[str, Any], path: str, how: str) -> None:
+    """Fill ``into``, the directory reported to Tune as a trial's checkpoint: the pointer, and
+    for ``tune_storage`` the checkpoint's files too (hard links, no copy: Tune copies them)."""
+    if how == "tune_storage":
+        for f in Path(path).iterdir():
+            os.link(f, Path(into, f.name))
+    Path(into, POINTER).write_text(json.dumps(pointer))
+
+
+def start_from(
+    tune_ck: Any, stack: contextlib.ExitStack, log: Callable[[str], None]
+) -> tuple[Checkpoint | None, dict[str, Any] | None]:
+    """The checkpoint a trial starts from (and its pointer), given Tune's checkpoint: the
+    checkpoint directory itself where Tune's storage carried it (kept on hand by ``stack`` for
+    as long as the trial runs), else the object the pointer names."""
+    if tune_ck is None:
+        return None, None
+    d = stack.enter_context(tune_ck.as_directory())
+    pointer = read_pointer(d)
+    if Path(d, MANIFEST).is_file():
+        return Checkpoint.open(d, verify="full"), pointer
+    return fetch_newest(pointer, log)
 
 
 def run_trial(spec: TrialSpec, params: dict[str, Any]) -> None:
     """The body of one Tune trial (see :func:`trainable`)."""
     from ray import tune  # noqa: PLC0415
 
+    say = print if spec.log else (lambda line: None)
+    with contextlib.ExitStack() as stack:
+        source, pointer = start_from(tune.get_checkpoint(), stack, say)
+        _run(spec, params, tune.get_context(), source, pointer, say)
+
+
+def _run(
+    spec: TrialSpec,
+    params: dict[str, Any],
+    ctx: Any,
+    source: Checkpoint | None,
+    pointer: dict[str, Any] | None,
+    say: Callable[[str], None],
+) -> None:
     from .trainer import Trainer  # noqa: PLC0415
 
-    ctx = tune.get_context()
     trial, experiment = ctx.get_trial_id(), ctx.get_experiment_name()
-    say = print if spec.log else (lambda line: None)
-    tune_ck = tune.get_checkpoint()
-    pointer, source = None, None
-    if tune_ck is not None:
-        with tune_ck.as_directory() as d:
-            source, pointer = fetch_newest(read_pointer(d), say)
     lineage = continue_lineage(pointer, trial, params)
     incarnation = f"{trial}-{uuid.uuid4().hex[:8]}"
     if spec.checkpoint_dir:
@@ -249,7 +306,9 @@ def run_trial(spec: TrialSpec, params: dict[str, Any]) -> None:
     Path(cfg.run_path).mkdir(parents=True, exist_ok=True)
     Path(cfg.run_path, "lineage.json").write_text(json.dumps(lineage, indent=1))
     key = f"tune/{experiment}/{trial}"
-    reporter = _Reporter(key, trial, lineage, spec.keep, bool(spec.checkpoint_dir))
+    reporter = _Reporter(
+        key, trial, lineage, spec.keep, bool(spec.checkpoint_dir), handover=spec.handover
+    )
     if source is not None:  # until its own first report: the metrics of the state it took
         reporter.metrics = last_metrics(run_info(source)["history"])
     try:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from raysinga import tune as rtune
-from raysinga.checkpoint import CheckpointError
+from raysinga.checkpoint import Checkpoint, CheckpointError
 
 tune = pytest.importorskip("ray.tune")
 
@@ -94,3 +94,35 @@ def test_pbt_hands_checkpoints_over_in_memory_and_a_lineage_replays_bit_exact(
     for name in want.names("param"):
         np.testing.assert_array_equal(got.params[name], want.array(name))
     assert rtune.release("pbt") >= 4  # the final checkpoints, one per trial
+
+
+def test_tune_storage_handover_forks_from_the_directory_tune_persisted(ray_session, tmp_path):
+    """handover="tune_storage" (what benchmarks/bench_tune.py times against): the checkpoint
+    directory is the Tune checkpoint, in storage_path, and no object is made."""
+    from ray.tune.schedulers import PopulationBasedTraining  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="handover must be one of"):
+        rtune.trainable(JOB, handover="disk")
+    pbt = PopulationBasedTraining(
+        time_attr="training_iteration",
+        perturbation_interval=2,
+        hyperparam_mutations={"updater.lr": tune.loguniform(1e-3, 2e-1)},
+        quantile_fraction=0.5,
+    )
+    tuner = tune.Tuner(
+        tune.with_resources(
+            rtune.trainable(JOB, report_every=10, handover="tune_storage"), {"cpu": 1}
+        ),
+        param_space={"updater.lr": tune.grid_search([0.0005, 0.08])},
+        tune_config=tune.TuneConfig(scheduler=pbt, metric="test_loss", mode="min"),
+        run_config=tune.RunConfig(name="pbt-disk", storage_path=str(tmp_path / "tune"), verbose=0),
+    )
+    results = tuner.fit()
+    assert not results.errors, results.errors
+    finals = [rtune.read_pointer(r.checkpoint.path) for r in results]
+    assert all(p["step"] == 60 for p in finals)
+    assert any(len(p["lineage"]) > 1 for p in finals), "PBT exploited no trial"
+    for r in results:  # every reported checkpoint is a whole raysinga checkpoint on disk
+        ck = Checkpoint.open(r.checkpoint.path)
+        assert ck.step == 60 and ck.names("param")
+    assert rtune.release("pbt-disk") == 0  # nothing went into the object store
