@@ -288,18 +288,23 @@ class ParamServer(Abortable):
         return server_shard.verify(source, files)
 
     @reports_role
-    def load(self, source: Any, resume: bool, names: Any = None) -> int:
+    def load(self, source: Any, resume: bool, names: Any = None, own_hparams: bool = False) -> int:
         """Overwrite this server's slices from a checkpoint (already verified), whatever
         slicing wrote it.
 
         ``resume``: parameters, optimizer slots, update counts, schedule and hyperparameters
         (the checkpoint's are authoritative). Otherwise (``--init-from``) only the parameters in
         ``names`` (model name -> checkpoint name); the rest keep their initial values.
+        ``own_hparams`` (a fork): as a resume, but under this server's optimizer
+        hyperparameters and schedule (the job's), not the checkpoint's.
         Returns the number of elements loaded.
         """
         self.applied = {}
         loaded, opt = server_shard.load_slices(source, self.slices, self.buf.arrays, resume, names)
         if opt is not None:
+            if own_hparams:
+                mine = self.optimizer.state_dict()
+                opt = {**opt, "hparams": mine["hparams"], "schedule": mine["schedule"]}
             self.optimizer.load_state_dict(opt)
             self.guard.set_version(max(opt["counts"].values(), default=0))
         if self.gpu is not None:

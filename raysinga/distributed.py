@@ -52,6 +52,7 @@ class DistributedTrainer:
         gather: bool = True,
         on_event: Subscriber | Iterable[Subscriber] | None = None,
         ship: bool = True,
+        fork_from: Any = None,
     ) -> None:
         """``resume``: True continues the newest valid checkpoint of the run (an error if there
         is none), ``"auto"`` continues one if there is one; ``init_from``: a checkpoint whose
@@ -60,10 +61,13 @@ class DistributedTrainer:
         gets the run's events as console lines, ``on_event`` the events themselves
         (:mod:`raysinga.events`); more subscribers can join :attr:`hub` before :meth:`fit`.
         ``ship``: on a cluster joined, hand raysinga's code to the roles (:mod:`.shipping`);
-        off where every node has raysinga installed."""
-        check_start_options(resume, init_from, fresh)
+        off where every node has raysinga installed. ``fork_from``: a checkpoint (a path or URI,
+        or an object-store ref) of another run whose whole state this run goes on from, under
+        this job's optimizer hyperparameters, as :class:`~raysinga.trainer.Trainer` does."""
+        check_start_options(resume, init_from, fresh, fork_from)
         self.cfg, self.address, self.gather, self.ship = cfg, address, gather, ship
         self.resume, self.init_from, self.fresh = resume, init_from, fresh
+        self.fork_from = fork_from
         self.hub = hub_for(log, on_event)
         self.classes = {**ROLE_CLASSES, **(classes or {})}
         topo = cfg.topology
@@ -112,6 +116,7 @@ class DistributedTrainer:
             self.resume,
             self.init_from,
             self.fresh,
+            self.fork_from,
         )
         with self.session, self.session.stop_signals():
             self.controller = Controller(

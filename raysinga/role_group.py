@@ -211,7 +211,11 @@ class RoleGroup:
         """Load a verified start checkpoint into the servers (parameters; on a resume also the
         optimizer) and the workers (non-trainable state; on a resume also the data cursor)."""
         names = None if start.resumed else start.names
-        get_all([s.load.remote(start.source, start.resumed, names) for s in self.servers], "server")
+        fork = start.kind == "fork"  # the job's optimizer hyperparameters, not the checkpoint's
+        get_all(
+            [s.load.remote(start.source, start.resumed, names, fork) for s in self.servers],
+            "server",
+        )
         calls = []
         for g, row in enumerate(self.workers):
             for i, w in enumerate(row):

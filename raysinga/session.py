@@ -278,7 +278,7 @@ class RunSession:
         )
         if src is not None and ck is not None:
             self.start = self.adopt(src, ck)
-        elif self.start.resumed:  # resumed, but its checkpoint is gone since
+        elif self.start.kind == "resume":  # resumed, but its checkpoint is gone since
             raise CheckpointError(f"{self.root}: the checkpoint this run resumed from is gone")
         else:  # nothing committed yet: from the start (or the --init-from checkpoint) again
             self.saved_at = {}

@@ -60,6 +60,26 @@ def test_sandblaster_matches_the_single_process_reference(
     assert relative_error(params, reference) <= 1e-5
 
 
+def test_a_fork_goes_on_under_the_jobs_hyperparameters_as_in_the_single_process_run(
+    ray_session, tmp_path
+):
+    """A fork (what a PBT exploit does) of a one-worker, one-server run: the checkpoint's whole
+    state, the job's learning rate, bit-identical to the same fork in one process."""
+    one = "{workers_per_group: 1, n_servers: 1}"
+    first = Trainer(job(tmp_path / "first", one, "train_steps=50"), until=20, **QUIET).fit()
+    lr = "updater.lr=0.02"
+    runs = []
+    for name, trainer in (("local", Trainer), ("dist", DistributedTrainer)):
+        cfg = job(tmp_path / name, one, lr)
+        runs.append(trainer(cfg, fork_from=first.checkpoint, **QUIET).fit())
+    local, dist = runs
+    for k in local.params:
+        assert local.params[k].tobytes() == np.asarray(dist.params[k]).tobytes(), k
+    train = [[r for r in res.history if r["kind"] == "train"] for res in runs]
+    assert [r["lr"] for r in train[1] if r["step"] > 20] == [0.02, 0.02]
+    assert [r["loss"] for r in train[0]] == [r["loss"] for r in train[1]]
+
+
 def test_clipping_matches_the_reference_and_reports_the_norm(ray_session, tmp_path):
     clip = "updater.clip_norm=0.5"  # below the norms of the first steps: clipping happens
     ref = Trainer(job(tmp_path / "ref", "null", clip), **QUIET).fit()
