@@ -364,6 +364,12 @@ def _runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from .tune_cli import run  # noqa: PLC0415 - Ray Tune, only where needed
+
+    return run(args)
+
+
 def program() -> None:
     """The ``raysinga`` command: :func:`main` as the process itself, ended with its status."""
     sys.exit(main(own_process=True))
@@ -383,6 +389,7 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
         "generate": _generate,
         "graph": _graph,
         "runs": _runs,
+        "tune": _tune,
     }
     try:
         return commands[args.command](args)

@@ -207,4 +207,100 @@ def build_parser() -> argparse.ArgumentParser:
         "or .json: the JSON alone",
     )
     _add_set(g)
+    _add_tune(sub)
     return p
+
+
+def _add_tune(sub: argparse._SubParsersAction) -> None:
+    tu = sub.add_parser(
+        "tune",
+        help="search a job's hyperparameters with Ray Tune (PBT, ASHA, PB2 or FIFO)",
+        description="Run trials of a job with Ray Tune, each a run whose hyperparameters "
+        "(dotted job keys) the --search expressions sample, and print a table of the trials "
+        "and the best. --replay runs one trial's lineage again and compares it with the trial; "
+        "--release drops a search's checkpoints from the cluster's object store.",
+    )
+    tu.add_argument("config", metavar="CONFIG", help="YAML job file")
+    tu.add_argument(
+        "--search",
+        metavar="KEY=SAMPLER(ARGS)",
+        action="append",
+        default=[],
+        help="a searched job key: loguniform(a,b), uniform(a,b), randint(a,b) (b exclusive), "
+        "choice(v1,v2,...) or grid(v1,v2,...), e.g. 'updater.lr=loguniform(1e-4,1e-1)' "
+        "(repeatable)",
+    )
+    tu.add_argument(
+        "--scheduler",
+        choices=("pbt", "asha", "pb2", "fifo"),
+        default="fifo",
+        help="pbt: population-based training, its mutations the searched keys; asha: stops "
+        "poor trials early; pb2: PBT with a bandit (needs GPy, scikit-learn; ranges only); "
+        "fifo: every trial to the end (default)",
+    )
+    tu.add_argument(
+        "--trials",
+        type=int,
+        default=4,
+        help="samples of the search space (default 4; a grid runs this many times over)",
+    )
+    tu.add_argument(
+        "--metric",
+        default=None,
+        help="what is optimized (default: valid_loss where the job has data.validation, else "
+        "test_loss)",
+    )
+    tu.add_argument(
+        "--mode",
+        choices=("min", "max"),
+        default=None,
+        help="default: min for losses, max for accuracies",
+    )
+    tu.add_argument(
+        "--report-every",
+        type=int,
+        metavar="N",
+        default=None,
+        help="steps between reports, each with an evaluation and a checkpoint (default: the "
+        "job's checkpoint_frequency, else test_freq, else a tenth of the run)",
+    )
+    tu.add_argument(
+        "--perturbation-interval",
+        type=int,
+        metavar="K",
+        default=None,
+        help="pbt, pb2: reports between exploits (default: a quarter of the reports, at least 1)",
+    )
+    _add_set(tu)
+    tu.add_argument(
+        "--storage",
+        metavar="DIR",
+        default="runs/tune",
+        help="Tune's storage path (default: runs/tune); the search is NAME under it",
+    )
+    tu.add_argument("--name", default=None, help="the search's name (default: JOB-tune-TIME)")
+    tu.add_argument(
+        "--address", metavar="ADDR", default=None, help="Ray cluster to join, as train takes it"
+    )
+    tu.add_argument("--quiet", action="store_true", help="without Tune's progress tables")
+    tu.add_argument(
+        "--replay",
+        metavar="TRIAL",
+        default=None,
+        help="instead of searching: run the lineage of TRIAL (a trial directory: its final "
+        "Tune checkpoint; or a checkpoint_* directory) again here, and compare the parameters "
+        "with the trial's where its checkpoint is still held",
+    )
+    tu.add_argument(
+        "--until",
+        type=int,
+        metavar="STEP",
+        default=None,
+        help="with --replay: stop at STEP (default: the checkpoint's step)",
+    )
+    tu.add_argument(
+        "--release",
+        action="store_true",
+        help="instead of searching: drop search --name's checkpoints from the object store of "
+        "the cluster (--address)",
+    )
