@@ -130,10 +130,12 @@ def fetch(pointer: Mapping[str, Any], log: Callable[[str], None] = print) -> Che
 
 def fetch_newest(
     pointer: Mapping[str, Any], log: Callable[[str], None] = print, newest: bool = True
-) -> tuple[Checkpoint, dict[str, Any]]:
-    """As :func:`fetch`, with the pointer that was read. ``newest``: where the trial has
-    released the step named (it kept training, and only its newest ``keep`` stay), its newest
-    checkpoint instead, with that one's lineage: PBT copies the better trial as it is now."""
+) -> tuple[Checkpoint, dict[str, Any], Any]:
+    """As :func:`fetch`, with the pointer that was read and where the checkpoint is (its
+    object-store ref, or its disk copy's URI), for roles in other processes to read.
+    ``newest``: where the trial has released the step named (it kept training, and only its
+    newest ``keep`` stay), its newest checkpoint instead, with that one's lineage: PBT copies
+    the better trial as it is now."""
     import ray  # noqa: PLC0415
     from ray.exceptions import RayError  # noqa: PLC0415
 
@@ -154,12 +156,12 @@ def fetch_newest(
                 entry = None
         if entry is not None:
             used = dict(pointer) if entry["step"] == step else dict(entry["meta"])
-            return objstore.get(entry["refs"][0]), used
+            return objstore.get(entry["refs"][0]), used, entry["refs"][0]
     except RayError as e:
         why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}"
     if uri:
         log(f"raysinga: the object-store copy of {key} step {step} is lost ({why}); reading {uri}")
-        return Checkpoint.open(uri, verify="full"), dict(pointer)
+        return Checkpoint.open(uri, verify="full"), dict(pointer), uri
     raise CheckpointError(
         f"{key} step {step}: the object-store copy is lost ({why}) and there is no disk copy "
         "(set checkpoint_dir= of raysinga.tune.trainable to keep one)"
@@ -250,16 +252,17 @@ def tune_checkpoint(into: str | os.PathLike, pointer: dict[str, Any], path: str,
 
 def start_from(
     tune_ck: Any, stack: contextlib.ExitStack, log: Callable[[str], None]
-) -> tuple[Checkpoint | None, dict[str, Any] | None]:
-    """The checkpoint a trial starts from (and its pointer), given Tune's checkpoint: the
-    checkpoint directory itself where Tune's storage carried it (kept on hand by ``stack`` for
-    as long as the trial runs), else the object the pointer names."""
+) -> tuple[Checkpoint | None, dict[str, Any] | None, Any]:
+    """The checkpoint a trial starts from, its pointer and where it is (for a distributed
+    run's servers), given Tune's checkpoint: the checkpoint directory itself where Tune's
+    storage carried it (kept on hand by ``stack`` for as long as the trial runs), else the
+    object the pointer names."""
     if tune_ck is None:
-        return None, None
+        return None, None, None
     d = stack.enter_context(tune_ck.as_directory())
     pointer = read_pointer(d)
     if Path(d, MANIFEST).is_file():
-        return Checkpoint.open(d, verify="full"), pointer
+        return Checkpoint.open(d, verify="full"), pointer, d
     return fetch_newest(pointer, log)
 
 
@@ -269,20 +272,22 @@ def run_trial(spec: TrialSpec, params: dict[str, Any]) -> None:
 
     say = print if spec.log else (lambda line: None)
     with contextlib.ExitStack() as stack:
-        source, pointer = start_from(tune.get_checkpoint(), stack, say)
-        _run(spec, params, tune.get_context(), source, pointer, say)
+        source, pointer, where = start_from(tune.get_checkpoint(), stack, say)
+        _run(spec, params, tune.get_context(), (source, where), pointer, say)
 
 
 def _run(
     spec: TrialSpec,
     params: dict[str, Any],
     ctx: Any,
-    source: Checkpoint | None,
+    start: tuple[Checkpoint | None, Any],
     pointer: dict[str, Any] | None,
     say: Callable[[str], None],
 ) -> None:
+    from .distributed import DistributedTrainer  # noqa: PLC0415
     from .trainer import Trainer  # noqa: PLC0415
 
+    source, source_at = start
     trial, experiment = ctx.get_trial_id(), ctx.get_experiment_name()
     lineage = continue_lineage(pointer, trial, params)
     incarnation = f"{trial}-{uuid.uuid4().hex[:8]}"
@@ -312,7 +317,12 @@ def _run(
     if source is not None:  # until its own first report: the metrics of the state it took
         reporter.metrics = last_metrics(run_info(source)["history"])
     try:
-        Trainer(cfg, log=say, on_event=reporter, fork_from=source).fit()
+        if cfg.topology is None:
+            Trainer(cfg, log=say, on_event=reporter, fork_from=source).fit()
+        else:  # the servers read the checkpoint themselves, from the object store or a path
+            DistributedTrainer(
+                cfg, log=say, on_event=reporter, fork_from=source_at, gather=False
+            ).fit()
     finally:
         if not spec.checkpoint_dir:
             shutil.rmtree(where, ignore_errors=True)

@@ -126,3 +126,30 @@ def test_tune_storage_handover_forks_from_the_directory_tune_persisted(ray_sessi
         ck = Checkpoint.open(r.checkpoint.path)
         assert ck.step == 60 and ck.names("param")
     assert rtune.release("pbt-disk") == 0  # nothing went into the object store
+
+
+def test_a_distributed_trial_forks_through_the_object_store(ray_session, tmp_path):
+    """Two trials of a one-worker, one-server job; PBT copies the better into the other, whose
+    servers read the tensors from the object store."""
+    from ray.tune.schedulers import PopulationBasedTraining  # noqa: PLC0415
+
+    pbt = PopulationBasedTraining(
+        time_attr="training_iteration",
+        perturbation_interval=2,
+        hyperparam_mutations={"updater.lr": [0.001, 0.01, 0.05]},
+        quantile_fraction=0.5,
+    )
+    job = {**JOB, "train_steps": 40, "topology": {"workers_per_group": 1, "n_servers": 1}}
+    tuner = tune.Tuner(
+        rtune.trainable(job, report_every=10),
+        param_space={"updater.lr": tune.grid_search([0.0003, 0.05])},
+        tune_config=tune.TuneConfig(scheduler=pbt, metric="test_loss", mode="min"),
+        run_config=tune.RunConfig(name="pbt-dist", storage_path=str(tmp_path), verbose=0),
+    )
+    results = tuner.fit()
+    assert not results.errors, results.errors
+    finals = [rtune.read_pointer(r.checkpoint.path) for r in results]
+    assert [p["step"] for p in finals] == [40, 40]
+    assert any(len(p["lineage"]) > 1 for p in finals), "PBT exploited no trial"
+    assert not list(tmp_path.rglob("step-*"))
+    rtune.release("pbt-dist")
