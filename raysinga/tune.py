@@ -40,6 +40,13 @@ from .checkpoint import Checkpoint, CheckpointError, objstore
 from .checkpoint.format import MANIFEST
 from .events import CheckpointCommitted, Evaluated, Event, TrainStep
 from .run_state import run_info
+
+try:
+    from ray.tune import Callback
+except ImportError as e:  # Ray without its tune extra
+    raise ImportError(
+        f"raysinga.tune needs Ray Tune: pip install 'raysinga[tune]' ({type(e).__name__}: {e})"
+    ) from None
 from .tune_lineage import (
     FORMAT,
     POINTER,
@@ -181,6 +188,8 @@ class _Reporter:
     lineage: list[dict[str, Any]]
     keep: int
     disk: bool
+    handover: str = "object_store"
+    total: int = 0  # the job's train_steps
     metrics: dict[str, Any] = field(default_factory=dict)
     held: list[int] = field(default_factory=list)
 
@@ -192,8 +201,6 @@ class _Reporter:
         elif isinstance(ev, CheckpointCommitted):
             self.report(ev.step, ev.path)
 
-    handover: str = "object_store"
-
     def report(self, step: int, path: str) -> None:
         from ray import tune  # noqa: PLC0415
 
@@ -204,6 +211,7 @@ class _Reporter:
             "step": step,
             "segments": len(self.lineage),
             "forked_from": "" if parent is None else f"{parent['trial']}@{parent['step']}",
+            "finished": step >= self.total,  # ran to its last step (ReleaseStopped keeps it)
         }
         # beside the checkpoint: on the same file system, so that its files can be linked
         with tempfile.TemporaryDirectory(prefix=".tune-report-", dir=Path(path).parent) as d:
@@ -312,7 +320,13 @@ def _run(
     Path(cfg.run_path, "lineage.json").write_text(json.dumps(lineage, indent=1))
     key = f"tune/{experiment}/{trial}"
     reporter = _Reporter(
-        key, trial, lineage, spec.keep, bool(spec.checkpoint_dir), handover=spec.handover
+        key,
+        trial,
+        lineage,
+        spec.keep,
+        bool(spec.checkpoint_dir),
+        handover=spec.handover,
+        total=cfg.train_steps,
     )
     if source is not None:  # until its own first report: the metrics of the state it took
         reporter.metrics = last_metrics(run_info(source)["history"])
@@ -368,6 +382,32 @@ def _drop_earlier(root: Path, trial: str) -> None:
     started again cannot clean up after itself)."""
     for d in root.glob(f"{trial}-*") if root.is_dir() else ():
         shutil.rmtree(d, ignore_errors=True)
+
+
+class ReleaseStopped(Callback):
+    """A Ray Tune callback (``RunConfig(callbacks=[ReleaseStopped()])``) that drops a trial's
+    object-store checkpoints as soon as Tune drops the trial: stopped early by its scheduler
+    (ASHA, a stopper) or failed. A trial that ran to its last step keeps its final checkpoints
+    (its result) until :func:`release`; ``at_end`` releases the whole search when it ends."""
+
+    def __init__(self, at_end: bool = False) -> None:
+        self.at_end = at_end
+        self.released: list[str] = []
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        if not (trial.last_result or {}).get("finished", False):
+            self._drop(trial)
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._drop(trial)
+
+    def on_experiment_end(self, trials: list, **info: Any) -> None:
+        for t in trials if self.at_end else ():
+            self._drop(t)
+
+    def _drop(self, trial: Any) -> None:
+        release(trial.storage.experiment_dir_name, trial.trial_id)
+        self.released.append(trial.trial_id)
 
 
 def release(experiment: str, trial: str | None = None) -> int:

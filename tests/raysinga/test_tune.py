@@ -153,3 +153,34 @@ def test_a_distributed_trial_forks_through_the_object_store(ray_session, tmp_pat
     assert any(len(p["lineage"]) > 1 for p in finals), "PBT exploited no trial"
     assert not list(tmp_path.rglob("step-*"))
     rtune.release("pbt-dist")
+
+
+def test_asha_stops_trials_and_their_checkpoints_leave_the_object_store(ray_session, tmp_path):
+    from ray.tune.schedulers import ASHAScheduler  # noqa: PLC0415
+
+    from raysinga.checkpoint import objstore  # noqa: PLC0415
+
+    release = rtune.ReleaseStopped()
+    asha = ASHAScheduler(
+        time_attr="training_iteration", max_t=6, grace_period=1, reduction_factor=2
+    )
+    tuner = tune.Tuner(
+        rtune.trainable(JOB, report_every=10, keep=1),
+        param_space={"updater.lr": tune.grid_search([0.0001, 0.0003, 0.01, 0.05])},
+        tune_config=tune.TuneConfig(scheduler=asha, metric="test_loss", mode="min"),
+        run_config=tune.RunConfig(
+            name="asha", storage_path=str(tmp_path), verbose=0, callbacks=[release]
+        ),
+    )
+    results = tuner.fit()
+    assert not results.errors, results.errors
+    steps = {r.metrics["trial_id"]: r.metrics["step"] for r in results}
+    stopped = {t for t, s in steps.items() if s < 60}
+    assert stopped, f"ASHA stopped no trial: {steps}"
+    import ray  # noqa: PLC0415
+
+    held = [e for e in ray.get(objstore.registry().list.remote()) if "/asha/" in e["run"]]
+    # the stopped trials hold nothing; each finished one its final checkpoint only (keep=1)
+    assert sorted(e["run"].rsplit("/", 1)[1] for e in held) == sorted(set(steps) - stopped)
+    assert all(e["step"] == 60 for e in held)
+    rtune.release("asha")
