@@ -92,10 +92,17 @@ class Start:
         return cursor_for(self.info, n_groups)
 
     def history(self, upto: int) -> list[dict[str, Any]]:
-        """The saved metric records up to step ``upto`` (a resume's; else none)."""
+        """The saved metric records up to step ``upto`` (a resume's or a fork's; else none). A
+        fork's end with a record of where it forked from, so its checkpoints say so."""
         if self.info is None:
             return []
-        return [r for r in self.info["history"] if r.get("step", 0) <= upto]
+        kept = [r for r in self.info["history"] if r.get("step", 0) <= upto]
+        if self.kind == "fork" and self.checkpoint is not None:
+            label = self.source.label if self.source is not None else ""
+            kept.append(
+                {"kind": "fork", "step": self.checkpoint.step, "from": storage.redact(label)}
+            )
+        return kept
 
 
 class RunSession:

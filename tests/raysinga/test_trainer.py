@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from raysinga import ModelSpec, Net, StepContext, config
+from raysinga.checkpoint import Checkpoint
 from raysinga.data import digits
 from raysinga.trainer import Trainer
 
@@ -136,6 +137,10 @@ def test_a_run_stopped_by_until_and_forked_on_ends_as_the_straight_run(tmp_path)
     for k in straight.state:
         np.testing.assert_array_equal(second.state[k], straight.state[k])
     assert train_records(second) == train_records(straight)  # the history goes on too
+    fork = {"kind": "fork", "step": 20, "from": first.checkpoint}
+    assert fork in second.history
+    ck = Checkpoint.open(second.checkpoint)  # its checkpoints say where it forked from
+    assert fork in ck.manifest["meta"]["run"]["history"]
     assert second.final_eval == straight.final_eval
 
 
