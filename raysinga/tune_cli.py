@@ -210,6 +210,12 @@ def search(args: argparse.Namespace, job: config.JobConfig) -> int:
     # the interval raysinga.tune.trainable would choose, decided here to size the schedulers
     every = args.report_every or job.checkpoint_frequency or job.test_freq
     every = every or -(-job.train_steps // 10)
+    if metric.startswith(("test_", "valid_")) and job.test_freq and every % job.test_freq:
+        raise ConfigError(
+            f"--metric {metric}: the job evaluates every test_freq={job.test_freq} steps, so "
+            f"not at every report (every {every} steps); make --report-every a multiple of it, "
+            "or --set test_freq=0 (each trial then evaluates at every report)"
+        )
     trainable = rtune.trainable(args.config, args.set, report_every=every)
     scheduler = make_scheduler(args, searches, -(-job.train_steps // every))
     name = args.name or f"{job.name}-tune-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -219,7 +225,7 @@ def search(args: argparse.Namespace, job: config.JobConfig) -> int:
     started = _connect(args.address)
     try:
         tuner = tune.Tuner(
-            tune.with_resources(trainable, {"cpu": 1}),
+            trainable,
             param_space={s.key: s.domain() for s in searches},
             tune_config=tune.TuneConfig(
                 scheduler=scheduler, metric=metric, mode=mode, num_samples=args.trials
@@ -231,6 +237,8 @@ def search(args: argparse.Namespace, job: config.JobConfig) -> int:
                 # a trial at its last step is done: PBT must not exploit it (it would restart at
                 # that step, report it again, and could be exploited again, without end)
                 stop={"step": job.train_steps},
+                # a trial the scheduler stops early (ASHA) or that fails leaves the object store
+                callbacks=[rtune.ReleaseStopped()],
             ),
         )
         results = tuner.fit()
@@ -240,9 +248,10 @@ def search(args: argparse.Namespace, job: config.JobConfig) -> int:
     if started == "embedded":
         print("raysinga: the embedded Ray is stopped; the trials' checkpoints went with it")
     else:
+        where = f" --address {args.address}" if args.address else ""
         print(
             f"raysinga: the trials' newest checkpoints stay in Ray's object store "
-            f"(`raysinga tune {args.config} --name {name} --release` drops them)"
+            f"(`raysinga tune {args.config} --name {name} --release{where}` drops them)"
         )
     return 1 if failed else 0
 

@@ -89,6 +89,8 @@ def test_scheduler_and_metric_mistakes_are_refused_before_ray_starts(job, monkey
     cli_error("tune", str(job), *lr, *twice, named="updater.lr is searched twice")
     cli_error("tune", str(job), *lr, "--metric", "valid_loss", named="no data.validation")
     cli_error("tune", str(job), *lr, "--until", "20", named="--until goes with --replay")
+    every = ("--set", "test_freq=20", "--report-every", "10")
+    cli_error("tune", str(job), *lr, *every, named="evaluates every test_freq=20 steps")
 
 
 def test_the_default_metric_is_the_held_out_loss():
