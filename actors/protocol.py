@@ -37,6 +37,7 @@ class ServerSpec:
     updater: dict[str, Any]
     tag: str  # names the run's shared-memory files
     device: str = "cpu"
+    lr_scale: float = 1.0  # on every update's learning rate (JobConfig.lr_scale)
 
 
 @dataclass(frozen=True)

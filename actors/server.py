@@ -54,6 +54,7 @@ class ParamServer(Abortable):
             ]
         self.shapes = net.param_shapes()
         self.optimizer = make_optimizer(spec.updater)
+        self.optimizer.lr_scale = spec.lr_scale
         # Servers work while the workers wait for them, so spread updates over the node's cores.
         self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
         self.snaps = Snapshots(self.pool)

@@ -66,6 +66,10 @@ _Loader.add_implicit_resolver(
 )
 
 
+# updater.async_lr: how the learning rate follows the number of asynchronous groups
+ASYNC_LR = ("groups", "none")
+
+
 def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
@@ -83,7 +87,7 @@ TOP_KEYS = {
     "device": "auto | cpu | gpu",
     "model": "the net: input_shape, layers, loss",
     "data": "source (a data set; its held-out split is the test set) and batch_size",
-    "updater": "optimizer name, lr (number or schedule), its options, clip_norm",
+    "updater": "optimizer name, lr (number or schedule), its options, clip_norm, async_lr",
     "train_steps": "number of training steps",
     "test_freq": "evaluate on the test (and validation) split every N steps (0: only at the end)",
     "disp_freq": "print training metrics every N steps",
@@ -181,6 +185,22 @@ class JobConfig:
     @property
     def clip_norm(self) -> float | None:
         return self.updater.get("clip_norm")
+
+    @property
+    def optimizer(self) -> dict[str, Any]:
+        """The optimizer's name and hyperparameters (``updater`` less what the trainer applies
+        around it: ``clip_norm``, ``async_lr``)."""
+        return {k: v for k, v in self.updater.items() if k not in ("clip_norm", "async_lr")}
+
+    def lr_scale(self, topology: Any = None) -> float:
+        """The factor on the learning rate of every update under ``topology`` (default: the
+        job's): ``updater.async_lr: groups`` (the default) divides it by the number of groups
+        of an asynchronous preset (downpour, hogwild), whose every group's update lands on the
+        servers; 1 for the synchronous presets, a single process and ``async_lr: none``."""
+        t = self.topology if topology is None else topology
+        if t is None or t.preset not in ("downpour", "hogwild"):
+            return 1.0
+        return 1.0 if self.updater.get("async_lr", "groups") == "none" else 1.0 / t.n_groups
 
     @property
     def run_path(self) -> str:
@@ -299,6 +319,9 @@ def _updater(d: Any) -> dict[str, Any]:
     clip = d.pop("clip_norm", None)
     if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
         raise ConfigError(f"updater.clip_norm: expected a positive number, got {clip!r}")
+    rule = d.pop("async_lr", None)
+    if rule is not None and rule not in ASYNC_LR:
+        raise ConfigError(f"updater.async_lr: expected one of {', '.join(ASYNC_LR)}, got {rule!r}")
     if "lr" in d:
         from .schedules import make_schedule  # noqa: PLC0415
 
@@ -310,7 +333,8 @@ def _updater(d: Any) -> dict[str, Any]:
         make_optimizer(d)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"updater: {e}") from None
-    return {**d, "clip_norm": clip} if clip is not None else d
+    extra = {k: v for k, v in (("clip_norm", clip), ("async_lr", rule)) if v is not None}
+    return {**d, **extra}
 
 
 def from_dict(d: Any) -> JobConfig:

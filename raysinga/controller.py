@@ -87,7 +87,7 @@ class Controller:
         self.result = TrainResult({}, {}, [])
         self.progress = 0  # the most steps a group has done (as far as the driver knows)
         self.restart = False  # the next launch starts from the newest committed checkpoint
-        self.book = FailureBook(cfg.fault, session.root, hub)
+        self.book = FailureBook(cfg.fault, session.root, hub, cfg.lr_scale)
         self.lost: BaseException | None = None  # the loss being recovered from
         self.cursor: Any = None  # the data cursor of the running launch
         self.grow = False  # the cluster has room for more workers or groups than are running

@@ -80,7 +80,7 @@ class DistributedTrainer:
                 f"topology.workers_per_group {topo.workers_per_group}"
             )
         shapes = self.net.param_shapes()
-        updater = {k: v for k, v in cfg.updater.items() if k != "clip_norm"}
+        updater = cfg.optimizer
         worker_device, server_device = role_devices(cfg)
         self.plan = RunPlan(
             shapes=shapes,

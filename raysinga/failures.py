@@ -11,6 +11,7 @@ or after the next successful launch when every role was restarted from a checkpo
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .actors import cluster
@@ -39,8 +40,13 @@ class FailuresExceeded(RuntimeError):
 class FailureBook:
     """Failures and resizes of one run, counted and recorded."""
 
-    def __init__(self, fault: Any, root: Any, hub: EventHub) -> None:
+    def __init__(
+        self, fault: Any, root: Any, hub: EventHub, lr_scale: Callable[[Any], float] | None = None
+    ) -> None:
         self.fault, self.root, self.hub = fault, root, hub
+        # the factor on the learning rate under a topology (JobConfig.lr_scale), recorded with
+        # the sizes after each failure and resize
+        self.lr_scale = lr_scale or (lambda topo: 1.0)
         self.failures: list[dict[str, Any]] = []  # losses recovered from, with their cost
         self.notes: list[dict[str, Any]] = []  # those, and resizes: the run's history keeps them
         # Until the next launch succeeds: failure records (with their start times), the roles
@@ -91,8 +97,13 @@ class FailureBook:
                 "steps_replayed": done.replayed,
                 "rolled_back": 0,
             },
-            {**done.phases, **sizes_record(topo, topo)},
+            {**done.phases, **self.sizes(topo, topo)},
         )
+
+    def sizes(self, was: Any, now: Any) -> dict[str, Any]:
+        """Groups and workers now (and before, where they changed), and the factor on the
+        learning rate that applies from here on."""
+        return {**sizes_record(was, now), "lr_scale": self.lr_scale(now)}
 
     def restarting_from(self, rec: dict[str, Any], t0: float, lost: list[Any], topo: Any) -> None:
         """Every role is being stopped; the record is completed after the next launch."""
@@ -109,7 +120,7 @@ class FailureBook:
         the role die, the step restored, the steps to redo, the seconds it took)."""
         if self.was is None:
             return
-        sizes = sizes_record(self.was, topo)
+        sizes = self.sizes(self.was, topo)
         for rec, t0 in self.restarting:
             lost = max(0, rec["step"] - restored)
             self._complete(

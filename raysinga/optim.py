@@ -103,8 +103,13 @@ class Optimizer:
         optimizer has none (then ``_apply`` runs, as CuPy array operations)."""
         return False
 
+    # The factor on the schedule's rate, set by who runs the optimizer (a server of an
+    # asynchronous topology: 1 / its groups, JobConfig.lr_scale); not part of the state.
+    lr_scale: float = 1.0
+
     def lr(self, step: int) -> float:
-        return self.schedule(step)
+        lr = self.schedule(step)
+        return lr if self.lr_scale == 1.0 else lr * self.lr_scale
 
     def update(self, step: int, name: str, param: Any, grad: Any, pool: Any = None) -> None:
         """Update ``param`` in place; ``step`` is the global step (it picks the learning rate).
@@ -123,7 +128,7 @@ class Optimizer:
         if name not in self._ready:
             self._prepare(xp, name, param)
         t = self.counts.get(name, 0) + 1
-        slots, lr = self._slots.get(name, {}), self.schedule(step)
+        slots, lr = self._slots.get(name, {}), self.lr(step)
         pieces = _chunks(param.size, pool) if xp is np and param.flags.c_contiguous else []
         if xp is not np and param.flags.c_contiguous and self._fused(param, grad, slots, lr, t):
             pass  # one fused kernel on the GPU, bit-identical to _apply

@@ -111,6 +111,7 @@ class RoleGroup:
             plan.updater,
             self.tag,
             plan.server_device,
+            cfg.lr_scale(self.topo),
         )
 
     def spawn_workers(self, seed: int) -> None:

@@ -171,9 +171,10 @@ def _describe(ck: Checkpoint, cfg: Any, log: Any) -> None:
         )
     saved = (info.get("config") or {}).get("updater") or {}
     now = (cfg.raw or {}).get("updater") or {}
-    # clip_norm is applied by the stubs from the job file, like train_steps
+    # clip_norm and async_lr apply from the job file, like train_steps
+    around = ("clip_norm", "async_lr")
     keys = sorted(
-        k for k in set(saved) | set(now) if k != "clip_norm" and saved.get(k) != now.get(k)
+        k for k in set(saved) | set(now) if k not in around and saved.get(k) != now.get(k)
     )
     if saved and now and keys:
         log(

@@ -132,7 +132,7 @@ class StepRunner:
             cfg.train_steps,
             ((step - 1) * self.topo.n_groups) // plan_steps,
             sum(r.loss for r in window) / n,
-            self.plan.schedule(step - 1),
+            self.plan.schedule(step - 1) * self.cfg.lr_scale(self.topo),
             len(window) * cfg.data.batch_size / max(dt, 1e-9),
             # the window's last step, as in the single-process trainer
             window[-1].grad_norm if window else None,

@@ -111,7 +111,7 @@ class Trainer:
         self.splits = open_data(cfg, self.net, self.hub.notice)
         self.train_data = self.splits.train
         self.plan = BatchPlan(len(self.train_data), cfg.data.batch_size, cfg.seed, cfg.data.shuffle)
-        self.optimizer = make_optimizer({k: v for k, v in cfg.updater.items() if k != "clip_norm"})
+        self.optimizer = make_optimizer(cfg.optimizer)
         self.run_dir = Path(cfg.run_path)
 
     def fit(self) -> TrainResult:

@@ -18,6 +18,7 @@ from raysinga import config
 from raysinga.actors.worker import Worker
 from raysinga.checkpoint import Checkpoint, save, steps
 from raysinga.distributed import DistributedTrainer
+from raysinga.schedules import make_schedule
 from raysinga.trainer import Trainer
 
 QUIET = {"log": lambda line: None}
@@ -239,3 +240,32 @@ def _clean_logs():
     import shutil
 
     shutil.rmtree(LOGS, ignore_errors=True)
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize("rule", ["groups", "none"])
+def test_eight_groups_converge_where_the_learning_rate_follows_them(ray_session, tmp_path, rule):
+    """The example's learning rate (0.05, momentum 0.9) with eight Downpour groups: each group's
+    update lands on the servers, eight per step. Divided by the groups (the default) the run
+    reaches the single group's accuracy; at the full rate it ends at chance."""
+    more = [
+        f"run_dir={tmp_path}",
+        "train_steps=300",
+        "disp_freq=100",
+        "test_freq=0",
+        "topology={preset: downpour, n_groups: 8, workers_per_group: 1, worker: {cpus: 0.5}}",
+        f"updater.async_lr={rule}",
+    ]
+    cfg = config.load(EXAMPLES / "digits_mlp.yaml", more)
+    assert cfg.lr_scale() == (0.125 if rule == "groups" else 1.0)
+    res = DistributedTrainer(cfg, **QUIET).fit()
+    lrs = [r["lr"] for r in res.history if r["kind"] == "train"]
+    schedule = make_schedule(cfg.updater["lr"])  # the rate the servers apply is reported
+    assert lrs == pytest.approx([schedule(s - 1) * cfg.lr_scale() for s in (100, 200, 300)])
+    accuracy = res.final_eval["test_accuracy"]
+    if rule == "groups":
+        assert accuracy >= 0.95
+    else:
+        assert accuracy < 0.5, "the full rate with eight groups diverged before"

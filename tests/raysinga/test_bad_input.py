@@ -186,6 +186,7 @@ EDITS = {  # id -> (edits to the tiny job, extra arguments, what the error line 
     "eval batch as text": ({"data.eval_batch_size": "big"}, [], ["data.eval_batch_size"]),
     "negative scan_bytes": ({"data.scan_bytes": -1}, [], ["data.scan_bytes"]),
     "clip_norm as text": ({"updater.clip_norm": "x"}, [], ["updater.clip_norm"]),
+    "unknown async_lr rule": ({"updater.async_lr": "sqrt"}, [], ["updater.async_lr", "groups"]),
     "negative lr": ({"updater.lr": -0.1}, [], ["updater.lr"]),
     "not-a-number lr": ({"updater.lr": float("nan")}, [], ["updater.lr"]),
     "short betas": ({"updater": {"name": "adam", "lr": 0.1, "betas": [0.9]}}, [], ["betas"]),

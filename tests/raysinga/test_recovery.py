@@ -707,4 +707,6 @@ def test_a_lost_node_drops_a_downpour_group_then_it_comes_back(tight_cluster, tm
     recs = [r for r in res.history if r["kind"] in ("failure", "resize")]
     assert [(r["kind"], r["groups"]) for r in recs] == [("failure", 1), ("resize", 2)], recs
     assert recs[0]["resized_from"] == {"groups": 2, "workers": 1}
+    # the learning rate follows the live groups (updater.async_lr: groups, the default)
+    assert [r["lr_scale"] for r in recs] == [1.0, 0.5], recs
     assert any("1 group(s) x 1 worker(s) of the configured 2 x 1" in x for x in lines)
