@@ -66,8 +66,7 @@ _Loader.add_implicit_resolver(
 )
 
 
-# updater.async_lr: how the learning rate follows the number of asynchronous groups
-ASYNC_LR = ("groups", "none")
+ASYNC_LR = ("groups", "none")  # updater.async_lr: how the rate follows asynchronous groups
 
 
 def parse_yaml(text: str) -> Any:
@@ -188,15 +187,13 @@ class JobConfig:
 
     @property
     def optimizer(self) -> dict[str, Any]:
-        """The optimizer's name and hyperparameters (``updater`` less what the trainer applies
-        around it: ``clip_norm``, ``async_lr``)."""
+        """``updater`` less what applies around the optimizer (``clip_norm``, ``async_lr``)."""
         return {k: v for k, v in self.updater.items() if k not in ("clip_norm", "async_lr")}
 
     def lr_scale(self, topology: Any = None) -> float:
-        """The factor on the learning rate of every update under ``topology`` (default: the
-        job's): ``updater.async_lr: groups`` (the default) divides it by the number of groups
-        of an asynchronous preset (downpour, hogwild), whose every group's update lands on the
-        servers; 1 for the synchronous presets, a single process and ``async_lr: none``."""
+        """The factor on every update's learning rate under ``topology`` (default: the job's):
+        1 / its groups for downpour and hogwild with ``updater.async_lr: groups`` (the
+        default), whose every group's update lands on the servers; else 1."""
         t = self.topology if topology is None else topology
         if t is None or t.preset not in ("downpour", "hogwild"):
             return 1.0
@@ -320,8 +317,7 @@ def _updater(d: Any) -> dict[str, Any]:
     if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
         raise ConfigError(f"updater.clip_norm: expected a positive number, got {clip!r}")
     rule = d.pop("async_lr", None)
-    if rule is not None and rule not in ASYNC_LR:
-        raise ConfigError(f"updater.async_lr: expected one of {', '.join(ASYNC_LR)}, got {rule!r}")
+    rule = rule if rule is None else _choice("updater.async_lr", rule, ASYNC_LR)
     if "lr" in d:
         from .schedules import make_schedule  # noqa: PLC0415
 
