@@ -22,15 +22,17 @@ round), with the same code a trial of ``raysinga.tune.trainable`` runs:
 
 - the receiver is given the persisted ``tune.Checkpoint`` (as ``tune.get_checkpoint()`` returns
   it after an exploit) and does what a trial does: ``start_from`` (``fetch_newest`` from the
-  object store, mapped zero-copy; or the persisted directory opened with every byte hashed),
-  then ``Trainer(cfg, fork_from=...)`` under a new learning rate until its first step is done.
+  object store, mapped zero-copy; or the persisted directory opened with every byte hashed:
+  on a local ``storage_path``, ``as_directory()`` gives that directory itself, no download, the
+  best case of Tune's path), then ``Trainer(cfg, fork_from=...)`` under a new learning rate
+  until its first step is done.
 
 Timed, with wall-clock stamps taken in the two processes: the exploit, from the end of the
 donor's step (its checkpoint save starts) to the donor's report being done, plus from the
 receiver's start to its first step done (Trainer set-up, the data opened, the checkpoint's
-tensors copied into the run, one step). The gap between the two,
-Tune's scheduling (a PBT exploit stops the receiving trial and starts it again), is the same
-for both hand-overs and left out. Also printed: the donor's report alone and the receiver's
+tensors copied into the run, one step). The gap between the two, Tune's scheduling (a PBT
+exploit stops the receiving trial and starts it again), is the same for both hand-overs and
+left out. Also printed: the donor's report alone and the receiver's
 fetch alone. The storage copy is read warm (just written, as in an exploit right after the
 report), and every round ends with the copies removed, the objects released, ``sync``.
 
@@ -148,7 +150,7 @@ class Trial:
 
         out: dict = {"start": time.time()}
         with contextlib.ExitStack() as stack:
-            source, pointer = start_from(tune.Checkpoint(path), stack, lambda line: None)
+            source, pointer, _ = start_from(tune.Checkpoint(path), stack, lambda line: None)
             out["fetched"] = time.time()
             first = int(pointer["step"]) + 1
 
