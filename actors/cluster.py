@@ -194,13 +194,23 @@ def _layout(topo: Topology) -> tuple[list[dict[str, float]], Placement]:
     return bundles, p
 
 
-def place(topo: Topology, timeout_s: float = 30.0) -> Placement:
-    """Reserve the topology's resources; ``allreduce`` puts server ``i`` with worker ``i``."""
+def place(topo: Topology, timeout_s: float = 30.0, name: str = "") -> Placement:
+    """Reserve the topology's resources; ``allreduce`` puts server ``i`` with worker ``i``.
+
+    ``name``: one that only this run uses: a placement group of that name is left from an
+    earlier start of it whose driver was stopped without freeing it (a Ray Tune trial, whose
+    group lives as long as the Tune job), and is removed before the new one is made."""
     import ray  # noqa: PLC0415
+    from ray.util import get_placement_group  # noqa: PLC0415
     from ray.util.placement_group import placement_group, remove_placement_group  # noqa: PLC0415
 
     bundles, p = _layout(topo)
-    p.pg = placement_group(bundles, strategy="PACK")
+    if name:
+        try:
+            remove_placement_group(get_placement_group(name))
+        except Exception:  # noqa: BLE001, S110 - none of that name (ValueError), or gone already
+            pass
+    p.pg = placement_group(bundles, strategy="PACK", name=name)
     ready, _ = ray.wait([p.pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(p.pg)

@@ -74,10 +74,11 @@ class Controller:
         hub: EventHub,
         classes: dict[str, type],
         gather: bool,
+        placement_name: str = "",
     ) -> None:
         self.cfg, self.plan, self.session, self.hub = cfg, plan, session, hub
         self.classes, self.gather = classes, gather
-        self.elastic = Elastic(cfg.topology, cfg.fault, hub.notice)
+        self.elastic = Elastic(cfg.topology, cfg.fault, hub.notice, placement_name)
         self.coordinator = CheckpointCoordinator(session)
         self.topo = cfg.topology  # as running (an elastic run may run a smaller one)
         self.placement: cluster.Placement | None = None

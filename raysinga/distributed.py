@@ -68,6 +68,9 @@ class DistributedTrainer:
         self.cfg, self.address, self.gather, self.ship = cfg, address, gather, ship
         self.resume, self.init_from, self.fresh = resume, init_from, fresh
         self.fork_from = fork_from
+        # names the run's placement group, whose earlier copy a start removes (cluster.place):
+        # set by callers that may be stopped without a chance to free it (raysinga.tune)
+        self.placement_name = ""
         self.hub = hub_for(log, on_event)
         self.classes = {**ROLE_CLASSES, **(classes or {})}
         topo = cfg.topology
@@ -120,7 +123,13 @@ class DistributedTrainer:
         )
         with self.session, self.session.stop_signals():
             self.controller = Controller(
-                cfg, self.plan, self.session, self.hub, self.classes, self.gather
+                cfg,
+                self.plan,
+                self.session,
+                self.hub,
+                self.classes,
+                self.gather,
+                self.placement_name,
             )
             return self.session.finish(self.controller.run())
 

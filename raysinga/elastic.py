@@ -16,8 +16,8 @@ from .actors import cluster
 class Elastic:
     """The sizes a run may take, largest first, and the placement of the largest that fits."""
 
-    def __init__(self, full: Any, fault: Any, log: Callable[[str], None]) -> None:
-        self.full, self.log = full, log
+    def __init__(self, full: Any, fault: Any, log: Callable[[str], None], name: str = "") -> None:
+        self.full, self.log, self.name = full, log, name  # name: the run's placement group
         self.sizes = cluster.shrunk(
             full, fault.min_groups or full.n_groups, fault.min_workers or full.workers_per_group
         )
@@ -31,7 +31,7 @@ class Elastic:
         largest smaller form: returns (topology, placement)."""
         if self.rigid:
             cluster.check_fits(self.full)
-            return self.full, cluster.place(self.full)
+            return self.full, cluster.place(self.full, name=self.name)
         nodes = cluster.live_nodes()
         fitting = [t for t in self.sizes if cluster.packs(t, nodes)]
         if not fitting:
@@ -40,7 +40,7 @@ class Elastic:
         for i, t in enumerate(fitting):
             last = i + 1 == len(fitting)
             try:  # Ray has the last word: a node just lost may still be listed for a moment
-                placement = cluster.place(t, timeout_s=30.0 if last else 10.0)
+                placement = cluster.place(t, timeout_s=30.0 if last else 10.0, name=self.name)
             except cluster.ResourceError:
                 if last:
                     raise

@@ -212,6 +212,9 @@ class _Reporter:
             "segments": len(self.lineage),
             "forked_from": "" if parent is None else f"{parent['trial']}@{parent['step']}",
             "finished": step >= self.total,  # ran to its last step (ReleaseStopped keeps it)
+            # Tune stops a trial whose result says done, before its scheduler sees the result:
+            # PBT never exploits a finished trial into itself again and again
+            "done": step >= self.total,
         }
         # beside the checkpoint: on the same file system, so that its files can be linked
         with tempfile.TemporaryDirectory(prefix=".tune-report-", dir=Path(path).parent) as d:
@@ -242,10 +245,10 @@ class _Reporter:
         nbytes = ray.get(keeper.lookup.remote(self.key, step))["nbytes"]
         ray.get(reg.register.remote(self.key, step, refs, pointer["uri"], nbytes, pointer))
         del refs
-        self.held.append(step)
+        self.held = [*(s for s in self.held if s != step), step]
         while len(self.held) > self.keep:
-            old = self.held.pop(0)
-            ray.get([reg.delete.remote(self.key, old), keeper.delete.remote(self.key, old)])
+            old = self.held.pop(0)  # an earlier start of this trial may have run on another node
+            ray.get([r.delete.remote(self.key, old) for r in (reg, *_keepers())])
         return pointer
 
 
@@ -330,13 +333,18 @@ def _run(
     )
     if source is not None:  # until its own first report: the metrics of the state it took
         reporter.metrics = last_metrics(run_info(source)["history"])
+    if spec.handover == "object_store":  # what earlier starts of this trial left count too
+        reporter.held = _held_steps(key)
     try:
         if cfg.topology is None:
             Trainer(cfg, log=say, on_event=reporter, fork_from=source).fit()
         else:  # the servers read the checkpoint themselves, from the object store or a path
-            DistributedTrainer(
+            run = DistributedTrainer(
                 cfg, log=say, on_event=reporter, fork_from=source_at, gather=False
-            ).fit()
+            )
+            # an earlier start of this trial, stopped by Tune, left its placement group
+            run.placement_name = f"raysinga-tune:{experiment}/{trial}"
+            run.fit()
     finally:
         if not spec.checkpoint_dir:
             shutil.rmtree(where, ignore_errors=True)
@@ -364,6 +372,13 @@ def _keeper(node: str | None = None) -> Any:
         )
         .remote()
     )
+
+
+def _held_steps(key: str) -> list[int]:
+    """The steps of run ``key`` in the registry, oldest first."""
+    import ray  # noqa: PLC0415
+
+    return sorted(e["step"] for e in ray.get(objstore.registry().list.remote(key)))
 
 
 def _keepers() -> list[Any]:

@@ -116,9 +116,9 @@ def replay(
     base = load_job(job, overrides)
     source, result = None, None
     for i, seg in enumerate(lineage):
-        end = lineage[i + 1]["start"] if i + 1 < len(lineage) else until
+        end = min(lineage[i + 1]["start"] if i + 1 < len(lineage) else until, until)
         if end <= seg["start"]:
-            continue
+            continue  # no steps of its own, or all after `until`
         d = Path(work_dir, f"segment-{i}")
         cfg = job_for(base.raw, seg["params"], name=f"{base.name}-replay-{i}", run_dir=str(d))
         stop = None if end >= cfg.train_steps else end
