@@ -103,64 +103,72 @@ def test_pbt_hands_checkpoints_over_in_memory_and_a_lineage_replays_bit_exact(
     assert rtune.release("pbt") >= 4  # the final checkpoints, one per trial
 
 
+def _one_trial(trainable, tmp_path, name: str, stop: int):
+    """A search of one trial, stopped by Tune after its report at step ``stop``: the pointer
+    of that report."""
+    tuner = tune.Tuner(
+        trainable,
+        tune_config=tune.TuneConfig(metric="loss", mode="min"),
+        run_config=tune.RunConfig(
+            name=name, storage_path=str(tmp_path / "tune"), stop={"step": stop}, verbose=0
+        ),
+    )
+    (result,) = tuner.fit()
+    assert result.error is None, result.error
+    return result.checkpoint
+
+
+def _straight(job: dict, tmp_path, trainer):
+    from raysinga import config  # noqa: PLC0415
+
+    cfg = config.from_dict({**job, "run_dir": str(tmp_path / "straight")})
+    return trainer(cfg, log=lambda line: None).fit()
+
+
 def test_tune_storage_handover_forks_from_the_directory_tune_persisted(ray_session, tmp_path):
     """handover="tune_storage" (what benchmarks/bench_tune.py times against): the checkpoint
-    directory is the Tune checkpoint, in storage_path, and no object is made."""
-    from ray.tune.schedulers import PopulationBasedTraining  # noqa: PLC0415
+    directory is the Tune checkpoint, in storage_path, no object is made, and a trial that
+    starts from it goes on bit-identically to the run straight through."""
+    import contextlib  # noqa: PLC0415
+
+    from raysinga.trainer import Trainer  # noqa: PLC0415
 
     with pytest.raises(ValueError, match="handover must be one of"):
         rtune.trainable(JOB, handover="disk")
-    pbt = PopulationBasedTraining(
-        time_attr="training_iteration",
-        perturbation_interval=2,
-        hyperparam_mutations={"updater.lr": tune.loguniform(1e-3, 2e-1)},
-        quantile_fraction=0.5,
-        synch=True,  # both trials meet at each perturbation, however fast either runs
-    )
-    tuner = tune.Tuner(
-        tune.with_resources(
-            rtune.trainable(JOB, report_every=10, handover="tune_storage"), {"cpu": 1}
-        ),
-        param_space={"updater.lr": tune.grid_search([0.0005, 0.08])},
-        tune_config=tune.TuneConfig(scheduler=pbt, metric="test_loss", mode="min"),
-        run_config=tune.RunConfig(name="pbt-disk", storage_path=str(tmp_path / "tune"), verbose=0),
-    )
-    results = tuner.fit()
-    assert not results.errors, results.errors
-    finals = [rtune.read_pointer(r.checkpoint.path) for r in results]
-    assert [p["step"] for p in finals] == [60, 60], finals
-    assert any(len(p["lineage"]) > 1 for p in finals), "PBT exploited no trial"
-    for r in results:  # every reported checkpoint is a whole raysinga checkpoint on disk
-        ck = Checkpoint.open(r.checkpoint.path)
-        assert ck.step == 60 and ck.names("param")
+    trainable = rtune.trainable(JOB, report_every=10, handover="tune_storage")
+    tune_ck = _one_trial(trainable, tmp_path, "pbt-disk", 30)
+    ck = Checkpoint.open(tune_ck.path)  # a whole raysinga checkpoint, pointer beside it
+    assert ck.step == 30 and rtune.read_pointer(tune_ck.path)["step"] == 30
     assert rtune.release("pbt-disk") == 0  # nothing went into the object store
+    with contextlib.ExitStack() as stack:  # what a trial Tune starts from it does
+        source, pointer, where = rtune.start_from(tune_ck, stack, print)
+        assert source.step == 30 and Path(where).is_dir()
+        cfg = rtune.job_for(JOB, pointer["lineage"][-1]["params"], run_dir=str(tmp_path / "b"))
+        got = Trainer(cfg, log=None, fork_from=source).fit()
+    want = _straight(JOB, tmp_path, Trainer)
+    for name in want.params:
+        np.testing.assert_array_equal(got.params[name], want.params[name])
 
 
-def test_a_distributed_trial_forks_through_the_object_store(ray_session, tmp_path):
-    """Two trials of a one-worker, one-server job; PBT copies the better into the other, whose
-    servers read the tensors from the object store."""
-    from ray.tune.schedulers import PopulationBasedTraining  # noqa: PLC0415
+def test_a_distributed_trial_hands_its_checkpoint_to_servers_through_the_object_store(
+    ray_session, tmp_path
+):
+    """A one-worker, one-server trial's checkpoint, read by another run's servers from the
+    object store (as a trial that PBT copies it into does), goes on bit-identically."""
+    from raysinga.distributed import DistributedTrainer  # noqa: PLC0415
 
-    pbt = PopulationBasedTraining(
-        time_attr="training_iteration",
-        perturbation_interval=2,
-        hyperparam_mutations={"updater.lr": [0.001, 0.01, 0.05]},
-        quantile_fraction=0.5,
-        synch=True,  # both trials meet at each perturbation, however their roles start
-    )
-    job = {**JOB, "train_steps": 80, "topology": {"workers_per_group": 1, "n_servers": 1}}
-    tuner = tune.Tuner(
-        rtune.trainable(job, report_every=10),
-        param_space={"updater.lr": tune.grid_search([0.0003, 0.05])},
-        tune_config=tune.TuneConfig(scheduler=pbt, metric="test_loss", mode="min"),
-        run_config=tune.RunConfig(name="pbt-dist", storage_path=str(tmp_path), verbose=0),
-    )
-    results = tuner.fit()
-    assert not results.errors, results.errors
-    finals = [rtune.read_pointer(r.checkpoint.path) for r in results]
-    assert [p["step"] for p in finals] == [80, 80]
-    assert any(len(p["lineage"]) > 1 for p in finals), "PBT exploited no trial"
+    job = {**JOB, "train_steps": 40, "topology": {"workers_per_group": 1, "n_servers": 1}}
+    tune_ck = _one_trial(rtune.trainable(job, report_every=10), tmp_path, "pbt-dist", 20)
+    pointer = rtune.read_pointer(tune_ck.path)
+    assert pointer["step"] == 20 and pointer["uri"] is None
+    source, _, ref = rtune.fetch_newest(pointer)
+    assert source.step == 20 and not isinstance(ref, str)  # an ObjectRef, not a path
     assert not list(tmp_path.rglob("step-*"))
+    cfg = rtune.job_for(job, {}, run_dir=str(tmp_path / "b"))
+    got = DistributedTrainer(cfg, log=lambda line: None, fork_from=ref).fit()
+    want = _straight(job, tmp_path, DistributedTrainer)
+    for name in want.params:
+        assert got.params[name].tobytes() == want.params[name].tobytes(), name
     rtune.release("pbt-dist")
 
 
