@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from report import Figure, Report, add_json_option
+from report import Figure, Report, add_json_option, fs_type
 
 
 def model_tensors(total: int) -> dict[str, np.ndarray]:
@@ -359,16 +359,6 @@ def object_store(tensors, work: Path, rounds: int) -> dict[str, list[float]]:
         return out
     finally:
         ray.shutdown()
-
-
-def fs_type(path: Path) -> str:
-    best, kind = "", "?"
-    with open("/proc/mounts") as f:
-        for line in f:
-            dev, mnt, typ, *_ = line.split()
-            if str(path).startswith(mnt) and len(mnt) > len(best):
-                best, kind = mnt, f"{typ} on {dev}"
-    return kind
 
 
 def main() -> None:

@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 
 import ray
-from report import Figure, Report, add_json_option
+from report import Figure, Report, add_json_option, fs_type
 
 SHM = "/dev/shm/raysinga-bench-tune"
 MODES = ("object_store", "tune_storage")
@@ -191,16 +191,6 @@ def one_exploit(donor, receiver, mode: str, r: int, work: Path) -> dict[str, flo
         "fetch": t["fetched"] - t["start"],
         "receiver": receiver_s,
     }
-
-
-def fs_type(path: Path) -> str:
-    best, kind = "", "?"
-    with open("/proc/mounts") as f:
-        for line in f:
-            dev, mnt, typ, *_ = line.split()
-            if str(path).startswith(mnt) and len(mnt) > len(best):
-                best, kind = mnt, f"{typ} on {dev}"
-    return kind
 
 
 def main() -> None:

@@ -84,5 +84,16 @@ class Report:
         print(f"figures written to {path}")
 
 
+def fs_type(path: Path) -> str:
+    """The file system ``path`` lies on, as "TYPE on DEVICE" (the longest mount point of it)."""
+    best, kind = "", "?"
+    with open("/proc/mounts") as f:
+        for line in f:
+            dev, mnt, typ, *_ = line.split()
+            if str(path).startswith(mnt) and len(mnt) > len(best):
+                best, kind = mnt, f"{typ} on {dev}"
+    return kind
+
+
 def add_json_option(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", metavar="FILE", default=None, help="also write the figures as JSON")
