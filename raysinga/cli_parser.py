@@ -271,6 +271,12 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="pbt, pb2: reports between exploits (default: a quarter of the reports, at least 1)",
     )
+    tu.add_argument(
+        "--synch",
+        action="store_true",
+        help="pbt, pb2: every trial waits at each perturbation point for the others, so the "
+        "worst exploit the best of the same report, not whoever reported last",
+    )
     _add_set(tu)
     tu.add_argument(
         "--storage",

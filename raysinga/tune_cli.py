@@ -159,6 +159,7 @@ def make_scheduler(args: argparse.Namespace, searches: list[Search], reports: in
         return PopulationBasedTraining(
             time_attr="training_iteration",
             perturbation_interval=interval,
+            synch=args.synch,
             hyperparam_mutations={s.key: s.domain(mutation=True) for s in searches},
         )
     discrete = [s.text for s in searches if s.sampler in ("choice", "grid")]
@@ -174,6 +175,7 @@ def make_scheduler(args: argparse.Namespace, searches: list[Search], reports: in
     return PB2(
         time_attr="training_iteration",
         perturbation_interval=interval,
+        synch=args.synch,
         hyperparam_bounds={s.key: [s.args[0], s.args[1]] for s in searches},
     )
 
@@ -205,6 +207,8 @@ def search(args: argparse.Namespace, job: config.JobConfig) -> int:
         raise ValueError(f"--trials must be 1 or more, got {args.trials}")
     if args.perturbation_interval is not None and args.perturbation_interval < 1:
         raise ValueError("--perturbation-interval must be 1 report or more")
+    if args.synch and args.scheduler not in ("pbt", "pb2"):
+        raise ConfigError(f"--synch goes with --scheduler pbt or pb2, not {args.scheduler}")
     searches = check_searches(args.search, job)
     metric, mode = choose_metric(job, args.metric, args.mode)
     # the interval raysinga.tune.trainable would choose, decided here to size the schedulers

@@ -89,6 +89,7 @@ def test_scheduler_and_metric_mistakes_are_refused_before_ray_starts(job, monkey
     cli_error("tune", str(job), *lr, *twice, named="updater.lr is searched twice")
     cli_error("tune", str(job), *lr, "--metric", "valid_loss", named="no data.validation")
     cli_error("tune", str(job), *lr, "--until", "20", named="--until goes with --replay")
+    cli_error("tune", str(job), *lr, "--synch", named="--synch goes with --scheduler pbt or pb2")
     every = ("--set", "test_freq=20", "--report-every", "10")
     cli_error("tune", str(job), *lr, *every, named="evaluates every test_freq=20 steps")
 
@@ -116,7 +117,7 @@ def test_a_pbt_search_prints_its_trials_and_a_trial_replays_bit_for_bit(ray_sess
     storage = tmp_path / "tune"
     code, out = _raysinga(
         *("tune", str(job), "--search", "updater.lr=grid(0.0005,0.002,0.02,0.08)"),
-        *("--trials", "1", "--scheduler", "pbt", "--report-every", "10"),
+        *("--trials", "1", "--scheduler", "pbt", "--synch", "--report-every", "10"),
         *("--storage", str(storage), "--name", "cli", "--quiet"),
     )
     assert code == 0, out
@@ -127,6 +128,8 @@ def test_a_pbt_search_prints_its_trials_and_a_trial_replays_bit_for_bit(ray_sess
     assert [r[3] for r in rows] == ["40"] * 4  # every trial ran to the end
     assert all(re.fullmatch(r"\d\.\d{4}", r[2]) for r in rows), rows
     lineage = {r[0]: int(r[4]) for r in rows}
+    # synchronous PBT: at each of the 3 perturbation points before the end the worst of the 4
+    # exploits the best, whatever the order in which the trials reported
     assert max(lineage.values()) > 1, "PBT exploited no trial"
     best = re.search(
         r"best trial (\S+) by test_loss \((\S+), min\): step 40, Tune checkpoint (\S+)", out
