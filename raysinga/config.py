@@ -17,7 +17,7 @@ import yaml
 
 from .actors.topology import Topology, TopologyError
 from .config_checkpoint import CheckpointConfig, checkpoint_section
-from .config_checks import ConfigError, check_sizes, check_source, storable
+from .config_checks import ConfigError, check_elastic, check_sizes, check_source, storable
 from .config_checks import choice as _choice
 from .config_checks import flag as _flag
 from .config_checks import integer as _int
@@ -25,6 +25,7 @@ from .config_checks import mapping as _mapping
 from .config_checks import section as _section
 from .config_init import InitConfig, init_section
 from .data_check import DEFAULT_SCAN_BYTES
+from .divergence import DivergenceConfig, divergence_section
 from .model import ModelSpec
 
 
@@ -100,6 +101,7 @@ TOP_KEYS = {
     "checkpoint": "dir (a path or URI), keep_last, keep_every, keep_best, object_store, "
     "compression, final",
     "init": "rename, strip_prefix: how --init-from's checkpoint names map onto this model",
+    "divergence": "factor, early_steps, window: when a rising loss stops the run",
     "fault": "max_failures, window_s, min_workers, min_groups, grow_check_s, recovery, spares, "
     "replay_steps, replay_mb: how a distributed run recovers from lost roles and nodes",
 }
@@ -179,6 +181,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     init: InitConfig = field(default_factory=InitConfig)
+    divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -280,29 +283,6 @@ def _fault(d: Any) -> FaultConfig:
     )
 
 
-def _check_elastic(fault: FaultConfig, topology: Topology | None) -> None:
-    for key, most, what in (
-        ("min_workers", topology.workers_per_group if topology else None, "workers_per_group"),
-        ("min_groups", topology.n_groups if topology else None, "n_groups"),
-    ):
-        v = getattr(fault, key)
-        if v is None:
-            continue
-        if most is None:
-            raise ConfigError(f"fault.{key}: only a distributed run (with a topology) is elastic")
-        if v > most:
-            raise ConfigError(f"fault.{key}: {v} is more than topology.{what} ({most})")
-    if (
-        topology is not None
-        and topology.preset == "allreduce"
-        and (fault.min_workers or topology.workers_per_group) < topology.workers_per_group
-    ):
-        raise ConfigError(
-            "fault.min_workers: the allreduce preset keeps one server with each worker, so its "
-            "workers cannot shrink"
-        )
-
-
 def _seconds(path: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
         raise ConfigError(f"{path}: expected a number of seconds >= 0, got {v!r}")
@@ -378,7 +358,7 @@ def from_dict(d: Any) -> JobConfig:
         )
     tensorboard = _flag("tensorboard", d.get("tensorboard", False))
     fault = _fault(d.get("fault"))
-    _check_elastic(fault, topology)
+    check_elastic(fault, topology)
     dtype = _choice("dtype", d.get("dtype", "float32"), ("float32", "float64"))
     check_sizes(model, data, dtype, topology)
     run_dir = d.get("run_dir")
@@ -406,6 +386,7 @@ def from_dict(d: Any) -> JobConfig:
         checkpoint=checkpoint,
         fault=fault,
         init=init_section(d.get("init")),
+        divergence=divergence_section(d.get("divergence")),
         raw=copy.deepcopy(d),
     )
 

@@ -211,3 +211,27 @@ def check_sizes(model: ModelSpec, data: DataConfig, dtype: str, topology: Topolo
                 f"data.source: the teacher's weights (dim {dim} x hidden {hidden}) and one batch "
                 f"of its inputs take {need:,} bytes, more than {what}"
             )
+
+
+def check_elastic(fault: Any, topology: Topology | None) -> None:
+    """``fault.min_workers`` and ``min_groups`` against the topology they shrink."""
+    for key, most, what in (
+        ("min_workers", topology.workers_per_group if topology else None, "workers_per_group"),
+        ("min_groups", topology.n_groups if topology else None, "n_groups"),
+    ):
+        v = getattr(fault, key)
+        if v is None:
+            continue
+        if most is None:
+            raise ConfigError(f"fault.{key}: only a distributed run (with a topology) is elastic")
+        if v > most:
+            raise ConfigError(f"fault.{key}: {v} is more than topology.{what} ({most})")
+    if (
+        topology is not None
+        and topology.preset == "allreduce"
+        and (fault.min_workers or topology.workers_per_group) < topology.workers_per_group
+    ):
+        raise ConfigError(
+            "fault.min_workers: the allreduce preset keeps one server with each worker, so its "
+            "workers cannot shrink"
+        )

@@ -197,7 +197,8 @@ class Controller:
         history += [r for r in self.book.notes if (r["kind"], r["time"]) not in seen]
         self.result = TrainResult({}, {}, history)
         self.cursor = cursor
-        self.steps = StepRunner(self.cfg, self.topo, self.plan, self.hub, steps0)
+        self.steps = StepRunner(self.cfg, self.topo, self.plan, self.hub, steps0, history)
+        self.session.guard = self.steps.guard
         self._recording.enter_context(
             recording(self.hub, self.plan.run_dir, self.result, self.cfg.tensorboard)
         )

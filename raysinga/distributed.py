@@ -23,6 +23,7 @@ from .actors.worker import Worker
 from .config import JobConfig
 from .console import hub_for
 from .controller import Controller
+from .divergence import chance_loss
 from .events import Subscriber
 from .failures import FailuresExceeded
 from .metrics import TrainResult
@@ -95,6 +96,7 @@ class DistributedTrainer:
             state_names=list(self.net.state_shapes()),
             n_train=len(train),
             run_dir=Path(cfg.run_path),
+            chance_loss=chance_loss(cfg.model.loss, self.net.output_shape),
         )
         self.session: RunSession | None = None
         self.controller: Controller | None = None

@@ -1,35 +1,11 @@
-"""Non-finite values stop a run before they reach a checkpoint: the loss, the gradients' norm
-and, at each checkpoint, every value saved."""
+"""Non-finite values never reach a checkpoint: at each checkpoint, every value saved is checked
+(the loss and the gradients' norm are the divergence guard's, :mod:`raysinga.divergence`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
-
-
-class NonFiniteLoss(FloatingPointError):
-    """The loss (or the gradients' norm) became NaN or infinite: the run stops before a
-    checkpoint can take the state it leads to, naming the likely cause."""
-
-    def __init__(
-        self,
-        loss: float,
-        step: int,
-        group: int | None = None,
-        what: str = "loss",
-        first_step: int = 0,
-    ) -> None:
-        where = f"step {step}" if group is None else f"step {step} of group {group}"
-        if step <= first_step:  # nothing trained yet: the inputs, not the optimizer
-            cause = "likely the data: check it for NaN or infinite values"
-        else:
-            cause = "likely the learning rate: lower updater.lr or set updater.clip_norm"
-        super().__init__(
-            f"{what} is {loss} at {where}; the run stops, its last checkpoint is from before "
-            f"({cause})"
-        )
-        self.step, self.group = step, group
 
 
 class NonFiniteState(FloatingPointError):

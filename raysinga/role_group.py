@@ -44,6 +44,7 @@ class RunPlan:
     state_names: list[str]  # the workers' non-trainable state
     n_train: int  # training samples
     run_dir: Path
+    chance_loss: float | None = None  # a classifier's loss of a uniform guess (the guard's floor)
 
 
 class RoleGroup:

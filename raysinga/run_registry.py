@@ -46,6 +46,15 @@ def forget(run_key: str) -> None:
         ray.get(reg.delete.remote(run_key, e["step"]))
 
 
+def drop(run_key: str, drop_steps: list[int]) -> None:
+    """Drop the registry's copies of these steps of a run (set aside on disk)."""
+    import ray  # noqa: PLC0415
+
+    reg = actor()
+    if reg is not None:
+        ray.get([reg.delete.remote(run_key, s) for s in drop_steps])
+
+
 def keep_in_object_store(
     run_key: str, step: int, uri: str, deleted: list[int], adopting: list[Any]
 ) -> None:

@@ -26,10 +26,11 @@ from .checkpoint import Checkpoint, CheckpointError, storage
 from .checkpoint.lock import RunLock
 from .checkpoint.manage import prune, steps
 from .cursor import DataCursor
+from .divergence import Diverged, Guard
 from .events import CheckpointCommitted, Evaluated, EventHub
 from .metrics import TrainResult
 from .run_record import RESOLVED_JOB
-from .run_sources import Source
+from .run_sources import Source, set_aside
 from .run_state import check_fits, cursor_for, run_info
 
 
@@ -137,6 +138,9 @@ class RunSession:
         self.saved_at: dict[int, tuple[int, ...]] = {}
         self.saved: list[dict[str, Any]] = []  # per commit: step, path, blocked, seconds
         self.adopting: list[Any] = []  # the object-store registry's calls still running
+        # the running launch's divergence guard: pruning keeps its newest healthy checkpoint,
+        # and a divergence sets the newer ones aside as the session ends
+        self.guard: Guard | None = None
         # checkpoint.keep_best: its metric's value at each evaluated step (of this run and,
         # before a resume, of its history)
         self.scores: dict[int, float] = {}
@@ -182,12 +186,32 @@ class RunSession:
         tmp.write_text(yaml.safe_dump(storage.redact_all(self.cfg.raw), sort_keys=False))
         os.replace(tmp, run_dir / RESOLVED_JOB)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         try:
+            if isinstance(exc, Diverged):
+                self._set_aside_diverged(exc)
             run_registry.wait_adopted(self.adopting, self.log)
             self.keep_record()
         finally:
             self._release()
+
+    def _set_aside_diverged(self, e: Diverged) -> None:
+        """Checkpoints newer than ``e.safe`` hold states from after the divergence began: moved
+        aside (``step-N.diverged-<id>``), and dropped from the object store, so that the newest
+        checkpoint from before it is the run's latest. ``e`` is told which that is."""
+        after = [s for s in steps(self.root) if s > e.safe]
+        for s in after:
+            set_aside(self.root, f"step-{s}", "diverged")
+        if after and self.cfg.checkpoint.object_store:
+            key = run_registry.key(self.cfg.name, self.root)
+            run_registry.drop(key, after)
+        there = steps(self.root)
+        aside = f" ({len(after)} newer set aside as step-N.diverged-*)" if after else ""
+        if there:
+            e.kept = f"its latest checkpoint is step-{there[0]}, from before the divergence{aside}"
+        else:
+            e.kept = f"no checkpoint of it is from before the divergence{aside}"
+        self.keep_record()
 
     def finish(self, result: TrainResult) -> TrainResult:
         """``result`` with where the run's newest checkpoint is (the last committed, or the
@@ -369,7 +393,8 @@ class RunSession:
         self.hub.emit(CheckpointCommitted(step, path, blocked_s, seconds, in_background))
         c = self.cfg.checkpoint
         best = self.best if c.keep_best else None
-        deleted = prune(self.root, c.keep_last, c.keep_every, False, step, best)
+        floor = self.guard.safe if self.guard is not None else None
+        deleted = prune(self.root, c.keep_last, c.keep_every, False, step, best, floor)
         if c.object_store:
             key = run_registry.key(self.cfg.name, self.root)
             run_registry.keep_in_object_store(key, step, path, deleted, self.adopting)

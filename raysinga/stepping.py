@@ -8,7 +8,6 @@ under way end without launching more, until every group stands at a step boundar
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,17 +16,28 @@ import ray
 
 from .actors.errors import get_all
 from .actors.protocol import TIMINGS, StepStats
+from .divergence import Guard, describe_topology
 from .events import Evaluated, EventHub, TrainStep
-from .finite import NonFiniteLoss
 
 
 class StepRunner:
     """The groups' progress through one launch of the roles: which steps each group has done,
     the chunks under way, and the window of step statistics the next report averages."""
 
-    def __init__(self, cfg: Any, topo: Any, plan: Any, hub: EventHub, steps0: list[int]) -> None:
+    def __init__(
+        self, cfg: Any, topo: Any, plan: Any, hub: EventHub, steps0: list[int], history: list
+    ) -> None:
         self.cfg, self.topo, self.plan, self.hub = cfg, topo, plan, hub
-        self.first = list(steps0)  # where each group started (for the non-finite message)
+        lr_scale, async_none = cfg.lr_scale(topo), cfg.updater.get("async_lr") == "none"
+        self.guard = Guard(
+            cfg.divergence,
+            history,
+            steps0,
+            plan.chance_loss,
+            lambda s: (plan.schedule(s) * lr_scale, describe_topology(topo)),
+            cfg.data.batch_size,
+            async_rule=async_none and topo.n_groups > 1,
+        )
         self.done = list(steps0)
         self.chunks: dict[Any, tuple[int, int, int]] = {}  # ref -> (group, start, end)
         self.interrupted: tuple[int, int, int] | None = None  # a chunk that ended with a loss
@@ -65,7 +75,7 @@ class StepRunner:
             g, _, e = self.interrupted
             stats: list[StepStats] = get_all(ready, "stub", g)[0]
             self.interrupted = None
-            self._check_finite(stats, g)  # before a checkpoint can take what follows
+            self._check(stats, g)  # before a checkpoint can take what follows
             self.window += stats
             self.done[g] = e
             self._tune_chunks()
@@ -102,13 +112,13 @@ class StepRunner:
             per_step = max(sum(r.total for r in self.window) / len(self.window), 1e-4)
             self.max_chunk = max(1, int(1.0 / per_step))
 
-    def _check_finite(self, stats: list[StepStats], g: int) -> None:
-        """A non-finite loss (or gradient norm, where clipping computes it) stops the run."""
-        group = g if self.topo.n_groups > 1 else None
+    def _check(self, stats: list[StepStats], g: int) -> None:
+        """The divergence guard sees each step's loss (and gradient norm, where clipping
+        computes it); a divergence stops the run."""
         for r in stats:
-            for what, v in (("loss", r.loss), ("gradient norm", r.grad_norm)):
-                if v is not None and not math.isfinite(v):
-                    raise NonFiniteLoss(v, r.step, group, what, first_step=self.first[g])
+            level = self.guard.observe(r.step, r.loss, r.grad_norm, g)
+            if level is not None:
+                self.hub.emit(level)
 
     def _report(self, roles: Any, e: int) -> None:
         """Group 0 reached step ``e``: report training, and evaluate where due."""

@@ -23,8 +23,8 @@ from .console import hub_for
 from .data import BatchPlan, Dataset
 from .data_check import check_splits
 from .data_split import Splits, open_splits
+from .divergence import Guard, chance_loss, describe_topology
 from .events import Evaluated, RunStarted, Subscriber, TrainStep
-from .finite import NonFiniteLoss
 from .kernels.cpu_threads import blas_threads, compute_threads
 from .layers import StepContext
 from .losses import CLASSIFYING
@@ -168,6 +168,14 @@ class Trainer:
                     session, step, self.net, self.optimizer, params, state, cursor, result.history
                 )
 
+        session.guard = guard = Guard(
+            cfg.divergence,
+            result.history,
+            [first],
+            chance_loss(self.net.spec.loss, self.net.output_shape),
+            lambda s: (self.optimizer.lr(s), describe_topology(None)),
+            cfg.data.batch_size,
+        )
         window_loss, window_steps, t0 = 0.0, 0, time.perf_counter()
         with recording(self.hub, self.run_dir, result, cfg.tensorboard):
             end = cfg.train_steps if self.until is None else self.until
@@ -182,11 +190,10 @@ class Trainer:
                 loss, grads, _ = self.net.loss_and_grads(
                     params, state, self.net.prepare_input(x, xp), xp.asarray(y), ctx
                 )
-                if not np.isfinite(loss):
-                    raise NonFiniteLoss(loss, step, first_step=first)
                 grad_norm = clip_grad_norm(grads, cfg.clip_norm) if cfg.clip_norm else None
-                if grad_norm is not None and not math.isfinite(grad_norm):
-                    raise NonFiniteLoss(grad_norm, step, what="gradient norm", first_step=first)
+                level = guard.observe(step, float(loss), grad_norm)
+                if level is not None:
+                    self.hub.emit(level)
                 lr = self.optimizer.lr(step)
                 self.optimizer.update_all(step, params, grads)
                 window_loss, window_steps = window_loss + loss, window_steps + 1

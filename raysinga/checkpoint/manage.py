@@ -98,10 +98,13 @@ def prune(
     lock: bool = True,
     known_valid: int | None = None,
     best: Callable[[list[int]], int | None] | None = None,
+    floor: int | None = None,
 ) -> list[int]:
     """Delete checkpoints beyond the newest ``keep_last``, except every ``keep_every``-th step,
-    the newest valid one and the one ``best`` picks of the steps there (the best by a metric:
-    ``checkpoint.keep_best``); remove leftover temporary directories. Returns deleted steps.
+    the newest valid one, the one ``best`` picks of the steps there (the best by a metric:
+    ``checkpoint.keep_best``) and the newest at or before step ``floor`` (the divergence
+    guard's newest from before any divergence); remove leftover temporary directories.
+    Returns deleted steps.
 
     It takes the run's writer lock (a live writer's temporary directory is not leftover);
     ``lock=False`` is for a writer that already holds it. ``known_valid``: a step the caller
@@ -114,7 +117,7 @@ def prune(
     if not storage.exists(root):
         raise CheckpointError(f"{root}: no such run directory")
     with RunLock(root) if lock else contextlib.nullcontext():
-        return _prune(root, keep_last, keep_every, known_valid, best)
+        return _prune(root, keep_last, keep_every, known_valid, best, floor)
 
 
 def _prune(
@@ -123,6 +126,7 @@ def _prune(
     keep_every: int | None,
     known_valid: int | None,
     best: Callable[[list[int]], int | None] | None,
+    floor: int | None = None,
 ) -> list[int]:
     # Replaces cut short first (an unfinished step-N may be mid-replace); then the staging
     # directories, while their steps stand (remove_dir keeps one that is its step's only copy).
@@ -137,6 +141,9 @@ def _prune(
     chosen = best(all_steps) if best is not None else None
     if chosen is not None:
         keep.add(chosen)
+    before = [s for s in all_steps if floor is not None and s <= floor]
+    if before:
+        keep.add(before[0])  # newest first
     # full: a checkpoint whose bytes are corrupt but sizes right must not count as the valid one
     if known_valid is not None:
         keep.add(known_valid)

@@ -5,6 +5,7 @@ when an earlier checkpoint of the same step number holds groups at other steps."
 from __future__ import annotations
 
 import json
+import re
 import sys
 import tempfile
 import uuid
@@ -18,6 +19,7 @@ from raysinga import config
 from raysinga.actors.worker import Worker
 from raysinga.checkpoint import Checkpoint, save, steps
 from raysinga.distributed import DistributedTrainer
+from raysinga.divergence import Diverged
 from raysinga.schedules import make_schedule
 from raysinga.trainer import Trainer
 
@@ -245,27 +247,67 @@ def _clean_logs():
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-@pytest.mark.parametrize("rule", ["groups", "none"])
-def test_eight_groups_converge_where_the_learning_rate_follows_them(ray_session, tmp_path, rule):
-    """The example's learning rate (0.05, momentum 0.9) with eight Downpour groups: each group's
-    update lands on the servers, eight per step. Divided by the groups (the default) the run
-    reaches the single group's accuracy; at the full rate it ends at chance."""
-    more = [
-        f"run_dir={tmp_path}",
-        "train_steps=300",
-        "disp_freq=100",
-        "test_freq=0",
-        "topology={preset: downpour, n_groups: 8, workers_per_group: 1, worker: {cpus: 0.5}}",
-        f"updater.async_lr={rule}",
-    ]
-    cfg = config.load(EXAMPLES / "digits_mlp.yaml", more)
-    assert cfg.lr_scale() == (0.125 if rule == "groups" else 1.0)
+def _downpour(tmp_path: Path, groups: int, rule: str, *more: str) -> config.JobConfig:
+    """``examples/digits_mlp.yaml`` (lr 0.05 cosine, momentum 0.9), 300 steps per group, on
+    ``groups`` Downpour groups of one worker each."""
+    return config.load(
+        EXAMPLES / "digits_mlp.yaml",
+        [
+            f"run_dir={tmp_path}",
+            "train_steps=300",
+            "disp_freq=100",
+            "test_freq=0",
+            f"topology={{preset: downpour, n_groups: {groups}, workers_per_group: 1, "
+            f"worker: {{cpus: {min(1.0, 8 / groups)}}}}}",
+            f"updater.async_lr={rule}",
+            *more,
+        ],
+    )
+
+
+@pytest.mark.parametrize("groups", [2, 4, 8, 16])
+def test_downpour_groups_converge_where_the_learning_rate_follows_them(
+    ray_session, tmp_path, groups
+):
+    """Each group's update lands on the servers, ``groups`` per step: divided by the groups
+    (``updater.async_lr: groups``, the default) every count reaches the single group's
+    accuracy (at the full rate, eight groups diverge: the next test)."""
+    cfg = _downpour(tmp_path, groups, "groups")
+    assert cfg.lr_scale() == 1 / groups
     res = DistributedTrainer(cfg, **QUIET).fit()
     lrs = [r["lr"] for r in res.history if r["kind"] == "train"]
     schedule = make_schedule(cfg.updater["lr"])  # the rate the servers apply is reported
-    assert lrs == pytest.approx([schedule(s - 1) * cfg.lr_scale() for s in (100, 200, 300)])
-    accuracy = res.final_eval["test_accuracy"]
-    if rule == "groups":
-        assert accuracy >= 0.95
+    assert lrs == pytest.approx([schedule(s - 1) / groups for s in (100, 200, 300)])
+    assert res.final_eval["test_accuracy"] >= 0.95
+
+
+def test_eight_groups_at_the_full_rate_are_stopped_before_their_checkpoints_diverge(
+    ray_session, tmp_path
+):
+    """``updater.async_lr: none``: eight full-rate updates a step throw the loss far above its
+    early level within the first steps (it then sat at chance, 0.10 accuracy, before the
+    guard). The guard stops the run naming the step, the loss, the rate and the topology; the
+    checkpoints it kept are all from before the divergence, and a resume under the default
+    rule (which a resume applies) goes on from the newest of them to the end."""
+    cfg = _downpour(tmp_path, 8, "none", "checkpoint_frequency=2")
+    with pytest.raises(Diverged) as e:
+        DistributedTrainer(cfg, **QUIET).fit()
+    msg, root = str(e.value), tmp_path / "checkpoints"
+    assert re.match(
+        r"loss is \S+ \(the mean over the last 256 samples\), over 2x (its early|the chance) "
+        r"level \S+ at step \d+ of group \d: the run diverged \(learning rate 0\.05, "
+        r"downpour: 8 group\(s\) x 1 worker\(s\), 1 server\(s\)\); the run stops, ",
+        msg,
+    ), msg
+    assert "set updater.async_lr: groups and resume" in msg
+    left = steps(root)
+    assert all(s <= e.value.safe < e.value.step for s in left), (left, e.value.safe)
+    aside = [int(p.name.split(".")[0][5:]) for p in root.glob("step-*.diverged-*")]
+    assert all(s > e.value.safe for s in aside), (aside, e.value.safe)
+    if left:
+        assert f"its latest checkpoint is step-{left[0]}, from before the divergence" in msg
     else:
-        assert accuracy < 0.5, "the full rate with eight groups diverged before"
+        assert "no checkpoint of it is from before the divergence" in msg
+
+    res = DistributedTrainer(_downpour(tmp_path, 8, "groups"), resume=bool(left), **QUIET).fit()
+    assert res.final_eval["test_accuracy"] >= 0.95
