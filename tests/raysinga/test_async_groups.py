@@ -311,3 +311,16 @@ def test_eight_groups_at_the_full_rate_are_stopped_before_their_checkpoints_dive
 
     res = DistributedTrainer(_downpour(tmp_path, 8, "groups"), resume=bool(left), **QUIET).fit()
     assert res.final_eval["test_accuracy"] >= 0.95
+
+
+def test_eight_groups_with_adagrad_converge(ray_session, tmp_path):
+    """Adagrad, the optimizer of the Downpour paper, with the example's schedule divided by
+    the eight groups (the default rule applies to every optimizer)."""
+    adagrad = "{name: adagrad, lr: {kind: cosine, lr: 0.05, steps: 1500, min_lr: 0.001}}"
+    cfg = _downpour(tmp_path, 8, "groups", f"updater={adagrad}", "updater.async_lr=groups")
+    assert cfg.lr_scale() == 0.125 and cfg.optimizer["name"] == "adagrad"
+    res = DistributedTrainer(cfg, **QUIET).fit()
+    lrs = [r["lr"] for r in res.history if r["kind"] == "train"]
+    schedule = make_schedule(cfg.updater["lr"])
+    assert lrs == pytest.approx([schedule(s - 1) / 8 for s in (100, 200, 300)])
+    assert res.final_eval["test_accuracy"] >= 0.95
