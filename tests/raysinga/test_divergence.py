@@ -100,7 +100,8 @@ def test_a_resumed_run_keeps_the_early_level_of_its_first_start():
     # the window holds what this start has seen: 0.5 and 9 (128 samples) are over 2 x 2
     with pytest.raises(
         Diverged,
-        match=r"is 4.75 \(the mean over the last 128 samples\), over 2x its early level 2 at step 41",
+        match=r"is 4.75 \(the mean over the last 128 samples\), over 2x its early level 2 at "
+        r"step 41",
     ):
         for s in range(41, 44):
             g.observe(s, 9.0)
