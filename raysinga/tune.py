@@ -318,6 +318,8 @@ def _run(
         test_freq=spec.report_every if base.test_freq == 0 else base.test_freq,
         **{"checkpoint.dir": where, "checkpoint.keep_last": keep_last},
         **{"checkpoint.object_store": False, "checkpoint.final": True},
+        # the search's scheduler stops or replaces a poor trial; a NaN still ends one
+        **({} if "divergence" in spec.job else {"divergence.factor": None}),
     )
     Path(cfg.run_path).mkdir(parents=True, exist_ok=True)
     Path(cfg.run_path, "lineage.json").write_text(json.dumps(lineage, indent=1))
