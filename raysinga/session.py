@@ -200,11 +200,14 @@ class RunSession:
         aside (``step-N.diverged-<id>``), and dropped from the object store, so that the newest
         checkpoint from before it is the run's latest. ``e`` is told which that is."""
         after = [s for s in steps(self.root) if s > e.safe]
-        for s in after:
-            set_aside(self.root, f"step-{s}", "diverged")
-        if after and self.cfg.checkpoint.object_store:
-            key = run_registry.key(self.cfg.name, self.root)
-            run_registry.drop(key, after)
+        try:
+            for s in after:
+                set_aside(self.root, f"step-{s}", "diverged")
+            if after and self.cfg.checkpoint.object_store:
+                run_registry.drop(run_registry.key(self.cfg.name, self.root), after)
+        except Exception as x:  # noqa: BLE001 - the divergence is what the user must hear of
+            e.kept = f"but step(s) {after} from after it could not all be set aside ({x})"
+            return
         there = steps(self.root)
         aside = f" ({len(after)} newer set aside as step-N.diverged-*)" if after else ""
         if there:

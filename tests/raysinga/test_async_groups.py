@@ -289,7 +289,7 @@ def test_eight_groups_at_the_full_rate_are_stopped_before_their_checkpoints_dive
     guard). The guard stops the run naming the step, the loss, the rate and the topology; the
     checkpoints it kept are all from before the divergence, and a resume under the default
     rule (which a resume applies) goes on from the newest of them to the end."""
-    cfg = _downpour(tmp_path, 8, "none", "checkpoint_frequency=2")
+    cfg = _downpour(tmp_path, 8, "none", "checkpoint_frequency=2", "checkpoint.object_store=true")
     with pytest.raises(Diverged) as e:
         DistributedTrainer(cfg, **QUIET).fit()
     msg, root = str(e.value), tmp_path / "checkpoints"
@@ -304,6 +304,12 @@ def test_eight_groups_at_the_full_rate_are_stopped_before_their_checkpoints_dive
     assert all(s <= e.value.safe < e.value.step for s in left), (left, e.value.safe)
     aside = [int(p.name.split(".")[0][5:]) for p in root.glob("step-*.diverged-*")]
     assert all(s > e.value.safe for s in aside), (aside, e.value.safe)
+    import ray
+
+    from raysinga import run_registry
+
+    held = ray.get(run_registry.actor().list.remote(run_registry.key(cfg.name, root)))
+    assert sorted(e["step"] for e in held) == sorted(left)  # the store holds what the disk does
     if left:
         assert f"its latest checkpoint is step-{left[0]}, from before the divergence" in msg
     else:
