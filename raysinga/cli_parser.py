@@ -277,6 +277,27 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         help="pbt, pb2: every trial waits at each perturbation point for the others, so the "
         "worst exploit the best of the same report, not whoever reported last",
     )
+    tu.add_argument(
+        "--keep",
+        type=int,
+        metavar="N",
+        default=2,
+        help="each trial's newest checkpoints held in Ray's object store (default 2)",
+    )
+    tu.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        default=None,
+        help="also keep every trial's checkpoints here (a path or URI): the copy read where an "
+        "object is lost with its node",
+    )
+    tu.add_argument(
+        "--handover",
+        choices=("object_store", "tune_storage"),
+        default="object_store",
+        help="how an exploit hands a checkpoint over: through Ray's object store (default), or "
+        "as Tune's own checkpoint directory in --storage",
+    )
     _add_set(tu)
     tu.add_argument(
         "--storage",

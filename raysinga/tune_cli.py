@@ -207,6 +207,8 @@ def search(args: argparse.Namespace, job: config.JobConfig) -> int:
         raise ValueError(f"--trials must be 1 or more, got {args.trials}")
     if args.perturbation_interval is not None and args.perturbation_interval < 1:
         raise ValueError("--perturbation-interval must be 1 report or more")
+    if args.keep < 1:
+        raise ValueError(f"--keep must be 1 checkpoint or more, got {args.keep}")
     if args.synch and args.scheduler not in ("pbt", "pb2"):
         raise ConfigError(f"--synch goes with --scheduler pbt or pb2, not {args.scheduler}")
     searches = check_searches(args.search, job)
@@ -220,7 +222,14 @@ def search(args: argparse.Namespace, job: config.JobConfig) -> int:
             f"not at every report (every {every} steps); make --report-every a multiple of it, "
             "or --set test_freq=0 (each trial then evaluates at every report)"
         )
-    trainable = rtune.trainable(args.config, args.set, report_every=every)
+    trainable = rtune.trainable(
+        args.config,
+        args.set,
+        report_every=every,
+        keep=args.keep,
+        checkpoint_dir=args.checkpoint_dir,
+        handover=args.handover,
+    )
     scheduler = make_scheduler(args, searches, -(-job.train_steps // every))
     name = args.name or f"{job.name}-tune-{time.strftime('%Y%m%d-%H%M%S')}"
     storage = str(Path(args.storage).resolve()) if "://" not in args.storage else args.storage

@@ -94,6 +94,40 @@ def test_scheduler_and_metric_mistakes_are_refused_before_ray_starts(job, monkey
     cli_error("tune", str(job), *lr, *every, named="evaluates every test_freq=20 steps")
 
 
+def test_keep_checkpoint_dir_and_handover_reach_the_trainable(job, tmp_path, monkeypatch):
+    from raysinga import tune as rtune
+
+    monkeypatch.setattr(tune_cli, "_connect", lambda address: pytest.fail("Ray was started"))
+    cli_error(
+        "tune",
+        str(job),
+        "--search",
+        "updater.lr=choice(0.1)",
+        "--keep",
+        "0",
+        named="--keep must be 1 checkpoint or more, got 0",
+    )
+    seen = {}
+
+    def trainable(*args, **kw):
+        seen.update(kw)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(rtune, "trainable", trainable)
+    where = str(tmp_path / "copies")
+    cli_error(
+        *("tune", str(job), "--search", "updater.lr=choice(0.1)", "--keep", "3"),
+        *("--checkpoint-dir", where, "--handover", "tune_storage"),
+        named="stop here",
+    )
+    assert seen == {
+        "report_every": 4,
+        "keep": 3,
+        "checkpoint_dir": where,
+        "handover": "tune_storage",
+    }
+
+
 def test_the_default_metric_is_the_held_out_loss():
     base = config.parse_yaml(JOB)
     plain = config.from_dict(base)
