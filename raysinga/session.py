@@ -396,7 +396,10 @@ class RunSession:
         self.hub.emit(CheckpointCommitted(step, path, blocked_s, seconds, in_background))
         c = self.cfg.checkpoint
         best = self.best if c.keep_best else None
-        floor = self.guard.safe if self.guard is not None else None
+        # while the run goes on, the newest checkpoint from before any divergence is kept too
+        # (the newest is not yet known to be); a finished run keeps what the rules say
+        guarded = self.guard is not None and self.cfg.divergence.factor is not None
+        floor = self.guard.safe if guarded and step < self.cfg.train_steps else None
         deleted = prune(self.root, c.keep_last, c.keep_every, False, step, best, floor)
         if c.object_store:
             key = run_registry.key(self.cfg.name, self.root)
