@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import re
 import tempfile
 import time
@@ -222,21 +223,24 @@ def search(args: argparse.Namespace, job: config.JobConfig) -> int:
             f"not at every report (every {every} steps); make --report-every a multiple of it, "
             "or --set test_freq=0 (each trial then evaluates at every report)"
         )
-    trainable = rtune.trainable(
-        args.config,
-        args.set,
-        report_every=every,
-        keep=args.keep,
-        checkpoint_dir=args.checkpoint_dir,
-        handover=args.handover,
-    )
+    kw = {"keep": args.keep, "checkpoint_dir": args.checkpoint_dir, "handover": args.handover}
+    trainable = rtune.trainable(args.config, args.set, report_every=every, **kw)
     scheduler = make_scheduler(args, searches, -(-job.train_steps // every))
     name = args.name or f"{job.name}-tune-{time.strftime('%Y%m%d-%H%M%S')}"
     storage = str(Path(args.storage).resolve()) if "://" not in args.storage else args.storage
+    import ray  # noqa: PLC0415
     from ray import tune  # noqa: PLC0415
 
     started = _connect(args.address)
     try:
+        # synchronous PBT waits at each point for every trial: with fewer CPUs than trials (a
+        # trial takes one), Tune's was seen to wait forever
+        total = args.trials * math.prod(len(s.args) for s in searches if s.sampler == "grid")
+        if args.synch and total > (cpus := int(ray.cluster_resources().get("CPU", 0))):
+            raise ConfigError(
+                f"--synch: all {total} trials must run at once, and the cluster has {cpus} "
+                "CPU(s) (a trial takes one); run fewer trials, or without --synch"
+            )
         tuner = tune.Tuner(
             trainable,
             param_space={s.key: s.domain() for s in searches},

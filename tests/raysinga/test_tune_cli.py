@@ -128,6 +128,20 @@ def test_keep_checkpoint_dir_and_handover_reach_the_trainable(job, tmp_path, mon
     }
 
 
+def test_synch_wants_every_trial_running_at_once(ray_session, job):
+    """Synchronous PBT with more trials than the cluster runs at once was seen to wait forever
+    (4 trials on 2 CPUs): refused, naming the counts (the session's Ray has 8 CPUs)."""
+    grid = ("--search", "updater.lr=grid(0.001,0.01,0.1)", "--scheduler", "pbt", "--synch")
+    cli_error(
+        "tune",
+        str(job),
+        *grid,
+        "--trials",
+        "3",
+        named="--synch: all 9 trials must run at once, and the cluster has 8 CPU(s)",
+    )
+
+
 def test_the_default_metric_is_the_held_out_loss():
     base = config.parse_yaml(JOB)
     plain = config.from_dict(base)
