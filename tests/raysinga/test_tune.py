@@ -66,7 +66,6 @@ def test_pbt_hands_checkpoints_over_in_memory_and_a_lineage_replays_bit_exact(
     pbt = PopulationBasedTraining(
         time_attr="training_iteration",
         perturbation_interval=2,
-        synch=True,  # the worst exploits the best at each point, whatever order trials report
         hyperparam_mutations={"updater.lr": tune.loguniform(1e-3, 2e-1)},
         quantile_fraction=0.25,
         resample_probability=0.5,
