@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from raysinga.checkpoint.storage import redact
+from raysinga.losses import CLASSIFYING
 
 if TYPE_CHECKING:
     from raysinga.data_sources import Dataset
@@ -186,7 +187,7 @@ def _label_dtype(ds: Dataset) -> np.dtype:
 def _check_labels(ds: Dataset, yw: _Where, loss: str, out: tuple[int, ...]) -> None:
     dtype = _label_dtype(ds)
     classes = dtype.kind != "f"  # not ds.num_classes: that reads every label, unchecked yet
-    if loss in ("softmax_cross_entropy", "sequence_cross_entropy") and not classes:
+    if loss in CLASSIFYING and not classes:
         raise yw.error(
             f"labels are {dtype} values, but loss {loss} needs integer class "
             "labels 0..k-1; store y as integers (y.astype(np.int64)), or set model.loss: mse "

@@ -20,6 +20,7 @@ from typing import Any
 
 from .config_checks import ConfigError, integer, section
 from .events import Event
+from .losses import CLASSIFYING
 
 DIVERGENCE_KEYS = {
     "factor": "stop when the mean loss of the last `window` samples trained is over this many "
@@ -54,7 +55,7 @@ def divergence_section(d: Any) -> DivergenceConfig:
 
 def chance_loss(loss: str, output_shape: tuple[int, ...]) -> float | None:
     """The loss of a uniform guess over a classifier's classes; None for a regression."""
-    if loss in ("softmax_cross_entropy", "sequence_cross_entropy") and output_shape[-1] > 1:
+    if loss in CLASSIFYING and output_shape[-1] > 1:
         return math.log(output_shape[-1])
     return None
 

@@ -42,12 +42,12 @@ def forget(run_key: str) -> None:
     import ray  # noqa: PLC0415
 
     reg = actor()
-    for e in [] if reg is None else ray.get(reg.list.remote(run_key)):
-        ray.get(reg.delete.remote(run_key, e["step"]))
+    if reg is not None:
+        drop(run_key, [e["step"] for e in ray.get(reg.list.remote(run_key))])
 
 
 def drop(run_key: str, drop_steps: list[int]) -> None:
-    """Drop the registry's copies of these steps of a run (set aside on disk)."""
+    """Drop the registry's copies of these steps of a run (set aside on disk, say)."""
     import ray  # noqa: PLC0415
 
     reg = actor()
