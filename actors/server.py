@@ -252,9 +252,13 @@ class ParamServer(Abortable):
             tensors, image = self.snaps.copy(live, compression)
         finally:
             copied.set()  # updates may go on (after a failure too: it is reported at the end)
-        # On the copy, off the training path: a non-finite state is never committed.
-        check_finite_state(((i.name, a) for i, a in tensors), self.guard.version)
-        return server_shard.write_shard(tmp, shard, tensors, compression, image)
+
+        def check_and_write() -> dict[str, Any]:
+            # On the copy, off the training path: a non-finite state is never committed.
+            check_finite_state(((i.name, a) for i, a in tensors), self.guard.version)
+            return server_shard.write_shard(tmp, shard, tensors, compression, image)
+
+        return self.snaps.behind(check_and_write)
 
     def _shard(self, slots: dict[str, dict[str, np.ndarray]]) -> server_shard.Tensors:
         """This server's shard as (info, live array) pairs: slices, then optimizer ``slots``

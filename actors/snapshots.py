@@ -10,6 +10,8 @@ faults on every checkpoint).
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +21,24 @@ from typing import Any
 import numpy as np
 
 from raysinga.server_shard import ShardImage, Tensors, copy_in_chunks
+
+# The nice value of the thread that checks and writes a server's checkpoint copy, and of the
+# hashing and writing threads it starts (a new thread takes its creator's): on a node whose
+# cores the workers keep busy, a checkpoint's write takes the cores they leave, not theirs. The
+# copy the next update waits for runs on the server's own threads, at their priority.
+# RAYSINGA_CHECKPOINT_NICE=0 leaves them at the server's priority.
+BACKGROUND_NICE = int(os.environ.get("RAYSINGA_CHECKPOINT_NICE", "10"))
+
+
+def background_priority() -> None:
+    """Lower this thread's priority to ``BACKGROUND_NICE`` (Linux: nice is per thread).
+    Elsewhere, or where the system refuses, it stays as it is."""
+    if BACKGROUND_NICE > 0 and sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            tid = threading.get_native_id()
+            os.setpriority(
+                os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BACKGROUND_NICE)
+            )
 
 
 class CopyGate:
@@ -53,6 +73,9 @@ class Snapshots:
     def __init__(self, pool: ThreadPoolExecutor) -> None:
         self.pool = pool
         self._io = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._low = ThreadPoolExecutor(
+            1, thread_name_prefix="checkpoint-write", initializer=background_priority
+        )
         self._writer: Future[dict[str, Any]] | None = None
         self._image: ShardImage | None = None  # the shard image copied into, reused
         self._preparing: Future[None] | None = None
@@ -83,6 +106,11 @@ class Snapshots:
                 copied.set()  # whatever failed, the next update must not wait for ever
 
         self._writer = self._io.submit(run)
+
+    def behind(self, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``fn()`` on the low-priority thread (see ``BACKGROUND_NICE``), waited for: a write's
+        part after its copy (the server's pool threads, which copy, never start from it)."""
+        return self._low.submit(fn).result()
 
     def wait_for_copy(self) -> None:
         """Before an update: the last snapshot's copy of the values must be taken first."""
@@ -143,3 +171,4 @@ class Snapshots:
     def close(self) -> None:
         self.join()
         self._io.shutdown(wait=True)
+        self._low.shutdown(wait=True)

@@ -7,6 +7,9 @@ path train the same bits.
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,6 +177,45 @@ def test_verify_names_what_is_wrong(make_server, tmp_path):
     assert s.verify(source, ["shard-0.arrow"]) is None
     bad = DirSource(source.path, corrupt=("shard-0.arrow",))
     assert "shard-0.arrow: checksum mismatch" in s.verify(bad, ["shard-0.arrow"])
+
+
+def _nice(thread_id: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, thread_id)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice per thread: Linux")
+def test_a_checkpoint_is_written_at_low_priority_and_the_update_threads_keep_theirs(
+    make_server, tmp_path, monkeypatch
+):
+    """On cores the workers keep busy, a checkpoint's check, hashing and writes take what
+    they leave: their threads run at BACKGROUND_NICE, the server's own at its priority."""
+    from raysinga.actors import snapshots
+
+    seen: dict[str, int] = {}
+    real = server_module.server_shard.write_shard
+
+    def write_shard(*args, **kwargs):
+        seen["writer"] = _nice(threading.get_native_id())
+        started = threading.Thread(  # a thread the write starts, as its hashers are
+            target=lambda: seen.setdefault("started", _nice(threading.get_native_id()))
+        )
+        started.start()
+        started.join()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(server_module.server_shard, "write_shard", write_shard)
+    base = _nice(threading.get_native_id())
+    s = make_server(0, fresh_tag())
+    other = make_server(1, fresh_tag())
+    train([s, other], range(2))
+    source = checkpoint([s, other], tmp_path / "ck", 2, prepared=True)
+    train([s, other], range(2, 3))
+    assert Checkpoint.open(source.path, verify="full").step == 2
+    low = max(base, snapshots.BACKGROUND_NICE)
+    assert seen == {"writer": low, "started": low}
+    # the server's threads, which copied the state in the checkpoint's own thread's call
+    pool = [t.native_id for t in s.pool._threads]
+    assert pool and all(_nice(t) == base for t in pool)
 
 
 # ---------------------------------------------------------------- the roles under Ray
