@@ -226,5 +226,9 @@ class Attachments:
         """The whole buffer as read-only bytes."""
         return self._attach(handle)[0]
 
+    def drop(self, path: str) -> None:
+        """Forget one file's mapping (it closes when the last view of it is gone)."""
+        self._maps.pop(path, None)
+
     def close(self) -> None:
         self._maps.clear()  # mappings close when the last view is gone

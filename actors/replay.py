@@ -17,6 +17,7 @@ restarts from its newest checkpoint.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .buffers import Layout
+from .buffers import Attachments, Layout
 from .protocol import server_slices
 from .snapshots import CopyGate
 
@@ -85,6 +86,82 @@ class ServerCopies:
         self._io.shutdown(wait=False)
 
 
+class CopyBuffer:
+    """A server's copies of itself in shared memory, for a keeper on the server's node.
+
+    Handing a copy over through Ray's object store cost the server about 20 ms of CPU for
+    15 MB (the object's fresh pages faulted in, then filled), every few steps. Here the server
+    writes each copy into one of two slots of a file in ``/dev/shm``, mapped once and reused,
+    the older slot each time, so the newest whole copy is never the one being written. Each
+    slot's version is -1 while it is written. The keeper maps the file when copies start
+    (:meth:`attach`), before any loss: its mapping, and the copies in it, outlive the server.
+    """
+
+    SLOTS = 2
+
+    def __init__(self, tag: str, node: str, values: dict[str, np.ndarray], slot_names: Any) -> None:
+        from .buffers import SharedBuffer  # noqa: PLC0415
+
+        self.names = list(values)
+        self.slot_names = tuple(slot_names)
+        arrays: dict[str, tuple[tuple[int, ...], str]] = {"versions": ((self.SLOTS,), "int64")}
+        arrays["meta_len"] = ((self.SLOTS,), "int64")
+        for i in range(self.SLOTS):
+            arrays[f"meta{i}"] = ((META_BYTES,), "uint8")
+            for name, a in values.items():
+                arrays[f"{i}/v/{name}"] = (a.shape, str(a.dtype))
+                for slot in self.slot_names:
+                    arrays[f"{i}/o/{name}/{slot}"] = (a.shape, str(a.dtype))
+        self.buf = SharedBuffer(tag, Layout.of(arrays), node)
+        self.arrays = self.buf.arrays
+        self.arrays["versions"][:] = -1
+        self.copy_bytes = sum(a.nbytes for a in values.values()) * (1 + len(self.slot_names))
+
+    def handle(self) -> Any:
+        return self.buf.handle()
+
+    def write(self, values: dict[str, np.ndarray], optimizer: Any, version: int) -> None:
+        """Copy the state (the caller keeps it still) into the slot not holding the newest."""
+        v = self.arrays["versions"]
+        i = int(np.argmin(v))
+        v[i] = -1  # a half-written slot is never read
+        for name in self.names:
+            np.copyto(self.arrays[f"{i}/v/{name}"], values[name])
+        st = optimizer.state_dict()
+        for key, a in st["slots"].items():  # "<slice>/<slot>"; none yet for a slice not updated
+            np.copyto(self.arrays[f"{i}/o/{key}"], a)
+        meta = pickle.dumps({**st, "slots": sorted(st["slots"])})
+        if len(meta) > META_BYTES:
+            raise ValueError(f"a server's copy needs {len(meta)} bytes of description")
+        self.arrays[f"meta{i}"][: len(meta)] = np.frombuffer(meta, np.uint8)
+        self.arrays["meta_len"][i] = len(meta)
+        v[i] = version
+
+    def close(self) -> None:
+        self.buf.close()
+
+    @staticmethod
+    def read(arrays: dict[str, np.ndarray]) -> dict[str, Any] | None:
+        """The newest whole copy in a mapped buffer, as :func:`take_state` gives it (None if
+        none was finished)."""
+        v = arrays["versions"]
+        i = int(np.argmax(v))
+        version = int(v[i])
+        if version < 0:
+            return None
+        meta = pickle.loads(arrays[f"meta{i}"][: int(arrays["meta_len"][i])].tobytes())
+        values = {
+            k.split("/", 2)[2]: a.copy() for k, a in arrays.items() if k.startswith(f"{i}/v/")
+        }
+        slots = {key: arrays[f"{i}/o/{key}"].copy() for key in meta["slots"]}
+        if int(v[i]) != version:  # written over meanwhile (the server still running)
+            return None
+        return {"version": version, "values": values, "optimizer": {**meta, "slots": slots}}
+
+
+META_BYTES = 1 << 16  # a copy's description: the optimizer's name, hyperparameters, counts
+
+
 def take_state(values: dict[str, np.ndarray], optimizer: Any, version: int) -> dict[str, Any]:
     """A copy of a server's slices (by slice name) and optimizer state at ``version``."""
     st = optimizer.state_dict()
@@ -108,6 +185,9 @@ class ReplayLog:
         self.steps = np.full(capacity, -1, np.int64)  # the step each row holds
         self.copies: dict[int, tuple[int, dict[str, Any]]] = {}  # server -> (version, copy)
         self._polls: dict[int, tuple[Any, Any]] = {}  # server -> (actor, its next_copy call)
+        self._mapped: dict[int, tuple[str, dict[str, np.ndarray]]] = {}  # server -> its
+        # CopyBuffer's file and arrays, mapped
+        self._maps = Attachments()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -129,12 +209,23 @@ class ReplayLog:
         np.copyto(self.rows[row], flat)
         self.steps[row] = step
 
+    def attach(self, handles: dict[int, Any]) -> None:
+        """Map each server's :class:`CopyBuffer` (by index; servers on this node), in place of
+        the copies of the servers they replace: their copies are read from it when needed."""
+        with self._lock:
+            for k, handle in handles.items():
+                self.copies.pop(k, None)
+                self._polls.pop(k, None)
+                self._unmap(k)
+                self._mapped[k] = (handle.path, self._maps.views(handle))
+
     def collect(self, servers: dict[int, Any]) -> None:
         """Fetch each of ``servers``' copies (by index) from now on, in place of those of the
         servers they replace; a thread of this log's waits on them."""
         with self._lock:
             for k, actor in servers.items():
                 self.copies.pop(k, None)
+                self._unmap(k)
                 self._polls[k] = (actor, self._poll(actor, -1))
         if self._thread is None:
             self._thread = threading.Thread(target=self._collect, name="copies", daemon=True)
@@ -177,19 +268,39 @@ class ReplayLog:
         if self._thread is not None:
             with contextlib.suppress(RuntimeError):
                 self._thread.join(timeout=1.0)
+        with self._lock:
+            self._mapped.clear()
+            self._maps.close()
 
     def sizes(self) -> dict[str, int]:
         with self._lock:
             copies = [c for _, c in self.copies.values()]
-        held = sum(_nbytes(c) for c in copies)
-        return {"replay_log_bytes": self.nbytes, "copies": len(copies), "copies_bytes": held}
+            mapped = [m for _, m in self._mapped.values() if int(m["versions"].max()) >= 0]
+        held = sum(_nbytes(c) for c in copies) + sum(
+            a.nbytes for m in mapped for k, a in m.items() if k.startswith("0/")
+        )
+        count = len(copies) + len(mapped)
+        return {"replay_log_bytes": self.nbytes, "copies": count, "copies_bytes": held}
+
+    def _unmap(self, k: int) -> None:
+        """Let server ``k``'s mapped copies go (the lock held): a replaced server's."""
+        old = self._mapped.pop(k, None)
+        if old is not None:
+            self._maps.drop(old[0])
+
+    def _copy(self, server: int) -> tuple[int, dict[str, Any]] | None:
+        with self._lock:
+            copy, mapped = self.copies.get(server), self._mapped.get(server)
+        if mapped is not None:
+            state = CopyBuffer.read(mapped[1])
+            return None if state is None else (state["version"], state)
+        return copy
 
     def plan(self, server: int, target: int | None) -> tuple[Any, list[int]] | None:
         """What server ``server`` is rebuilt from to reach version ``target`` (None: the step
         after the newest logged): its newest copy and the log rows of the steps since, in
         order; None where the copy is missing or the log no longer reaches back to it."""
-        with self._lock:
-            copy = self.copies.get(server)
+        copy = self._copy(server)
         if copy is not None and target is None:
             target = max(copy[0], int(self.steps.max(initial=-1)) + 1)
         if copy is None or copy[0] > target:

@@ -29,7 +29,7 @@ from .device import ServerDevice
 from .doorbell import Abortable, Doorbell
 from .errors import reports_role
 from .protocol import Go, ServerDone, ServerSpec, node_id
-from .replay import ServerCopies, take_state
+from .replay import CopyBuffer, ServerCopies, take_state
 from .snapshots import Snapshots
 
 
@@ -59,6 +59,9 @@ class ParamServer(Abortable):
         self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
         self.snaps = Snapshots(self.pool)
         self.copies = ServerCopies()  # of its state, fetched by its group's stub
+        self.tag = spec.tag
+        self.copy_buffer: CopyBuffer | None = None  # where they go for a stub on this node
+        self.shared_copies = False
         self.remote_readers = False
         # group -> the last step of it applied: a step applied once is not applied again (a
         # replaced stub of an asynchronous group redoes its step from the servers' lowest)
@@ -156,17 +159,32 @@ class ParamServer(Abortable):
 
     def _take(self) -> dict[str, Any]:
         values = {s.name: self.buf.arrays[s.name] for s in self.slices}
+        if self.shared_copies and self.copy_buffer is not None:
+            self.copy_buffer.write(values, self.optimizer, self.guard.version)
+            return {"version": self.guard.version}  # the copy itself is read from the buffer
         return take_state(values, self.optimizer, self.guard.version)
 
     # ------------------------------------------------------------------ rebuilds
     @reports_role
-    def keep_copies(self, every: int) -> None:
+    def keep_copies(self, every: int, shared: bool = False) -> ShmHandle | None:
         """Take a copy of this server's state now and every ``every`` updates, for its group's
-        stub to fetch (:mod:`actors.replay`); CPU servers only."""
+        stub (:mod:`actors.replay`); CPU servers only. ``shared``: the stub is on this node
+        and maps the copies' buffer, whose handle this returns; else it fetches each copy."""
         if self.gpu is not None:
             raise ValueError("a server on a GPU keeps no copies of itself")
+        self.copies.wait_for_copy()  # not while one is being taken
+        self.shared_copies = shared
+        if shared and self.copy_buffer is None:
+            values = {s.name: self.buf.arrays[s.name] for s in self.slices}
+            self.copy_buffer = CopyBuffer(
+                f"{self.tag}-copies-server{self.index}",
+                self.node,
+                values,
+                self.optimizer.slot_names(),
+            )
         self.copies.every = max(1, every)
         self.copies.start(self.guard.version, self._take)
+        return self.copy_buffer.handle() if shared and self.copy_buffer is not None else None
 
     @reports_role
     def next_copy(self, after: int) -> dict[str, Any] | None:
@@ -324,6 +342,8 @@ class ParamServer(Abortable):
     def shutdown(self) -> None:
         self.snaps.close()
         self.copies.close()
+        if self.copy_buffer is not None:
+            self.copy_buffer.close()
         self.pool.shutdown(wait=False)
         self._attached.close()
         if self.gpu is not None:

@@ -133,13 +133,18 @@ class Stub(GroupBells):
 
     @reports_role
     def keep_copies(self, which: list[int]) -> None:
-        """Have servers ``which`` take a copy of themselves now and every half of the log, and
-        fetch each copy (:meth:`ReplayLog.collect`)."""
+        """Have servers ``which`` take a copy of themselves now and every half of the log: map
+        the copies of those on this node (:meth:`ReplayLog.attach`), fetch the others' through
+        Ray (:meth:`ReplayLog.collect`)."""
         every = self.log.copy_every
-        get_all(
-            [self.servers[k].keep_copies.remote(every) for k in which], "server", None, None, which
+        calls = [
+            self.servers[k].keep_copies.remote(every, not self.server_remote[k]) for k in which
+        ]
+        handles = get_all(calls, "server", None, None, which)
+        self.log.attach({k: h for k, h in zip(which, handles, strict=True) if h is not None})
+        self.log.collect(
+            {k: self.servers[k] for k, h in zip(which, handles, strict=True) if h is None}
         )
-        self.log.collect({k: self.servers[k] for k in which})
 
     @reports_role
     def rebuild(self, k: int, server: Any, target: int | None) -> int | None:

@@ -10,7 +10,7 @@ import pytest
 
 from raysinga.actors.buffers import Layout
 from raysinga.actors.protocol import server_layouts
-from raysinga.actors.replay import ReplayLog, ServerCopies, take_state
+from raysinga.actors.replay import CopyBuffer, ReplayLog, ServerCopies, take_state
 from raysinga.actors.slicing import plan_slices
 from raysinga.config import FaultConfig
 from raysinga.optim import make_optimizer
@@ -115,6 +115,45 @@ def test_a_servers_optimizer_state_round_trips_through_its_copy_bit_exact():
         a.update(step, "p", pa, grads[step])
         b.update(step, "p", pb, grads[step])
     assert pa.tobytes() == pb.tobytes()
+
+
+def test_a_copy_in_shared_memory_reads_back_as_taken_and_outlives_the_writer(tmp_path):
+    """A server on the stub's node writes its copies into a buffer the stub maps: each into
+    the slot not holding the newest, whose readers see the newest whole copy; the stub's
+    mapping still reads it once the server's file is gone."""
+    rng = np.random.default_rng(1)
+    values = {"w[0:8]": rng.standard_normal(8).astype(np.float32), "b": np.zeros(3, np.float32)}
+    opt = make_optimizer({"name": "adam", "lr": 0.01})
+    opt.update(0, "w[0:8]", values["w[0:8]"], rng.standard_normal(8).astype(np.float32))
+    buf = CopyBuffer(f"test-replay-{tmp_path.name}-copies-server0", "node", values, ("m", "v"))
+    log = ReplayLog(4, "float32", 4)
+    try:
+        log.attach({0: buf.handle()})
+        assert log.plan(0, 0) is None  # none taken yet
+        buf.write(values, opt, 1)
+        first = {k: v.copy() for k, v in values.items()}
+        opt.update(1, "b", values["b"], np.ones(3, np.float32))  # "b" has slots from here
+        buf.write(values, opt, 2)
+        assert buf.arrays["versions"].tolist() == [1, 2]
+        values["w[0:8]"][...] = 7  # the copies are independent of the live arrays
+        buf.write(values, opt, 3)  # over the older slot, 1
+        assert buf.arrays["versions"].tolist() == [3, 2]
+        buf.arrays["versions"][0] = -1  # as while a copy is written: the newest whole one
+        state, rows = log.plan(0, 2)
+        assert state["version"] == 2 and rows == []
+        assert state["values"]["w[0:8]"].tobytes() == first["w[0:8]"].tobytes()
+        assert set(state["optimizer"]["slots"]) == {"w[0:8]/m", "w[0:8]/v", "b/m", "b/v"}
+        assert state["optimizer"]["counts"] == {"b": 1, "w[0:8]": 1}
+        assert log.sizes()["copies"] == 1
+        buf.arrays["versions"][0] = 3
+    finally:
+        buf.close()  # the server's file goes (a dead server's is swept): the mapping stays
+    state, _ = log.plan(0, 3)
+    assert state["version"] == 3 and state["values"]["w[0:8]"].tolist() == [7.0] * 8
+    fresh = make_optimizer({"name": "adam", "lr": 0.01})
+    fresh.load_state_dict(state["optimizer"])  # as a new server loads it
+    assert fresh.counts == {"b": 1, "w[0:8]": 1}
+    log.close()
 
 
 @pytest.mark.parametrize(
