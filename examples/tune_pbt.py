@@ -12,6 +12,18 @@ search's best trial at the end (validation loss in bits per character) and draws
 validation loss over the steps for both searches (needs matplotlib, the ``plot`` extra)::
 
     python examples/tune_pbt.py [--trials 8] [--steps 600] [--report-every 50] [--plot PNG]
+
+Two runs with the defaults on 2 CPU cores (8 min 41 s and 9 min 28 s for both searches), the
+validation loss of each search's best trial at the end, in bits per character:
+
+    seed 0: PBT 1.9407 (15 exploits), random search 2.0373
+    seed 1: PBT 1.9799 (19 exploits), random search 2.1301   (--seed 1)
+
+PBT's whole population ended near its best (median 1.9605 and 1.9817), the random search's
+median at 2.5479 and 2.5144: its draws near 1e-4 learn slowly, and one near 3e-2 diverged
+(7.89 and 8.15 bits at the end, above the 6.6 of a uniform guess). PBT copied better trials
+into those. The best trials' last learning rates: PBT's 0.0026 and 0.00076 (after
+perturbations), the random search's 0.0038 and 0.0019 (its draws, constant).
 """
 
 from __future__ import annotations
