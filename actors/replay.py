@@ -45,6 +45,27 @@ class ServerCopies:
         self._taking: Future[None] | None = None
         self._newest: dict[str, Any] | None = None
         self._cond = threading.Condition()
+        self.buffer: CopyBuffer | None = None  # where copies go for a keeper on this node
+        self.shared = False
+
+    def keep(self, every: int, shared: bool, make_buffer: Callable[[], CopyBuffer]) -> Any:
+        """Take a copy every ``every`` updates from now on. ``shared`` (the keeper is on this
+        node): into the :class:`CopyBuffer` ``make_buffer`` makes (once), whose handle this
+        returns for the keeper to map; else each copy is handed out by :meth:`next_copy`."""
+        self.wait_for_copy()  # not while one is being taken
+        self.shared = shared
+        if shared and self.buffer is None:
+            self.buffer = make_buffer()
+        self.every = max(1, every)
+        return self.buffer.handle() if shared and self.buffer is not None else None
+
+    def take(self, values: dict[str, np.ndarray], optimizer: Any, version: int) -> dict[str, Any]:
+        """A copy of the state (the caller keeps it still meanwhile), or, shared, a note of
+        its version once written into the buffer."""
+        if self.shared and self.buffer is not None:
+            self.buffer.write(values, optimizer, version)
+            return {"version": version}
+        return take_state(values, optimizer, version)
 
     def due(self, version: int) -> bool:
         return self.every > 0 and version - self.version >= self.every
@@ -84,6 +105,8 @@ class ServerCopies:
 
     def close(self) -> None:
         self._io.shutdown(wait=False)
+        if self.buffer is not None:
+            self.buffer.close()
 
 
 class CopyBuffer:

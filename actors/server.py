@@ -29,7 +29,7 @@ from .device import ServerDevice
 from .doorbell import Abortable, Doorbell
 from .errors import reports_role
 from .protocol import Go, ServerDone, ServerSpec, node_id
-from .replay import CopyBuffer, ServerCopies, take_state
+from .replay import CopyBuffer, ServerCopies
 from .snapshots import Snapshots
 
 
@@ -60,8 +60,6 @@ class ParamServer(Abortable):
         self.snaps = Snapshots(self.pool)
         self.copies = ServerCopies()  # of its state, fetched by its group's stub
         self.tag = spec.tag
-        self.copy_buffer: CopyBuffer | None = None  # where they go for a stub on this node
-        self.shared_copies = False
         self.remote_readers = False
         # group -> the last step of it applied: a step applied once is not applied again (a
         # replaced stub of an asynchronous group redoes its step from the servers' lowest)
@@ -159,10 +157,7 @@ class ParamServer(Abortable):
 
     def _take(self) -> dict[str, Any]:
         values = {s.name: self.buf.arrays[s.name] for s in self.slices}
-        if self.shared_copies and self.copy_buffer is not None:
-            self.copy_buffer.write(values, self.optimizer, self.guard.version)
-            return {"version": self.guard.version}  # the copy itself is read from the buffer
-        return take_state(values, self.optimizer, self.guard.version)
+        return self.copies.take(values, self.optimizer, self.guard.version)
 
     # ------------------------------------------------------------------ rebuilds
     @reports_role
@@ -172,19 +167,11 @@ class ParamServer(Abortable):
         and maps the copies' buffer, whose handle this returns; else it fetches each copy."""
         if self.gpu is not None:
             raise ValueError("a server on a GPU keeps no copies of itself")
-        self.copies.wait_for_copy()  # not while one is being taken
-        self.shared_copies = shared
-        if shared and self.copy_buffer is None:
-            values = {s.name: self.buf.arrays[s.name] for s in self.slices}
-            self.copy_buffer = CopyBuffer(
-                f"{self.tag}-copies-server{self.index}",
-                self.node,
-                values,
-                self.optimizer.slot_names(),
-            )
-        self.copies.every = max(1, every)
+        values = {s.name: self.buf.arrays[s.name] for s in self.slices}
+        tag, slots = f"{self.tag}-copies-server{self.index}", self.optimizer.slot_names()
+        handle = self.copies.keep(every, shared, lambda: CopyBuffer(tag, self.node, values, slots))
         self.copies.start(self.guard.version, self._take)
-        return self.copy_buffer.handle() if shared and self.copy_buffer is not None else None
+        return handle
 
     @reports_role
     def next_copy(self, after: int) -> dict[str, Any] | None:
@@ -264,19 +251,16 @@ class ParamServer(Abortable):
         on_device: Any = None,
     ) -> dict[str, Any]:
         """Copy ``live`` (setting ``copied`` once done), check the copy and write it."""
+        version = self.guard.version  # still until the copy is taken
         try:
             if on_device is not None:  # the slots' device-to-host copy (a CUDA event)
                 on_device.synchronize()
             tensors, image = self.snaps.copy(live, compression)
         finally:
             copied.set()  # updates may go on (after a failure too: it is reported at the end)
-
-        def check_and_write() -> dict[str, Any]:
-            # On the copy, off the training path: a non-finite state is never committed.
-            check_finite_state(((i.name, a) for i, a in tensors), self.guard.version)
-            return server_shard.write_shard(tmp, shard, tensors, compression, image)
-
-        return self.snaps.behind(check_and_write)
+        return self.snaps.behind(
+            lambda: _check_and_write(tensors, version, tmp, shard, compression, image)
+        )
 
     def _shard(self, slots: dict[str, dict[str, np.ndarray]]) -> server_shard.Tensors:
         """This server's shard as (info, live array) pairs: slices, then optimizer ``slots``
@@ -342,13 +326,25 @@ class ParamServer(Abortable):
     def shutdown(self) -> None:
         self.snaps.close()
         self.copies.close()
-        if self.copy_buffer is not None:
-            self.copy_buffer.close()
         self.pool.shutdown(wait=False)
         self._attached.close()
         if self.gpu is not None:
             self.gpu.close()
         self.buf.close()
+
+
+def _check_and_write(
+    tensors: server_shard.Tensors,
+    version: int,
+    tmp: Any,
+    shard: int,
+    compression: str | None,
+    image: Any,
+) -> dict[str, Any]:
+    """Check a snapshot's copy and write it as its shard: on the copy, off the training path
+    (a non-finite state is never committed)."""
+    check_finite_state(((i.name, a) for i, a in tensors), version)
+    return server_shard.write_shard(tmp, shard, tensors, compression, image)
 
 
 def _by_slice(slots: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
