@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .buffers import Attachments, Layout
+from .buffers import Attachments, Layout, SharedBuffer
 from .protocol import server_slices
 from .snapshots import CopyGate
 
@@ -117,14 +117,13 @@ class CopyBuffer:
     writes each copy into one of two slots of a file in ``/dev/shm``, mapped once and reused,
     the older slot each time, so the newest whole copy is never the one being written. Each
     slot's version is -1 while it is written. The keeper maps the file when copies start
-    (:meth:`attach`), before any loss: its mapping, and the copies in it, outlive the server.
+    (:meth:`ReplayLog.attach`), before any loss: its mapping, and the copies in it, outlive
+    the server.
     """
 
     SLOTS = 2
 
     def __init__(self, tag: str, node: str, values: dict[str, np.ndarray], slot_names: Any) -> None:
-        from .buffers import SharedBuffer  # noqa: PLC0415
-
         self.names = list(values)
         self.slot_names = tuple(slot_names)
         arrays: dict[str, tuple[tuple[int, ...], str]] = {"versions": ((self.SLOTS,), "int64")}
@@ -138,7 +137,6 @@ class CopyBuffer:
         self.buf = SharedBuffer(tag, Layout.of(arrays), node)
         self.arrays = self.buf.arrays
         self.arrays["versions"][:] = -1
-        self.copy_bytes = sum(a.nbytes for a in values.values()) * (1 + len(self.slot_names))
 
     def handle(self) -> Any:
         return self.buf.handle()
