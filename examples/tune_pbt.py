@@ -45,8 +45,8 @@ from raysinga import tune as rtune
 
 JOB = Path(__file__).resolve().parent / "chargru.yaml"
 LR = (1e-4, 3e-2)  # wide enough that some draws are poor
-# a smaller corpus than the job file's, every 20th file held out: each report's validation
-# pass takes well under a second
+# a smaller corpus than the job file's (the whole library), every 20th file held out for the
+# validation pass of each report
 DATA = ["data.source.max_chars=1000000", "data.source.valid_every=20"]
 
 
@@ -64,7 +64,7 @@ def search(name: str, pbt: bool, args: argparse.Namespace, storage: str) -> tune
         random.seed(args.seed)  # PBT's own draws (which trial, which perturbation)
     trainable = rtune.trainable(
         JOB,
-        # one process per trial, on the CPU Tune gives it (the job file's topology asks for 4)
+        # one process per trial, on the CPU Tune gives it (the job file's topology asks for more)
         ["topology=null", f"train_steps={args.steps}", *DATA]
         + [f"{k}={args.report_every}" for k in ("test_freq", "disp_freq")],
         report_every=args.report_every,

@@ -206,6 +206,36 @@ def test_a_pbt_search_prints_its_trials_and_a_trial_replays_bit_for_bit(ray_sess
     assert re.search(r"replayed to step 40: .*test_loss (\S+)", out), out
 
 
+def test_a_pb2_search_exploits_through_the_object_store_and_replays_bit_for_bit(
+    ray_session, job, tmp_path
+):
+    """PB2 (Ray Tune's population-based bandits: PBT whose explore step fits a Gaussian
+    process to the trials' gains) over a range, through the command."""
+    pytest.importorskip("GPy", reason="--scheduler pb2 needs GPy (the test extra has it)")
+    storage = tmp_path / "tune"
+    code, out = _raysinga(
+        *("tune", str(job), "--search", "updater.lr=uniform(0.0005,0.08)"),
+        *("--trials", "4", "--scheduler", "pb2", "--synch", "--report-every", "10"),
+        *("--storage", str(storage), "--name", "pb2", "--quiet"),
+    )
+    assert code == 0, out
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("trial "))
+    rows = [line.split() for line in lines[head + 1 : head + 5]]
+    assert [r[3] for r in rows] == ["40"] * 4, out  # every trial ran to the end
+    assert all(0.0005 <= float(r[1]) <= 0.08 for r in rows), rows  # PB2 keeps to the range
+    lineage = {r[0]: int(r[4]) for r in rows}
+    assert max(lineage.values()) > 1, "PB2 exploited no trial"
+    assert not any((storage / "pb2").rglob("*.arrow")), "a checkpoint was written to storage"
+
+    trial = max(lineage, key=lineage.get)
+    (trial_dir,) = (storage / "pb2").glob(f"*_{trial}_*")
+    code, out = _raysinga("tune", str(job), "--replay", str(trial_dir))
+    assert code == 0, out
+    assert f"the parameters equal trial {trial}'s at step 40, bit for bit (4 tensors)" in out
+    _raysinga("tune", str(job), "--name", "pb2", "--release")
+
+
 def test_replay_mistakes_are_one_line(job, tmp_path):
     cli_error("tune", str(job), "--replay", str(tmp_path / "nowhere"), named="no such trial")
     trial = tmp_path / "search" / "trial_1"
