@@ -162,6 +162,11 @@ class CopyBuffer:
         self.buf.close()
 
     @staticmethod
+    def copy_nbytes(arrays: dict[str, np.ndarray]) -> int:
+        """The bytes of one copy (a slot's values and optimizer slots) in a mapped buffer."""
+        return sum(a.nbytes for k, a in arrays.items() if k.startswith("0/"))
+
+    @staticmethod
     def read(arrays: dict[str, np.ndarray]) -> dict[str, Any] | None:
         """The newest whole copy in a mapped buffer, as :func:`take_state` gives it (None if
         none was finished)."""
@@ -297,9 +302,7 @@ class ReplayLog:
         with self._lock:
             copies = [c for _, c in self.copies.values()]
             mapped = [m for _, m in self._mapped.values() if int(m["versions"].max()) >= 0]
-        held = sum(_nbytes(c) for c in copies) + sum(
-            a.nbytes for m in mapped for k, a in m.items() if k.startswith("0/")
-        )
+        held = sum(_nbytes(c) for c in copies) + sum(CopyBuffer.copy_nbytes(m) for m in mapped)
         count = len(copies) + len(mapped)
         return {"replay_log_bytes": self.nbytes, "copies": count, "copies_bytes": held}
 
