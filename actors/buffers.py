@@ -201,17 +201,21 @@ class SharedBuffer:
 
 
 class Attachments:
-    """A reader's cache of mapped buffers, one mapping per file for the process's life."""
+    """A reader's cache of mapped buffers, one mapping per file for the process's life
+    (``writable``: a writer's into another role's buffer, which that role lays out)."""
 
-    def __init__(self) -> None:
+    def __init__(self, writable: bool = False) -> None:
         self._maps: dict[str, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
+        self._writable = writable
 
     def _attach(self, handle: ShmHandle) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         hit = self._maps.get(handle.path)
         if hit is None:
-            fd = os.open(handle.path, os.O_RDONLY)
+            rw = self._writable
+            fd = os.open(handle.path, os.O_RDWR if rw else os.O_RDONLY)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if rw else 0)
             try:
-                m = mmap.mmap(fd, max(handle.layout.nbytes, 1), prot=mmap.PROT_READ)
+                m = mmap.mmap(fd, max(handle.layout.nbytes, 1), prot=prot)
             finally:
                 os.close(fd)
             flat = np.frombuffer(m, dtype=np.uint8, count=handle.layout.nbytes)
@@ -223,8 +227,13 @@ class Attachments:
         return self._attach(handle)[1]
 
     def flat(self, handle: ShmHandle) -> np.ndarray:
-        """The whole buffer as read-only bytes."""
+        """The whole buffer as bytes (read-only unless ``writable``)."""
         return self._attach(handle)[0]
+
+    def keep_only(self, paths: set[str]) -> None:
+        """Forget the mappings of every file but ``paths``."""
+        for path in set(self._maps) - paths:
+            self.drop(path)
 
     def drop(self, path: str) -> None:
         """Forget one file's mapping (it closes when the last view of it is gone)."""

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .buffers import Layout
+from .buffers import Layout, ShmHandle
 from .slicing import Slice
 
 # --------------------------------------------------------------------------- role specs
@@ -74,6 +74,19 @@ class StubSpec:
     n_groups: int
     tag: str
     replay: int = 0  # steps of summed gradients logged for rebuilding a lost server
+
+
+@dataclass(frozen=True)
+class SummedGrads:
+    """What a server on its stub's node sums its gradient from, in its own update: its
+    workers' gradient buffers (``parts``, in worker order, each laid out as the parameters),
+    and the stub's log rows (``rows``, :class:`~actors.replay.ReplayLog`), into whose row
+    ``step % n_rows`` it writes its slices of the sum (the stub logs the row once every server
+    has). The stub's own pass over the gradients, summing them, is saved."""
+
+    parts: tuple[ShmHandle, ...]
+    rows: ShmHandle
+    n_rows: int
 
 
 # --------------------------------------------------------------------------- doorbell messages

@@ -205,9 +205,14 @@ class ReplayLog:
     bytes, is the run's ``fault.replay_steps`` and ``fault.replay_mb``); servers take a copy
     every ``capacity // 2`` updates, so the newest copy's steps are in the log."""
 
-    def __init__(self, count: int, dtype: Any, capacity: int) -> None:
+    def __init__(self, count: int, dtype: Any, capacity: int, tag: str, node: str = "") -> None:
+        """``tag`` names the rows' file in shared memory: servers on the stub's node that sum
+        the workers' gradients themselves write each step's sum straight into its row (a
+        :class:`~actors.protocol.SummedGrads`); with ``capacity`` 0 there is one, unlogged."""
         self.capacity = capacity
-        self.rows = np.zeros((capacity, count), dtype)
+        self.n_rows = max(1, capacity)
+        self._rows = SharedBuffer(tag, Layout.of({"rows": ((self.n_rows, count), dtype)}), node)
+        self.rows = self._rows.arrays["rows"]
         self.steps = np.full(capacity, -1, np.int64)  # the step each row holds
         self.copies: dict[int, tuple[int, dict[str, Any]]] = {}  # server -> (version, copy)
         self._polls: dict[int, tuple[Any, Any]] = {}  # server -> (actor, its next_copy call)
@@ -224,16 +229,29 @@ class ReplayLog:
 
     @property
     def nbytes(self) -> int:
-        return int(self.rows.nbytes)
+        return int(self.rows[0].nbytes) * self.capacity
+
+    def handle(self) -> Any:
+        return self._rows.handle()
 
     def record(self, step: int, flat: np.ndarray) -> None:
         """Log step ``step``'s summed gradient (before any server applies it)."""
-        if not self.capacity:
-            return
-        row = step % self.capacity
-        self.steps[row] = -1  # a half-written row is never replayed
-        np.copyto(self.rows[row], flat)
-        self.steps[row] = step
+        if self.capacity:
+            np.copyto(self.begin(step), flat)
+            self.commit(step)
+
+    def begin(self, step: int) -> np.ndarray:
+        """The row step ``step``'s sum is written into, marked as not logged until
+        :meth:`commit` (a half-written row is never replayed)."""
+        row = step % self.n_rows
+        if self.capacity:
+            self.steps[row] = -1
+        return self.rows[row]
+
+    def commit(self, step: int) -> None:
+        """Step ``step``'s row is whole: replay may use it."""
+        if self.capacity:
+            self.steps[step % self.n_rows] = step
 
     def attach(self, handles: dict[int, Any]) -> None:
         """Map each server's :class:`CopyBuffer` (by index; servers on this node), in place of
@@ -297,6 +315,8 @@ class ReplayLog:
         with self._lock:
             self._mapped.clear()
             self._maps.close()
+        self.rows = self.rows[:0]
+        self._rows.close()
 
     def sizes(self) -> dict[str, int]:
         with self._lock:

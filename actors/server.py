@@ -20,6 +20,7 @@ import numpy as np
 
 from raysinga import server_shard
 from raysinga.finite import check_finite_state
+from raysinga.grads import sum_into
 from raysinga.kernels.cpu_memory import retain_freed_memory
 from raysinga.model import ModelSpec, Net
 from raysinga.optim import make_optimizer
@@ -28,7 +29,7 @@ from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, UpdateGu
 from .device import ServerDevice
 from .doorbell import Abortable, Doorbell
 from .errors import reports_role
-from .protocol import Go, ServerDone, ServerSpec, node_id
+from .protocol import Go, ServerDone, ServerSpec, SummedGrads, node_id
 from .replay import CopyBuffer, ServerCopies
 from .snapshots import Snapshots
 
@@ -66,6 +67,7 @@ class ParamServer(Abortable):
         self.applied: dict[int, int] = {}
         self._published: Any = None
         self._attached = Attachments()
+        self.sums = SumViews()  # where it sums the workers' gradients itself
         self.gpu: ServerDevice | None = None  # device "gpu": the optimizer runs on a GPU
         if spec.device == "gpu":
             self.gpu = ServerDevice(self.layout, self.buf)
@@ -77,7 +79,7 @@ class ParamServer(Abortable):
 
     @reports_role
     def describe(self) -> dict[str, Any]:
-        return {"node": self.node, "handle": self.buf.handle()}
+        return {"node": self.node, "handle": self.buf.handle(), "gpu": self.gpu is not None}
 
     @reports_role
     def set_remote_readers(self, remote: bool) -> Any:
@@ -94,15 +96,18 @@ class ParamServer(Abortable):
         return self._published
 
     @reports_role
-    def serve(self, start: int, stop: int, go: str, done: str, grads: ShmHandle) -> int:
+    def serve(
+        self, start: int, stop: int, go: str, done: str, grads: ShmHandle | SummedGrads
+    ) -> int:
         """Apply updates for steps ``start .. stop-1`` as the stub rings (same node only)."""
         go_bell, done_bell = Doorbell(go, Go), Doorbell(done, ServerDone)
+        src = self.sums.use(grads, self.slices) if isinstance(grads, SummedGrads) else grads
         try:
             for step in range(start, stop):
                 asked = go_bell.wait(self.check_abort).step
                 if asked != step:
                     raise RuntimeError(f"stub rang for step {asked}, expected {step}")
-                _, _, seconds = self._update(step, grads)
+                _, _, seconds = self._update(step, src)
                 done_bell.ring(ServerDone(self.index, step, 0, seconds))
         except BaseException:
             done_bell.ring(ServerDone(self.index, -1, 1, 0.0))  # wake the stub at once
@@ -113,17 +118,16 @@ class ParamServer(Abortable):
         return stop - start
 
     @reports_role
-    def update(
-        self, step: int, grads: ShmHandle | np.ndarray, group: int = 0
-    ) -> tuple[int, Any, float]:
-        return self._update(step, grads, group)
+    def update(self, step: int, grads: Any, group: int = 0) -> tuple[int, Any, float]:
+        return self._update(step, grads, group)  # a ShmHandle or an array (see there)
 
     def _update(
-        self, step: int, grads: ShmHandle | np.ndarray, group: int = 0
+        self, step: int, grads: ShmHandle | np.ndarray | SumViews, group: int = 0
     ) -> tuple[int, Any, float]:
         """Apply group ``group``'s summed gradient of ``step`` (once: a step of the group
         already applied is skipped); ``grads`` is the stub's full-parameter buffer (same
-        node) or this server's slices laid out as in :attr:`layout` (another node).
+        node), this server's slices laid out as in :attr:`layout` (another node), or the
+        workers' gradients, summed here (:class:`SummedGrads`).
 
         Returns ``(version, snapshot ref or None, seconds spent)``.
         """
@@ -133,23 +137,21 @@ class ParamServer(Abortable):
         self.applied[group] = step
         self.snaps.wait_for_copy()  # a checkpoint's copy of the values must come first
         self.copies.wait_for_copy()  # and a copy kept for a rebuild
-        if isinstance(grads, ShmHandle):
-            full = self._attached.views(grads)
-            g = {s.name: full[s.param].reshape(-1)[s.start : s.stop] for s in self.slices}
-        else:
-            g = self.layout.views(grads)
+        g, parts = _gradient(grads, step, self.slices, self.layout, self._attached)
         if self.gpu is not None:
+            for name, ps in parts.items():
+                sum_into(g[name], ps)
             g = self.gpu.upload_grads({s.name: g[s.name] for s in self.slices})
             for s in self.slices:
                 self.optimizer.update(step, s.name, self.gpu.values[s.name], g[s.name])
             with self.guard:
                 self.gpu.publish()
+        elif parts:
+            with self.guard:
+                self.optimizer.update_summed(step, self.buf.arrays, g, parts, self.pool)
         else:
             with self.guard:
-                for s in self.slices:
-                    self.optimizer.update(
-                        step, s.name, self.buf.arrays[s.name], g[s.name], self.pool
-                    )
+                self.optimizer.update_all(step, self.buf.arrays, g, self.pool)
         ref = self._publish()
         if self.copies.due(self.guard.version):
             self.copies.start(self.guard.version, self._take)
@@ -331,6 +333,51 @@ class ParamServer(Abortable):
         if self.gpu is not None:
             self.gpu.close()
         self.buf.close()
+
+
+def _gradient(
+    grads: ShmHandle | np.ndarray | SumViews,
+    step: int,
+    slices: list[Any],
+    layout: Layout,
+    attached: Attachments,
+) -> tuple[dict[str, np.ndarray], dict[str, list[np.ndarray]]]:
+    """A server's slices of step ``step``'s gradient as :meth:`ParamServer._update` is given
+    it, by slice name; and where the server sums it itself, the parts it sums (it writes the
+    sum into the first dict)."""
+    if isinstance(grads, SumViews):
+        return grads.rows[step % len(grads.rows)], grads.parts
+    if isinstance(grads, ShmHandle):
+        full = attached.views(grads)
+        return {s.name: full[s.param].reshape(-1)[s.start : s.stop] for s in slices}, {}
+    return layout.views(grads), {}
+
+
+class SumViews:
+    """A server's views of the gradients it sums (a :class:`SummedGrads`): each of its slices
+    in every worker's gradient (``parts``) and in every row of the stub's log (``rows``). The
+    files stay mapped from one ``serve`` call to the next: a fresh mapping would fault in
+    every page of the log again."""
+
+    def __init__(self) -> None:
+        self._maps, self._rows = Attachments(), Attachments(writable=True)
+        self.parts: dict[str, list[np.ndarray]] = {}
+        self.rows: list[dict[str, np.ndarray]] = []
+
+    def use(self, src: SummedGrads, slices: list[Any]) -> SumViews:
+        """Views of ``src`` (the mappings of files it no longer names are let go)."""
+        self._maps.keep_only({h.path for h in src.parts})
+        self._rows.keep_only({src.rows.path})
+        layout = src.parts[0].layout  # the parameters', as every part and row is laid out
+
+        def mine(views: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            return {s.name: views[s.param].reshape(-1)[s.start : s.stop] for s in slices}
+
+        workers = [mine(self._maps.views(h)) for h in src.parts]
+        self.parts = {s.name: [w[s.name] for w in workers] for s in slices}
+        rows = self._rows.views(src.rows)["rows"]
+        self.rows = [mine(layout.views(rows[r].view(np.uint8))) for r in range(src.n_rows)]
+        return self
 
 
 def _check_and_write(

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from raysinga.grads import chunks, clip_grad_norm, on_threads, sum_into
 from raysinga.kernels.cpu_memory import retain_freed_memory
-from raysinga.optim import PARALLEL_CHUNK, clip_grad_norm
 
 from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
 from .doorbell import Doorbell, Message
@@ -29,6 +29,7 @@ from .protocol import (
     ServerDone,
     StepStats,
     StubSpec,
+    SummedGrads,
     WorkerDone,
     node_id,
     server_layouts,
@@ -69,8 +70,7 @@ class Stub(GroupBells):
         self.slices = spec.slices
         # Summing is element-wise: contiguous ranges on several threads give the same bits.
         self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
-        k = max(1, min(self.pool._max_workers, self.count // PARALLEL_CHUNK))
-        self.ranges = [(self.count * i // k, self.count * (i + 1) // k) for i in range(k)]
+        self.ranges = chunks(self.count, self.pool)
         self.server_layouts = server_layouts(spec.slices, len(servers), dtype)
         self._att = Attachments()
         self.refs = [s.get("ref") for s in server_infos]
@@ -79,7 +79,9 @@ class Stub(GroupBells):
         self.bells: dict[str, Any] = {}
         self._ended_since: float | None = None  # when a serve call was first seen ended
         # each step's summed gradient, and the servers' copies: what a lost server is rebuilt from
-        self.log = ReplayLog(self.count, dtype, spec.replay)
+        self.log = ReplayLog(
+            self.count, dtype, spec.replay, f"{spec.tag}-log-stub{spec.index}", self.node
+        )
         self._wire_workers(workers, worker_infos)
 
     def __repr__(self) -> str:  # how Ray's dashboard and log prefixes name this actor
@@ -113,6 +115,10 @@ class Stub(GroupBells):
                 "done_w": bell("done-w", WorkerDone),
                 "done_s": bell("done-s", ServerDone),
             }
+        # The servers sum the workers' gradients in their update, into the log's row (CPU
+        # servers, nothing to clip): the stub's pass over them is saved.
+        self.summing = bool(self.bells) and not self.clip_norm
+        self.summing &= not any(s.get("gpu") for s in self.server_infos)
 
     @reports_role
     def rewire(
@@ -178,16 +184,25 @@ class Stub(GroupBells):
             t0, wall0 = time.perf_counter(), time.time()
             outs = self._ring_workers(step, serving) if serving else self._call_workers(step)
             t1, wall1 = time.perf_counter(), time.time()
+            # (mapped by the stub when summing too: a failed step's log row is summed from them)
             grads = [self._grad_flat(i, snap) for i, (_, snap) in enumerate(outs)]
-            list(self.pool.map(functools.partial(self._sum, grads), self.ranges))
-            norm = clip_grad_norm(self.avg.arrays, self.clip_norm) if self.clip_norm else None
-            t2 = time.perf_counter()
-            # logged while the servers read the same sum (before the next step overwrites it)
-            logged = self.pool.submit(self.log.record, step, self.avg_flat)
-            try:
-                seconds = self._ring_servers(step, serving) if serving else self._call_servers(step)
-            finally:
-                logged.result()
+            if self.summing:
+                norm, t2 = None, t1
+                seconds = self._servers_sum(step, serving, grads)
+            else:
+                on_threads(
+                    self.pool, functools.partial(self._sum, self.avg_flat, grads), self.ranges
+                )
+                norm = clip_grad_norm(self.avg.arrays, self.clip_norm) if self.clip_norm else None
+                t2 = time.perf_counter()
+                # logged while the servers read the same sum (before the next step overwrites it)
+                logged = self.pool.submit(self.log.record, step, self.avg_flat)
+                try:
+                    seconds = (
+                        self._ring_servers(step, serving) if serving else self._call_servers(step)
+                    )
+                finally:
+                    logged.result()
             t3 = time.perf_counter()
             stats = [st for st, _ in outs]
             fetch = max(st["fetch"] for st in stats)
@@ -236,16 +251,33 @@ class Stub(GroupBells):
         self.refs = [ref for _, ref, _ in results]
         return [t for _, _, t in results]
 
-    def _sum(self, grads: list[np.ndarray], ab: tuple[int, int]) -> None:
-        """``avg[a:b] = g0 + g1 + ...``, added in worker order whatever the arrival order."""
+    @staticmethod
+    def _sum(out: np.ndarray, grads: list[np.ndarray], ab: tuple[int, int]) -> None:
+        """``out[a:b] = g0 + g1 + ...``, added in worker order whatever the arrival order."""
         a, b = ab
-        out = self.avg_flat[a:b]
-        if len(grads) == 1:
-            np.copyto(out, grads[0][a:b])
-            return
-        np.add(grads[0][a:b], grads[1][a:b], out=out)
-        for g in grads[2:]:
-            np.add(out, g[a:b], out=out)
+        sum_into(out[a:b], [g[a:b] for g in grads])
+
+    def _server_grads(self) -> ShmHandle | SummedGrads:
+        """What the servers' ``serve`` calls read each step's gradient from."""
+        if not self.summing:
+            return self.avg.handle()
+        return SummedGrads(tuple(self.worker_handles), self.log.handle(), self.log.n_rows)
+
+    def _servers_sum(self, step: int, serving: list[Any], grads: list[np.ndarray]) -> list[float]:
+        """Ring the servers, which sum the workers' gradients ``grads`` into the log's row of
+        ``step`` as they update. A failed step may leave that row partly written: it is summed
+        here (the workers' buffers still hold the step), so a lost server is rebuilt through
+        it."""
+        row = self.log.begin(step)
+        try:
+            seconds = self._ring_servers(step, serving)
+        except BaseException:
+            with contextlib.suppress(Exception):  # else the row stays unlogged: a restart
+                on_threads(self.pool, functools.partial(self._sum, row, grads), self.ranges)
+                self.log.commit(step)
+            raise
+        self.log.commit(step)
+        return seconds
 
     def _update_arg(self, k: int) -> ShmHandle | np.ndarray:
         if not self.server_remote[k]:

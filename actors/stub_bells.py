@@ -17,15 +17,17 @@ ENDED_GRACE_S = 5.0  # how long a doorbell may stay silent after a serve call en
 
 class GroupBells:
     """The doorbell half of :class:`actors.stub.Stub` (its ``bells``, ``workers``,
-    ``servers``, ``server_infos``, ``avg`` and ``group``)."""
+    ``servers``, ``server_infos``, ``group`` and ``_server_grads``)."""
 
     bells: dict[str, Any]
     workers: list[Any]
     servers: list[Any]
     server_infos: list[dict[str, Any]]
-    avg: Any
     group: int
     _ended_since: float | None
+
+    def _server_grads(self) -> Any:
+        raise NotImplementedError
 
     def _close_bells(self) -> None:
         for bell in [
@@ -61,7 +63,7 @@ class GroupBells:
                 stop,
                 self.bells["go_s"][k].path,
                 self.bells["done_s"].path,
-                self.avg.handle(),
+                self._server_grads(),
             )
             for k, s in enumerate(self.servers)
         ]

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from raysinga.grads import BLOCK, chunks, on_threads, sum_into
 from raysinga.kernels import get_array_module, to_numpy
 from raysinga.schedules import Schedule, make_schedule, schedule_from_state
 
@@ -47,14 +48,9 @@ def _lerp_(a: Any, b: Any, w: float) -> None:
         a[...] = b - (b - a) * (1.0 - w)
 
 
-PARALLEL_CHUNK = 1 << 18  # elements: below this per thread, threads cost more than they save
-
-
-def _chunks(size: int, pool: Any) -> list[tuple[int, int]]:
-    """Contiguous ranges for a pool's threads (one range, i.e. no threading, for small sizes)."""
-    threads = getattr(pool, "_max_workers", 1) if pool is not None else 1
-    k = max(1, min(threads, size // PARALLEL_CHUNK))
-    return [(size * i // k, size * (i + 1) // k) for i in range(k)]
+def _check_float(name: str, param: Any) -> None:
+    if param.dtype.kind != "f":
+        raise TypeError(f"parameter {name!r} must be floating point, got {param.dtype}")
 
 
 class Optimizer:
@@ -119,17 +115,15 @@ class Optimizer:
         result is bit-identical to one pass; NumPy releases the GIL inside its loops.
         """
         xp = get_array_module(param)
-        if param.dtype.kind != "f":
-            raise TypeError(f"parameter {name!r} must be floating point, got {param.dtype}")
+        _check_float(name, param)
         # The stub sends NumPy gradients; a GPU server's parameters are CuPy (no copy otherwise).
         grad = xp.asarray(grad, dtype=param.dtype)
         if grad.shape != param.shape:
             raise ValueError(f"gradient for {name!r} has shape {grad.shape}, param {param.shape}")
-        if name not in self._ready:
-            self._prepare(xp, name, param)
+        self._prepare_once(xp, name, param)
         t = self.counts.get(name, 0) + 1
         slots, lr = self._slots.get(name, {}), self.lr(step)
-        pieces = _chunks(param.size, pool) if xp is np and param.flags.c_contiguous else []
+        pieces = chunks(param.size, pool) if xp is np and param.flags.c_contiguous else []
         if xp is not np and param.flags.c_contiguous and self._fused(param, grad, slots, lr, t):
             pass  # one fused kernel on the GPU, bit-identical to _apply
         elif len(pieces) > 1:
@@ -140,18 +134,58 @@ class Optimizer:
                 a, b = ab
                 self._apply(xp, p[a:b], g[a:b], {k: v[a:b] for k, v in flat.items()}, lr, t)
 
-            list(pool.map(run, pieces))
+            on_threads(pool, run, pieces)
         else:
             self._apply(xp, param, grad, slots, lr, t)
         self.counts[name] = t
 
-    def update_all(self, step: int, params: dict, grads: dict) -> None:
+    def update_summed(
+        self, step: int, params: dict, grads: dict, parts: dict, pool: Any = None
+    ) -> None:
+        """Update the NumPy parameters named in ``parts``, each with the sum of its gradient's
+        ``parts[name]`` (added in the given order), written into ``grads[name]`` on the way,
+        one cache-sized block at a time: the sum costs no pass over memory of its own. All are
+        contiguous and shaped alike. The work of all of them is split evenly over the pool's
+        threads and the caller's (one hand-over per call). The bits are those of summing each
+        gradient, then :meth:`update`."""
+        work = []
+        for name in parts:
+            param, grad = params[name], grads[name]
+            _check_float(name, param)
+            p, g, ps = param.reshape(-1), grad.reshape(-1), [x.reshape(-1) for x in parts[name]]
+            if g.shape != p.shape or not ps or any(x.shape != p.shape for x in ps):
+                raise ValueError(f"gradient parts for {name!r} do not match param {param.shape}")
+            self._prepare_once(np, name, param)
+            flat = {k: v.reshape(-1) for k, v in self._slots.get(name, {}).items()}
+            work.append((p, g, ps, flat, self.counts.get(name, 0) + 1))
+        lr, total = self.lr(step), sum(w[0].size for w in work)
+        spans = chunks(total, pool)
+
+        def run(span: tuple[int, int]) -> None:
+            off = 0
+            for p, g, ps, flat, t in work:
+                lo, hi = max(span[0] - off, 0), min(span[1] - off, p.size)
+                for a in range(lo, hi, BLOCK):
+                    b = min(hi, a + BLOCK)
+                    sum_into(g[a:b], [x[a:b] for x in ps])
+                    self._apply(np, p[a:b], g[a:b], {k: v[a:b] for k, v in flat.items()}, lr, t)
+                off += p.size
+
+        on_threads(pool, run, spans)
+        for name, w in zip(parts, work, strict=True):
+            self.counts[name] = w[4]
+
+    def _prepare_once(self, xp: Any, name: str, param: Any) -> None:
+        if name not in self._ready:
+            self._prepare(xp, name, param)
+
+    def update_all(self, step: int, params: dict, grads: dict, pool: Any = None) -> None:
         """Update every parameter that has a gradient, in name order (deterministic)."""
         extra = sorted(set(grads) - set(params))
         if extra:
             raise KeyError(f"gradients for unknown parameter(s) {extra}")
         for name in sorted(grads):
-            self.update(step, name, params[name], grads[name])
+            self.update(step, name, params[name], grads[name], pool)
 
     def _initial_slot(self, xp: Any, slot: str, param: Any) -> Any:
         return xp.zeros_like(param)
@@ -407,27 +441,3 @@ def make_optimizer(spec: dict) -> Optimizer:
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; allowed: {', '.join(OPTIMIZERS)}")
     return OPTIMIZERS[name](**args)
-
-
-def global_grad_norm(grads: dict) -> float:
-    """L2 norm over all gradients, summed in float64 in name order (deterministic)."""
-    total = 0.0
-    for name in sorted(grads):
-        g = grads[name]
-        g64 = g.astype(get_array_module(g).float64, copy=False)
-        total += float((g64 * g64).sum())  # NumPy sums pairwise: a fixed order
-    return math.sqrt(total)
-
-
-def clip_grad_norm(grads: dict, max_norm: float) -> float:
-    """Scale all gradients in place so their global L2 norm is at most ``max_norm``; returns the
-    norm before clipping. Same rule as torch.nn.utils.clip_grad_norm_: the factor is
-    ``max_norm / (norm + 1e-6)``, applied only when it is below 1."""
-    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm > 0:
-        raise ValueError(f"clip_grad_norm: max_norm must be a number > 0, got {max_norm!r}")
-    norm = global_grad_norm(grads)
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1:
-        for name in sorted(grads):
-            grads[name] *= coef
-    return norm

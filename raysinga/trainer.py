@@ -25,12 +25,13 @@ from .data_check import check_splits
 from .data_split import Splits, open_splits
 from .divergence import Guard, chance_loss, describe_topology
 from .events import Evaluated, RunStarted, Subscriber, TrainStep
+from .grads import clip_grad_norm
 from .kernels.cpu_threads import blas_threads, compute_threads
 from .layers import StepContext
 from .losses import CLASSIFYING
 from .metrics import TrainResult, recording
 from .model import Net
-from .optim import clip_grad_norm, make_optimizer
+from .optim import make_optimizer
 from .run_sources import verify_all
 from .session import RunSession, Start, check_start_options
 

@@ -19,12 +19,28 @@ from raysinga.replace import replay_steps
 SHAPES = {"w": (3, 4), "b": (4,)}
 
 
+@pytest.fixture
+def logs(tmp_path):
+    """Makes logs whose rows live in shared memory, closed (their files removed) after."""
+    made: list[ReplayLog] = []
+
+    def make(count: int, capacity: int) -> ReplayLog:
+        made.append(
+            ReplayLog(count, "float32", capacity, f"test-{tmp_path.name}-log-stub{len(made)}")
+        )
+        return made[-1]
+
+    yield make
+    for log in made:
+        log.close()
+
+
 def flat_row(step: int) -> np.ndarray:
     return np.arange(16, dtype=np.float32) + 100 * step
 
 
-def test_the_log_plans_a_rebuild_from_the_copy_through_the_steps_since():
-    log = ReplayLog(16, "float32", 4)
+def test_the_log_plans_a_rebuild_from_the_copy_through_the_steps_since(logs):
+    log = logs(16, 4)
     for step in range(6):
         log.record(step, flat_row(step))
     log.copies[0] = (3, {"version": 3})
@@ -37,8 +53,8 @@ def test_the_log_plans_a_rebuild_from_the_copy_through_the_steps_since():
     assert log.plan(1, 6) is None  # no copy of server 1
 
 
-def test_a_copy_older_than_the_log_reaches_back_is_not_rebuilt_from():
-    log = ReplayLog(16, "float32", 4)
+def test_a_copy_older_than_the_log_reaches_back_is_not_rebuilt_from(logs):
+    log = logs(16, 4)
     for step in range(8):  # steps 0..3 overwritten by 4..7
         log.record(step, flat_row(step))
     log.copies[0] = (2, {"version": 2})
@@ -47,8 +63,8 @@ def test_a_copy_older_than_the_log_reaches_back_is_not_rebuilt_from():
     assert log.plan(0, 8) is not None
 
 
-def test_without_a_log_there_is_nothing_to_rebuild_from():
-    log = ReplayLog(16, "float32", 0)
+def test_without_a_log_there_is_nothing_to_rebuild_from(logs):
+    log = logs(16, 0)
     log.record(0, flat_row(0))
     log.copies[0] = (0, {"version": 0})
     assert log.plan(0, 1) is None
@@ -56,11 +72,11 @@ def test_without_a_log_there_is_nothing_to_rebuild_from():
     assert log.nbytes == 0
 
 
-def test_a_logged_step_is_cut_into_a_servers_slices_as_its_update_takes_them():
+def test_a_logged_step_is_cut_into_a_servers_slices_as_its_update_takes_them(logs):
     slices = plan_slices(SHAPES, 4, 2, slice_bytes=16)
     params = Layout.of({p: (s, "float32") for p, s in SHAPES.items()})
     count = params.nbytes // 4
-    log = ReplayLog(count, "float32", 2)
+    log = logs(count, 2)
     full = np.zeros(count, np.float32)
     views = params.views(full.view(np.uint8))
     views["w"][...] = np.arange(12).reshape(3, 4)
@@ -117,7 +133,7 @@ def test_a_servers_optimizer_state_round_trips_through_its_copy_bit_exact():
     assert pa.tobytes() == pb.tobytes()
 
 
-def test_a_copy_in_shared_memory_reads_back_as_taken_and_outlives_the_writer(tmp_path):
+def test_a_copy_in_shared_memory_reads_back_as_taken_and_outlives_the_writer(tmp_path, logs):
     """A server on the stub's node writes its copies into a buffer the stub maps: each into
     the slot not holding the newest, whose readers see the newest whole copy; the stub's
     mapping still reads it once the server's file is gone."""
@@ -126,7 +142,7 @@ def test_a_copy_in_shared_memory_reads_back_as_taken_and_outlives_the_writer(tmp
     opt = make_optimizer({"name": "adam", "lr": 0.01})
     opt.update(0, "w[0:8]", values["w[0:8]"], rng.standard_normal(8).astype(np.float32))
     buf = CopyBuffer(f"test-replay-{tmp_path.name}-copies-server0", "node", values, ("m", "v"))
-    log = ReplayLog(4, "float32", 4)
+    log = logs(4, 4)
     try:
         log.attach({0: buf.handle()})
         assert log.plan(0, 0) is None  # none taken yet

@@ -221,9 +221,13 @@ def test_a_checkpoint_is_written_at_low_priority_and_the_update_threads_keep_the
 # ---------------------------------------------------------------- the roles under Ray
 
 
-def run_group(ray, remote: bool, steps: int) -> tuple[list, dict[str, np.ndarray]]:
+def run_group(
+    ray, remote: bool, steps: int, clip: float | None = 1.0
+) -> tuple[list, dict[str, np.ndarray]]:
     """One group of two workers and two servers for ``steps`` steps: through doorbells, or
-    (``remote``: told the workers sit on another node) through Ray calls and snapshots."""
+    (``remote``: told the workers sit on another node) through Ray calls and snapshots.
+    Through doorbells and without clipping (``clip`` None), the servers sum the workers'
+    gradients themselves."""
     from raysinga.actors.stub import Stub
     from raysinga.actors.worker import Worker
 
@@ -251,7 +255,7 @@ def run_group(ray, remote: bool, steps: int) -> tuple[list, dict[str, np.ndarray
             worker_infos = [{**w, "node": "another-node"} for w in worker_infos]
         for s, info in zip(servers, server_infos, strict=True):
             info["ref"] = ray.get(s.set_remote_readers.remote(remote))
-        spec = StubSpec(0, SHAPES, SLICES, "float32", 1.0, 1, tag)
+        spec = StubSpec(0, SHAPES, SLICES, "float32", clip, 1, tag, replay=4)
         stub = (
             ray.remote(Stub)
             .options(**actor)
@@ -269,10 +273,15 @@ def run_group(ray, remote: bool, steps: int) -> tuple[list, dict[str, np.ndarray
         ]
         # The path under test: doorbells exactly when every role shares the stub's node.
         assert ray.get(stub.__ray_call__.remote(lambda self: bool(self.bells))) is not remote
+        summing = ray.get(stub.__ray_call__.remote(lambda self: self.summing))
+        assert summing is (not remote and clip is None)
         stats = ray.get(stub.run.remote(0, 2)) + ray.get(stub.run.remote(2, steps))
         values = {
             n: v for vals in ray.get([s.values.remote() for s in servers]) for n, v in vals.items()
         }
+        # and the stub's log of the summed gradients, which a lost server is rebuilt from
+        log = ray.get(stub.__ray_call__.remote(lambda self: (self.log.steps, self.log.rows)))
+        values["log steps"], values["log rows"] = log
         return stats, values
     finally:
         ray.get([a.shutdown.remote() for a in actors])
@@ -280,12 +289,16 @@ def run_group(ray, remote: bool, steps: int) -> tuple[list, dict[str, np.ndarray
             ray.kill(a)
 
 
-def test_doorbells_and_ray_calls_train_the_same_bits(ray_session):
-    rung, by_bell = run_group(ray_session, remote=False, steps=4)
-    called, by_call = run_group(ray_session, remote=True, steps=4)
-    assert [r.step for r in rung] == [r.step for r in called] == [0, 1, 2, 3]
+@pytest.mark.parametrize("clip", [1.0, None])
+def test_doorbells_and_ray_calls_train_the_same_bits(ray_session, clip):
+    """Without clipping, the servers on the stub's node sum the workers' gradients (into the
+    stub's log, 6 steps over its 4 rows): the bits of the stub's own sum."""
+    rung, by_bell = run_group(ray_session, remote=False, steps=6, clip=clip)
+    called, by_call = run_group(ray_session, remote=True, steps=6, clip=clip)
+    assert [r.step for r in rung] == [r.step for r in called] == list(range(6))
     assert [r.loss for r in rung] == [r.loss for r in called]
-    assert all(r.grad_norm is not None and r.grad_norm > 0 for r in rung)  # clip_norm is set
+    if clip:
+        assert all(r.grad_norm is not None and r.grad_norm > 0 for r in rung)
     assert [r.grad_norm for r in rung] == [r.grad_norm for r in called]
     assert all(r.total >= r.update >= 0 for r in rung + called)
     assert by_bell.keys() == by_call.keys()

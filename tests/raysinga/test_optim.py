@@ -1,4 +1,4 @@
-"""Optimizers against torch.optim, exact resume, slice updates, and gradient clipping."""
+"""Optimizers against torch.optim, exact resume, slice updates, summed updates."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from raysinga.optim import clip_grad_norm, global_grad_norm, make_optimizer
+from raysinga.grads import global_grad_norm
+from raysinga.optim import make_optimizer
 
 STEPS = 20
 SHAPES = {"fc1/W": (4, 5), "fc1/b": (5,)}
@@ -245,38 +246,6 @@ def test_bad_updates() -> None:
         opt.update_all(0, {"a": np.ones(2)}, {"b": np.ones(2)})
 
 
-@pytest.mark.parametrize(("dtype", "rtol"), [(np.float64, 1e-12), (np.float32, 1e-6)])
-@pytest.mark.parametrize("max_norm", [0.5, 1e6])
-def test_clip_grad_norm_matches_torch(dtype, rtol: float, max_norm: float) -> None:
-    rng = np.random.default_rng(2)
-    grads = {k: rng.standard_normal(s).astype(dtype) for k, s in [("b", (7,)), ("a", (3, 4))]}
-    before = copy.deepcopy(grads)
-    ts = [torch.zeros(g.shape, dtype=torch.from_numpy(g).dtype) for g in grads.values()]
-    for t, g in zip(ts, grads.values(), strict=True):
-        t.grad = torch.tensor(g)
-    expected = torch.nn.utils.clip_grad_norm_(ts, max_norm).item()
-    norm = clip_grad_norm(grads, max_norm)
-    assert norm == pytest.approx(expected, rel=rtol)
-    for t, (k, g) in zip(ts, grads.items(), strict=True):
-        assert g.dtype == dtype
-        np.testing.assert_allclose(g, t.grad.numpy(), rtol=rtol, err_msg=k)
-    if max_norm > norm:
-        for k in grads:
-            np.testing.assert_array_equal(grads[k], before[k])
-
-
-def test_global_grad_norm_is_float64_and_order_independent() -> None:
-    rng = np.random.default_rng(3)
-    grads = {f"g{i}": rng.standard_normal(100).astype(np.float32) for i in range(5)}
-    reverse = dict(reversed(list(grads.items())))
-    exact = np.sqrt(sum((g.astype(np.float64) ** 2).sum() for g in grads.values()))
-    assert global_grad_norm(grads) == global_grad_norm(reverse)
-    assert global_grad_norm(grads) == pytest.approx(exact, rel=1e-14)
-    assert global_grad_norm({}) == 0.0
-    with pytest.raises(ValueError, match="max_norm must be a number > 0"):
-        clip_grad_norm(grads, 0.0)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize(("name", "hparams"), CASES, ids=IDS)
 def test_cupy_matches_numpy(name: str, hparams: dict) -> None:
@@ -311,7 +280,8 @@ def test_threaded_chunked_update_is_bit_identical(spec):
     """Servers update large slices in chunks on a thread pool; nothing may change a bit."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from raysinga.optim import PARALLEL_CHUNK, make_optimizer
+    from raysinga.grads import PARALLEL_CHUNK
+    from raysinga.optim import make_optimizer
 
     rng = np.random.default_rng(0)
     p0 = rng.normal(size=3 * PARALLEL_CHUNK + 17).astype(np.float32)
@@ -361,3 +331,46 @@ def test_fused_gpu_updates_are_bit_identical_to_numpy(name, hparams, dtype, monk
         for k in params:
             assert cupy.asnumpy(gpu_params[k]).tobytes() == params[k].tobytes(), (i, k)
     assert len(launched) == len(grads) * len(params)
+
+
+@pytest.mark.parametrize("n_parts", [1, 2, 3])
+@pytest.mark.parametrize(("name", "hparams"), CASES, ids=IDS)
+def test_summed_updates_are_bit_identical_to_summing_first(name, hparams, n_parts) -> None:
+    """A server sums its workers' gradients inside its update, block by block, the work of
+    all its slices split over a thread pool: the parameters, the slots and the written sums
+    have the bits of summing each gradient, then updating it alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from raysinga.grads import BLOCK, PARALLEL_CHUNK, sum_into
+
+    rng = np.random.default_rng(4)
+    sizes = {"w": 2 * PARALLEL_CHUNK + 3 * BLOCK + 5, "b": 7, "v": PARALLEL_CHUNK + 1}
+    p0 = {k: rng.normal(size=n).astype(np.float32) for k, n in sizes.items()}
+    a = make_optimizer({"name": name, "lr": LR, **hparams})
+    b = make_optimizer({"name": name, "lr": LR, **hparams})
+    pa = {k: v.copy() for k, v in p0.items()}
+    pb = {k: v.copy() for k, v in p0.items()}
+    written = {k: np.full(n, np.nan, np.float32) for k, n in sizes.items()}
+    with ThreadPoolExecutor(3) as pool:
+        for step in range(3):
+            parts = {
+                k: [rng.normal(size=n).astype(np.float32) for _ in range(n_parts)]
+                for k, n in sizes.items()
+            }
+            for k in sizes:
+                summed = np.empty(sizes[k], np.float32)
+                sum_into(summed, parts[k])
+                a.update(step, k, pa[k], summed)
+            b.update_summed(step, pb, written, parts, pool)
+            for k in sizes:
+                expected = np.empty(sizes[k], np.float32)
+                sum_into(expected, parts[k])
+                np.testing.assert_array_equal(written[k], expected)
+    for k in sizes:
+        np.testing.assert_array_equal(pa[k], pb[k])
+    assert a.counts == b.counts
+    for k, v in a.state_dict()["slots"].items():
+        np.testing.assert_array_equal(v, b.state_dict()["slots"][k])
+    with pytest.raises(ValueError, match="gradient parts for 'b' do not match"):
+        b.update_summed(3, pb, written, {"b": [np.ones(3, np.float32)]})
+    assert a.counts == b.counts  # refused before anything changed

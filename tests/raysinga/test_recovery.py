@@ -20,7 +20,7 @@ from ray import cloudpickle
 
 from raysinga import config
 from raysinga.actors.cluster import ResourceError
-from raysinga.actors.server import ParamServer
+from raysinga.actors.server import ParamServer, SumViews
 from raysinga.checkpoint import Checkpoint, CheckpointError, steps
 from raysinga.console import TextLog
 from raysinga.distributed import DistributedTrainer, FailuresExceeded
@@ -227,6 +227,44 @@ def test_losses_one_after_another_are_each_replaced_bit_exact(straight, tmp_path
 
 # The actors' processes cannot import this test module: ship its classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class DiesMidSumServer(ParamServer):
+    """Server 1, summing the workers' gradients itself, leaves garbage in its share of step
+    15's logged sum (as a server killed halfway through writing it would) and SIGKILLs itself,
+    once (``marker``: a file, made by the kill)."""
+
+    marker = ""
+
+    def _update(self, step, grads, group=0):
+        if self.index == 1 and step == 15 and not os.path.exists(self.marker):
+            assert isinstance(grads, SumViews), "the servers should sum the gradients here"
+            for row in grads.rows[step % len(grads.rows)].values():
+                row[...] = np.nan
+            Path(self.marker).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super()._update(step, grads, group)
+
+
+def test_a_server_lost_halfway_through_summing_a_step_is_rebuilt_through_it(straight, tmp_path):
+    """Two servers sum the workers' gradients into the stub's log as they update; the second
+    dies having written only garbage of step 15's sum, while the first applies the step. The
+    stub sums the step's row again from the workers' buffers, so the lost server is rebuilt
+    to the live one's step through it: nothing rolled back, the run bit-identical."""
+
+    class Server(DiesMidSumServer):
+        marker = str(tmp_path / "killed")
+
+    t = DistributedTrainer(
+        job(tmp_path, "topology.n_servers=2"), classes={"server": Server}, log=None
+    )
+    res = t.fit()
+    assert (tmp_path / "killed").exists()
+    for k, a in straight.params.items():
+        assert res.params[k].tobytes() == a.tobytes(), k
+    (ev,) = events(tmp_path)
+    assert (ev["role"], ev["index"], ev["recovery"]) == ("server", 1, "rebuilt and replayed"), ev
+    assert ev["rolled_back"] == 0 and ev["restored_from"] >= 15, ev
 
 
 class StartKilledServer(ParamServer):
