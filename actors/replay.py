@@ -315,7 +315,7 @@ class ReplayLog:
         with self._lock:
             self._mapped.clear()
             self._maps.close()
-        self.rows = self.rows[:0]
+        self.rows = np.empty((0, self.rows.shape[1]), self.rows.dtype)  # no view keeps the map
         self._rows.close()
 
     def sizes(self) -> dict[str, int]:
