@@ -118,6 +118,13 @@ def _shm_dir() -> Path:
     return d if d.is_dir() and os.access(d, os.W_OK) else Path(tempfile.gettempdir())
 
 
+def shm_room(nbytes: int) -> bool:
+    """Whether the shared-memory directory has ``nbytes`` free now (a container's ``/dev/shm``
+    is often small: a process writing past its end is killed by SIGBUS)."""
+    st = os.statvfs(_shm_dir())
+    return st.f_bavail * st.f_frsize >= nbytes
+
+
 def remove_files(tag: str) -> int:
     """Unlink this node's shared-memory files (buffers and doorbells) of the roles spawned
     with ``tag``: what processes killed outright could not remove themselves. Returns how many."""

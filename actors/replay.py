@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .buffers import Attachments, Layout, SharedBuffer
+from .buffers import Attachments, Layout, SharedBuffer, shm_room
 from .protocol import server_slices
 from .snapshots import CopyGate
 
@@ -208,11 +208,16 @@ class ReplayLog:
     def __init__(self, count: int, dtype: Any, capacity: int, tag: str, node: str = "") -> None:
         """``tag`` names the rows' file in shared memory: servers on the stub's node that sum
         the workers' gradients themselves write each step's sum straight into its row (a
-        :class:`~actors.protocol.SummedGrads`); with ``capacity`` 0 there is one, unlogged."""
+        :class:`~actors.protocol.SummedGrads`); with ``capacity`` 0 there is one, unlogged.
+        Where shared memory lacks the room, the rows are the stub's own (``shared`` False)."""
         self.capacity = capacity
         self.n_rows = max(1, capacity)
-        self._rows = SharedBuffer(tag, Layout.of({"rows": ((self.n_rows, count), dtype)}), node)
-        self.rows = self._rows.arrays["rows"]
+        layout = Layout.of({"rows": ((self.n_rows, count), dtype)})
+        self._rows = SharedBuffer(tag, layout, node) if shm_room(layout.nbytes) else None
+        self.shared = self._rows is not None
+        self.rows = (
+            self._rows.arrays["rows"] if self._rows else np.zeros((self.n_rows, count), dtype)
+        )
         self.steps = np.full(capacity, -1, np.int64)  # the step each row holds
         self.copies: dict[int, tuple[int, dict[str, Any]]] = {}  # server -> (version, copy)
         self._polls: dict[int, tuple[Any, Any]] = {}  # server -> (actor, its next_copy call)
@@ -232,7 +237,7 @@ class ReplayLog:
         return int(self.rows[0].nbytes) * self.capacity
 
     def handle(self) -> Any:
-        return self._rows.handle()
+        return self._rows.handle() if self._rows is not None else None
 
     def record(self, step: int, flat: np.ndarray) -> None:
         """Log step ``step``'s summed gradient (before any server applies it)."""
@@ -316,7 +321,8 @@ class ReplayLog:
             self._mapped.clear()
             self._maps.close()
         self.rows = np.empty((0, self.rows.shape[1]), self.rows.dtype)  # no view keeps the map
-        self._rows.close()
+        if self._rows is not None:
+            self._rows.close()
 
     def sizes(self) -> dict[str, int]:
         with self._lock:

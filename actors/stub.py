@@ -116,8 +116,8 @@ class Stub(GroupBells):
                 "done_s": bell("done-s", ServerDone),
             }
         # The servers sum the workers' gradients in their update, into the log's row (CPU
-        # servers, nothing to clip): the stub's pass over them is saved.
-        self.summing = bool(self.bells) and not self.clip_norm
+        # servers, nothing to clip, the log in shared memory): the stub's pass is saved.
+        self.summing = bool(self.bells) and not self.clip_norm and self.log.shared
         self.summing &= not any(s.get("gpu") for s in self.server_infos)
 
     @reports_role

@@ -155,6 +155,8 @@ class Optimizer:
             p, g, ps = param.reshape(-1), grad.reshape(-1), [x.reshape(-1) for x in parts[name]]
             if g.shape != p.shape or not ps or any(x.shape != p.shape for x in ps):
                 raise ValueError(f"gradient parts for {name!r} do not match param {param.shape}")
+            if not (param.flags.c_contiguous and grad.flags.c_contiguous):
+                raise ValueError(f"{name!r}: a summed update needs contiguous arrays")
             self._prepare_once(np, name, param)
             flat = {k: v.reshape(-1) for k, v in self._slots.get(name, {}).items()}
             work.append((p, g, ps, flat, self.counts.get(name, 0) + 1))

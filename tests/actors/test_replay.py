@@ -180,3 +180,20 @@ def test_the_log_is_bounded_in_steps_and_bytes(steps, mb, expected):
     shapes = {"w": (512, 256)}  # 512 KiB of float32: 2 steps in 1 MiB
     fault = FaultConfig(replay_steps=steps, replay_mb=mb)
     assert replay_steps(fault, shapes, "float32") == expected
+
+
+def test_without_room_in_shared_memory_the_log_is_the_stubs_own(logs, monkeypatch):
+    """A small ``/dev/shm`` (a container's) would kill a process writing past its end: the log
+    then lives in the stub's memory, and its servers leave the summing to the stub."""
+    import sys
+
+    monkeypatch.setattr(sys.modules[ReplayLog.__module__], "shm_room", lambda nbytes: False)
+    log = logs(16, 4)
+    assert not log.shared and log.handle() is None
+    for step in range(3):
+        log.record(step, flat_row(step))
+    log.copies[0] = (1, {"version": 1})
+    state, rows = log.plan(0, 3)
+    assert [int(log.rows[r][0]) for r in rows] == [100, 200]
+    monkeypatch.undo()
+    assert logs(16, 4).shared  # this machine's /dev/shm has room for 4 rows of 16

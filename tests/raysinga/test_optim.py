@@ -373,4 +373,6 @@ def test_summed_updates_are_bit_identical_to_summing_first(name, hparams, n_part
         np.testing.assert_array_equal(v, b.state_dict()["slots"][k])
     with pytest.raises(ValueError, match="gradient parts for 'b' do not match"):
         b.update_summed(3, pb, written, {"b": [np.ones(3, np.float32)]})
+    with pytest.raises(ValueError, match="'w': a summed update needs contiguous arrays"):
+        b.update_summed(3, {"w": pb["w"][::2]}, {"w": written["w"][::2]}, {"w": [pb["w"][::2]]})
     assert a.counts == b.counts  # refused before anything changed
