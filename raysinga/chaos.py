@@ -152,9 +152,15 @@ class Chaos:
             if n + 1 in self.aimed:
                 self._recovering.clear()
 
-    def _wait_for_recovery(self) -> bool:
+    def _wait_for_recovery(self, most_s: float = 5.0) -> bool:
+        """Wait for a recovery to be under way (at most ``most_s``: the kill before may have
+        been absorbed by a recovery already over, and none may come; the kill is then made
+        where the run stands, its record saying so); False once the run has ended."""
+        deadline = time.monotonic() + most_s
         while not self._stop.is_set():
             if self._recovering.wait(0.05) or self.state in RECOVERY_STATES:
+                return True
+            if time.monotonic() > deadline:
                 return True
         return False
 

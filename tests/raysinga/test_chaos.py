@@ -61,7 +61,7 @@ def test_five_kills_one_in_a_recovery_are_survived_bit_exact(ray_session, tmp_pa
 @pytest.mark.slow
 def test_twelve_kills_three_in_recoveries_are_survived_bit_exact(ray_session, tmp_path):
     chaos, lines = run_under_chaos(
-        tmp_path, 11, 12, 3, (0.2, 1.5), "train_steps=6000", "fault.max_failures=40"
+        tmp_path, 11, 12, 3, (0.2, 1.5), "train_steps=10000", "fault.max_failures=40"
     )
     assert len(chaos.done) == 12, lines
     assert sum(k.aimed == "recovery" for k in chaos.done) == 3, lines
