@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from .protocol import Go, Wiring
+
 # A message class of :mod:`.protocol`: a NamedTuple whose ``FORMAT`` is its struct format.
 Message = TypeVar("Message", bound=tuple)
 
@@ -82,6 +84,47 @@ def wait_all(
             raise DoorbellTimeout(f"no answer on {bell.path} within {timeout_s} s")
 
     return [bell.wait(guarded) for _ in range(count)]
+
+
+class Steps:
+    """A role's side of a chunk of steps rung through doorbells (:class:`.protocol.Wiring`):
+    :meth:`wait` before each step, :meth:`done` after it, :meth:`close` at the end."""
+
+    def __init__(self, wiring: Wiring, done: type[Message], check: Callable[[], None]) -> None:
+        self.wiring, self.check = wiring, check
+        self.go = Doorbell(wiring.go, Go)
+        self.done_bell = Doorbell(wiring.done, done)
+        self.then = [Doorbell(path, Go) for path in wiring.then]
+
+    def wait(self, step: int) -> None:
+        """Until ``n_go`` go messages for ``step`` have come (one of another chunk, left by a
+        chunk that failed, is dropped)."""
+        heard = 0
+        while heard < self.wiring.n_go:
+            msg = self.go.wait(self.check)
+            if msg.chunk != self.wiring.chunk:
+                continue
+            if msg.step != step:
+                raise RuntimeError(f"rung for step {msg.step}, expected {step}")
+            heard += 1
+
+    def done(self, msg: Message, step: int, stop: int) -> None:
+        """Ring ``msg`` on the done doorbell, then, where the next step is in this chunk, the
+        ``then`` doorbells."""
+        self.done_bell.ring(msg)
+        nxt = step + self.wiring.next_step
+        if nxt < stop:
+            go = Go(nxt, self.wiring.chunk)
+            for bell in self.then:
+                bell.ring(go)
+
+    def failed(self, msg: Message) -> None:
+        """Ring ``msg`` (a failure) on the done doorbell: the stub learns of it at once."""
+        self.done_bell.ring(msg)
+
+    def close(self) -> None:
+        for bell in (self.go, self.done_bell, *self.then):
+            bell.close()
 
 
 class ServeAborted(RuntimeError):

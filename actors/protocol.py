@@ -92,11 +92,36 @@ class SummedGrads:
 # --------------------------------------------------------------------------- doorbell messages
 
 
-class Go(NamedTuple):
-    """Stub -> worker or server: run ``step`` now."""
+@dataclass(frozen=True)
+class Wiring:
+    """A role's doorbells for one chunk of steps (``serve``): it hears ``n_go`` :class:`Go`
+    messages of chunk ``chunk`` on ``go`` before each step, rings its done message on ``done``
+    after it, then rings ``then`` (other roles' go doorbells), if anything.
 
-    FORMAT = "<q"
+    With the stub between every hand-over, a role hears one go from the stub and rings nothing
+    else. Where the servers sum the gradients, the stub leaves the step's path: a worker hears
+    each server's go and rings every server when its part is written; a server hears every
+    worker's go and the stub's (its log's row is ready for the step) and rings every worker's go
+    for the next step once its done message is out. Done comes first, so the stub, hearing a
+    server fail, finds the workers' gradients still those of the failed step."""
+
+    chunk: int
+    go: str
+    done: str
+    n_go: int = 1
+    then: tuple[str, ...] = ()
+    next_step: int = 0  # the ``then`` messages carry step + this (0 from a worker, 1 a server)
+
+
+class Go(NamedTuple):
+    """Run ``step`` now: stub -> worker or server; where the servers sum the gradients, also
+    worker -> server (its part of ``step`` is written) and server -> worker (``step``'s
+    parameters are updated). ``chunk`` names the chunk of steps it belongs to: one left in a
+    doorbell by a chunk that failed is told apart from the next chunk's."""
+
+    FORMAT = "<qq"
     step: int
+    chunk: int = 0
 
 
 class WorkerDone(NamedTuple):

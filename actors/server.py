@@ -27,9 +27,9 @@ from raysinga.optim import make_optimizer
 
 from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, UpdateGuard, with_seq
 from .device import ServerDevice
-from .doorbell import Abortable, Doorbell
+from .doorbell import Abortable, Steps
 from .errors import reports_role
-from .protocol import Go, ServerDone, ServerSpec, SummedGrads, node_id
+from .protocol import ServerDone, ServerSpec, SummedGrads, Wiring, node_id
 from .replay import CopyBuffer, ServerCopies
 from .snapshots import Snapshots
 
@@ -96,25 +96,20 @@ class ParamServer(Abortable):
         return self._published
 
     @reports_role
-    def serve(
-        self, start: int, stop: int, go: str, done: str, grads: ShmHandle | SummedGrads
-    ) -> int:
-        """Apply updates for steps ``start .. stop-1`` as the stub rings (same node only)."""
-        go_bell, done_bell = Doorbell(go, Go), Doorbell(done, ServerDone)
+    def serve(self, start: int, stop: int, wiring: Wiring, grads: ShmHandle | SummedGrads) -> int:
+        """Apply updates for steps ``start .. stop-1`` as they are rung for (same node only)."""
+        bells = Steps(wiring, ServerDone, self.check_abort)
         src = self.sums.use(grads, self.slices) if isinstance(grads, SummedGrads) else grads
         try:
             for step in range(start, stop):
-                asked = go_bell.wait(self.check_abort).step
-                if asked != step:
-                    raise RuntimeError(f"stub rang for step {asked}, expected {step}")
+                bells.wait(step)
                 _, _, seconds = self._update(step, src)
-                done_bell.ring(ServerDone(self.index, step, 0, seconds))
+                bells.done(ServerDone(self.index, step, 0, seconds), step, stop)
         except BaseException:
-            done_bell.ring(ServerDone(self.index, -1, 1, 0.0))  # wake the stub at once
+            bells.failed(ServerDone(self.index, -1, 1, 0.0))  # wake the stub at once
             raise
         finally:
-            go_bell.close()
-            done_bell.close()
+            bells.close()
         return stop - start
 
     @reports_role

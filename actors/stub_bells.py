@@ -10,7 +10,7 @@ from typing import Any
 
 from .doorbell import wait_all
 from .errors import get_all
-from .protocol import Go, WorkerDone
+from .protocol import Go, Wiring, WorkerDone
 
 ENDED_GRACE_S = 5.0  # how long a doorbell may stay silent after a serve call ended normally
 
@@ -24,7 +24,9 @@ class GroupBells:
     servers: list[Any]
     server_infos: list[dict[str, Any]]
     group: int
+    summing: bool
     _ended_since: float | None
+    _chunk: int
 
     def _server_grads(self) -> Any:
         raise NotImplementedError
@@ -43,31 +45,40 @@ class GroupBells:
         self.bells = {}
 
     def _start_serving(self, start: int, stop: int) -> list[Any]:
-        parts = len(self.workers)
+        """Start every worker's and server's ``serve`` call for steps ``start .. stop-1``.
+        Where the servers sum the gradients (``summing``) the roles ring one another, and the
+        stub starts the chunk with :meth:`_kick`; else it rings every hand-over itself."""
+        self._chunk += 1  # tells this chunk's go messages from any a failed one left
+        go_w = [b.path for b in self.bells["go_w"]]
+        go_s = [b.path for b in self.bells["go_s"]]
+        done_w, done_s = self.bells["done_w"].path, self.bells["done_s"].path
+        n_w, n_s = len(self.workers), len(self.servers)
+        if self.summing:
+            to_w = [Wiring(self._chunk, p, done_w, n_s, tuple(go_s)) for p in go_w]
+            to_s = [Wiring(self._chunk, p, done_s, n_w + 1, tuple(go_w), 1) for p in go_s]
+        else:
+            to_w = [Wiring(self._chunk, p, done_w) for p in go_w]
+            to_s = [Wiring(self._chunk, p, done_s) for p in go_s]
         handles = [s["handle"] for s in self.server_infos]
         refs = [
-            w.serve.remote(
-                start,
-                stop,
-                i,
-                parts,
-                self.bells["go_w"][i].path,
-                self.bells["done_w"].path,
-                *handles,
-            )
+            w.serve.remote(start, stop, i, n_w, to_w[i], *handles)
             for i, w in enumerate(self.workers)
         ]
-        refs += [
-            s.serve.remote(
-                start,
-                stop,
-                self.bells["go_s"][k].path,
-                self.bells["done_s"].path,
-                self._server_grads(),
-            )
-            for k, s in enumerate(self.servers)
-        ]
+        grads = self._server_grads()
+        refs += [s.serve.remote(start, stop, to_s[k], grads) for k, s in enumerate(self.servers)]
         return refs
+
+    def _ring(self, bells: list[Any], step: int, times: int = 1) -> None:
+        go = Go(step, self._chunk)
+        for bell in bells:
+            for _ in range(times):
+                bell.ring(go)
+
+    def _kick(self, step: int) -> None:
+        """Start a chunk whose roles ring one another: the servers hear that the log's row
+        of ``step`` is ready (the caller began it), every worker hears each server's go."""
+        self._ring(self.bells["go_s"], step)
+        self._ring(self.bells["go_w"], step, times=len(self.servers))
 
     def _raise_ended(self, serving: list[Any], timeout: float, servers_only: bool = False) -> bool:
         """Raise the error of a serve call that ended with one (an exception or a death),
@@ -113,21 +124,35 @@ class GroupBells:
         raise RuntimeError("a role reported a failure, but no call ended with it in 60 s")
 
     def _ring_workers(self, step: int, serving: list[Any]) -> list[tuple[dict, None]]:
-        for bell in self.bells["go_w"]:
-            bell.ring(Go(step))
+        self._ring(self.bells["go_w"], step)
+        return self._hear_workers(step, serving)
+
+    def _hear_workers(self, step: int, serving: list[Any]) -> list[tuple[dict, None]]:
+        """Every worker's done message of ``step``: what each measured, in worker order."""
         k = len(self.workers)
         self._ended_since = None
         msgs = wait_all(self.bells["done_w"], k, lambda: self._check(serving))
         if any(m.failed for m in msgs):
             self._failed(serving)
+        _same_step(msgs, step)
         in_order = sorted(msgs, key=lambda m: m.part)  # worker order, whatever the arrival order
         return [({f: getattr(m, f) for f in WorkerDone.STATS}, None) for m in in_order]
 
     def _ring_servers(self, step: int, serving: list[Any]) -> list[float]:
-        for bell in self.bells["go_s"]:
-            bell.ring(Go(step))
+        self._ring(self.bells["go_s"], step)
+        return self._hear_servers(step, serving)
+
+    def _hear_servers(self, step: int, serving: list[Any]) -> list[float]:
+        """Every server's done message of ``step``: the seconds each spent."""
         self._ended_since = None
         msgs = wait_all(self.bells["done_s"], len(self.servers), lambda: self._check(serving, True))
         if any(m.failed for m in msgs):
             self._failed(serving, servers_only=True)
+        _same_step(msgs, step)
         return [m.seconds for m in msgs]
+
+
+def _same_step(msgs: list[Any], step: int) -> None:
+    wrong = sorted({m.step for m in msgs} - {step})
+    if wrong:
+        raise RuntimeError(f"a done message of step {wrong[0]} came while step {step} ran")

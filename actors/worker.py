@@ -25,9 +25,9 @@ from raysinga.trainer import evaluate_splits
 
 from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, stable_copy
 from .device import WorkerDevice
-from .doorbell import Abortable, Doorbell
+from .doorbell import Abortable, Steps
 from .errors import reports_role
-from .protocol import Go, WorkerDone, WorkerSpec, node_id, server_layouts
+from .protocol import Wiring, WorkerDone, WorkerSpec, node_id, server_layouts
 from .slicing import Slice
 
 
@@ -166,23 +166,21 @@ class Worker(Abortable):
 
     @reports_role
     def serve(
-        self, start: int, stop: int, part: int, parts: int, go: str, done: str, *sources: ShmHandle
+        self, start: int, stop: int, part: int, parts: int, wiring: Wiring, *sources: ShmHandle
     ) -> int:
-        """Compute steps ``start .. stop-1`` as the stub rings for them (same node only)."""
-        go_bell, done_bell = Doorbell(go, Go), Doorbell(done, WorkerDone)
+        """Compute steps ``start .. stop-1`` as they are rung for (same node only)."""
+        bells = Steps(wiring, WorkerDone, self.check_abort)
         try:
             for step in range(start, stop):
-                asked = go_bell.wait(self.check_abort).step
-                if asked != step:
-                    raise RuntimeError(f"stub rang for step {asked}, expected {step}")
+                bells.wait(step)
                 st = self._compute(step, part, parts, sources)
-                done_bell.ring(WorkerDone(part, step, 0, **{k: st[k] for k in WorkerDone.STATS}))
+                stats = {k: st[k] for k in WorkerDone.STATS}
+                bells.done(WorkerDone(part, step, 0, **stats), step, stop)
         except BaseException:
-            done_bell.ring(WorkerDone(part, -1, 1, 0.0, 0.0, 0.0, 0.0, 0.0))  # wake the stub now
+            bells.failed(WorkerDone(part, -1, 1, 0.0, 0.0, 0.0, 0.0, 0.0))  # wake the stub now
             raise
         finally:
-            go_bell.close()
-            done_bell.close()
+            bells.close()
         return stop - start
 
     def _compute(self, step: int, part: int, parts: int, sources: tuple) -> dict[str, float]:

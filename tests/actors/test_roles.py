@@ -19,8 +19,16 @@ import pytest
 
 from raysinga import run_state
 from raysinga.actors import server as server_module
-from raysinga.actors.doorbell import Doorbell, DoorbellTimeout, wait_all
-from raysinga.actors.protocol import Go, ServerDone, ServerSpec, StubSpec, WorkerDone, WorkerSpec
+from raysinga.actors.doorbell import Doorbell, DoorbellTimeout, Steps, wait_all
+from raysinga.actors.protocol import (
+    Go,
+    ServerDone,
+    ServerSpec,
+    StubSpec,
+    Wiring,
+    WorkerDone,
+    WorkerSpec,
+)
 from raysinga.actors.server import ParamServer
 from raysinga.actors.slicing import plan_slices
 from raysinga.checkpoint import Checkpoint, CheckpointError, writer
@@ -65,6 +73,33 @@ def test_wait_all_takes_messages_in_arrival_order_and_gives_up_on_silence(tmp_pa
             wait_all(bell, 1, lambda: None, timeout_s=0.3)
     finally:
         bell.close()
+
+
+def _bells(tmp_path, *names):
+    return [Doorbell.create(str(tmp_path / n)) for n in names]
+
+
+def test_a_role_hears_every_go_of_its_chunk_and_drops_those_a_failed_chunk_left(tmp_path):
+    go, done, peer = _bells(tmp_path, "go", "done", "peer")
+    steps = Steps(Wiring(5, go, done, n_go=2, then=(peer,), next_step=1), ServerDone, lambda: None)
+    ring, peer_bell, stub = Doorbell(go, Go), Doorbell(peer, Go), Doorbell(done, ServerDone)
+    try:
+        for msg in (Go(3, 4), Go(3, 5), Go(2, 4), Go(3, 5)):  # chunk 4's are stale
+            ring.ring(msg)
+        steps.wait(3)  # returns: both of chunk 5's heard
+        steps.done(ServerDone(0, 3, 0, 0.1), 3, stop=5)
+        assert peer_bell.wait() == Go(4, 5)  # the next step, this chunk
+        steps.done(ServerDone(0, 4, 0, 0.1), 4, stop=5)  # the chunk's last: no go after it
+        assert [m.step for m in wait_all(stub, 2, lambda: None)] == [3, 4]
+        with pytest.raises(DoorbellTimeout):
+            wait_all(peer_bell, 1, lambda: None, timeout_s=0.2)
+        ring.ring(Go(7, 5))
+        with pytest.raises(RuntimeError, match="rung for step 7, expected 5"):
+            steps.wait(5)
+    finally:
+        steps.close()
+        for bell in (ring, peer_bell, stub):
+            bell.close()
 
 
 # ---------------------------------------------------------------- a server's checkpoints
