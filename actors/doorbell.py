@@ -93,7 +93,7 @@ class Steps:
     def __init__(self, wiring: Wiring, done: type[Message], check: Callable[[], None]) -> None:
         self.wiring, self.check = wiring, check
         self.go = Doorbell(wiring.go, Go)
-        self.done_bell = Doorbell(wiring.done, done)
+        self.done_bell = Doorbell(wiring.done, done) if wiring.done else None
         self.then = [Doorbell(path, Go) for path in wiring.then]
 
     def wait(self, step: int) -> None:
@@ -109,9 +109,10 @@ class Steps:
             heard += 1
 
     def done(self, msg: Message, step: int, stop: int) -> None:
-        """Ring ``msg`` on the done doorbell, then, where the next step is in this chunk, the
-        ``then`` doorbells."""
-        self.done_bell.ring(msg)
+        """Ring ``msg`` on the done doorbell, if any, then, where the next step is in this
+        chunk, the ``then`` doorbells."""
+        if self.done_bell is not None:
+            self.done_bell.ring(msg)
         nxt = step + self.wiring.next_step
         if nxt < stop:
             go = Go(nxt, self.wiring.chunk)
@@ -119,12 +120,15 @@ class Steps:
                 bell.ring(go)
 
     def failed(self, msg: Message) -> None:
-        """Ring ``msg`` (a failure) on the done doorbell: the stub learns of it at once."""
-        self.done_bell.ring(msg)
+        """Ring ``msg`` (a failure) on the done doorbell, if any: the stub learns of it at
+        once (without one, from the role's call)."""
+        if self.done_bell is not None:
+            self.done_bell.ring(msg)
 
     def close(self) -> None:
         for bell in (self.go, self.done_bell, *self.then):
-            bell.close()
+            if bell is not None:
+                bell.close()
 
 
 class ServeAborted(RuntimeError):

@@ -205,20 +205,29 @@ class ReplayLog:
     bytes, is the run's ``fault.replay_steps`` and ``fault.replay_mb``); servers take a copy
     every ``capacity // 2`` updates, so the newest copy's steps are in the log."""
 
-    def __init__(self, count: int, dtype: Any, capacity: int, tag: str, node: str = "") -> None:
+    def __init__(
+        self, count: int, dtype: Any, capacity: int, tag: str, node: str = "", n_servers: int = 1
+    ) -> None:
         """``tag`` names the rows' file in shared memory: servers on the stub's node that sum
         the workers' gradients themselves write each step's sum straight into its row (a
         :class:`~actors.protocol.SummedGrads`); with ``capacity`` 0 there is one, unlogged.
-        Where shared memory lacks the room, the rows are the stub's own (``shared`` False)."""
+        Where shared memory lacks the room, the rows are the stub's own (``shared`` False).
+
+        Each of the ``n_servers`` servers marks its slices of each row in the same file
+        (``marks``): ``-2 - step`` while it writes step ``step``'s, ``step`` once written. A row
+        holds a step when every server's mark names it."""
         self.capacity = capacity
         self.n_rows = max(1, capacity)
-        layout = Layout.of({"rows": ((self.n_rows, count), dtype)})
+        layout = Layout.of(
+            {"rows": ((self.n_rows, count), dtype), "marks": ((n_servers, self.n_rows), "int64")}
+        )
         self._rows = SharedBuffer(tag, layout, node) if shm_room(layout.nbytes) else None
         self.shared = self._rows is not None
-        self.rows = (
-            self._rows.arrays["rows"] if self._rows else np.zeros((self.n_rows, count), dtype)
+        arrays = (
+            self._rows.arrays if self._rows else layout.views(np.zeros(layout.nbytes, np.uint8))
         )
-        self.steps = np.full(capacity, -1, np.int64)  # the step each row holds
+        self.rows, self.marks = arrays["rows"], arrays["marks"]
+        self.marks[...] = -1  # no row holds a step yet
         self.copies: dict[int, tuple[int, dict[str, Any]]] = {}  # server -> (version, copy)
         self._polls: dict[int, tuple[Any, Any]] = {}  # server -> (actor, its next_copy call)
         self._mapped: dict[int, tuple[str, dict[str, np.ndarray]]] = {}  # server -> its
@@ -245,18 +254,36 @@ class ReplayLog:
             np.copyto(self.begin(step), flat)
             self.commit(step)
 
+    @property
+    def steps(self) -> np.ndarray:
+        """The step each row holds (-1: none whole)."""
+        m = self.marks[:, : self.capacity]
+        whole = (m == m[0]).all(axis=0) & (m[0] >= 0)
+        return np.where(whole, m[0], -1)
+
     def begin(self, step: int) -> np.ndarray:
         """The row step ``step``'s sum is written into, marked as not logged until
         :meth:`commit` (a half-written row is never replayed)."""
         row = step % self.n_rows
         if self.capacity:
-            self.steps[row] = -1
+            self.marks[:, row] = -2 - step
         return self.rows[row]
 
     def commit(self, step: int) -> None:
         """Step ``step``'s row is whole: replay may use it."""
         if self.capacity:
-            self.steps[step % self.n_rows] = step
+            self.marks[:, step % self.n_rows] = step
+
+    def drop_unfinished(self) -> None:
+        """Unmark the rows a server began and did not finish (none is writing now): they hold
+        no step."""
+        self.marks[self.marks < -1] = -1
+
+    def unfinished(self) -> int | None:
+        """The step some server began writing into its row and did not finish (a server lost
+        halfway through it), if any."""
+        begun = self.marks[self.marks < -1] if self.capacity else self.marks[:0]
+        return int(-2 - begun.min()) if begun.size else None
 
     def attach(self, handles: dict[int, Any]) -> None:
         """Map each server's :class:`CopyBuffer` (by index; servers on this node), in place of
@@ -321,6 +348,7 @@ class ReplayLog:
             self._mapped.clear()
             self._maps.close()
         self.rows = np.empty((0, self.rows.shape[1]), self.rows.dtype)  # no view keeps the map
+        self.marks = np.empty((0, 0), np.int64)
         if self._rows is not None:
             self._rows.close()
 

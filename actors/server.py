@@ -10,9 +10,11 @@ object store.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -96,21 +98,31 @@ class ParamServer(Abortable):
         return self._published
 
     @reports_role
-    def serve(self, start: int, stop: int, wiring: Wiring, grads: ShmHandle | SummedGrads) -> int:
-        """Apply updates for steps ``start .. stop-1`` as they are rung for (same node only)."""
-        bells = Steps(wiring, ServerDone, self.check_abort)
-        src = self.sums.use(grads, self.slices) if isinstance(grads, SummedGrads) else grads
+    def serve(
+        self, start: int, stop: int, wiring: Wiring, grads: ShmHandle | SummedGrads
+    ) -> list[tuple[float, float, float]]:
+        """Apply updates for steps ``start .. stop-1`` as they are rung for (same node only).
+        Returns, for each step, when it was rung for and when it was done (wall clock, before
+        its done message), and the seconds its update took."""
+        bells, out = Steps(wiring, ServerDone, self.check_abort), []
+        src = (
+            self.sums.use(grads, self.slices, self.index)
+            if isinstance(grads, SummedGrads)
+            else grads
+        )
         try:
             for step in range(start, stop):
                 bells.wait(step)
+                heard = time.time()
                 _, _, seconds = self._update(step, src)
+                out.append((heard, time.time(), seconds))
                 bells.done(ServerDone(self.index, step, 0, seconds), step, stop)
         except BaseException:
             bells.failed(ServerDone(self.index, -1, 1, 0.0))  # wake the stub at once
             raise
         finally:
             bells.close()
-        return stop - start
+        return out
 
     @reports_role
     def update(self, step: int, grads: Any, group: int = 0) -> tuple[int, Any, float]:
@@ -142,7 +154,7 @@ class ParamServer(Abortable):
             with self.guard:
                 self.gpu.publish()
         elif parts:
-            with self.guard:
+            with self.guard, grads.writing(step):
                 self.optimizer.update_summed(step, self.buf.arrays, g, parts, self.pool)
         else:
             with self.guard:
@@ -343,8 +355,7 @@ def _gradient(
     if isinstance(grads, SumViews):
         return grads.rows[step % len(grads.rows)], grads.parts
     if isinstance(grads, ShmHandle):
-        full = attached.views(grads)
-        return {s.name: full[s.param].reshape(-1)[s.start : s.stop] for s in slices}, {}
+        return _mine(attached.views(grads), slices), {}
     return layout.views(grads), {}
 
 
@@ -359,20 +370,32 @@ class SumViews:
         self.parts: dict[str, list[np.ndarray]] = {}
         self.rows: list[dict[str, np.ndarray]] = []
 
-    def use(self, src: SummedGrads, slices: list[Any]) -> SumViews:
-        """Views of ``src`` (the mappings of files it no longer names are let go)."""
+    def use(self, src: SummedGrads, slices: list[Any], index: int) -> SumViews:
+        """Views of ``src`` for server ``index`` (the mappings of files it no longer names are
+        let go)."""
         self._maps.keep_only({h.path for h in src.parts})
         self._rows.keep_only({src.rows.path})
         layout = src.parts[0].layout  # the parameters', as every part and row is laid out
-
-        def mine(views: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            return {s.name: views[s.param].reshape(-1)[s.start : s.stop] for s in slices}
-
-        workers = [mine(self._maps.views(h)) for h in src.parts]
+        workers = [_mine(self._maps.views(h), slices) for h in src.parts]
         self.parts = {s.name: [w[s.name] for w in workers] for s in slices}
-        rows = self._rows.views(src.rows)["rows"]
-        self.rows = [mine(layout.views(rows[r].view(np.uint8))) for r in range(src.n_rows)]
+        log = self._rows.views(src.rows)
+        rows, self.marks = log["rows"], log["marks"][index]
+        self.rows = [_mine(layout.views(rows[r].view(np.uint8)), slices) for r in range(src.n_rows)]
         return self
+
+    @contextlib.contextmanager
+    def writing(self, step: int) -> Iterator[None]:
+        """Mark this server's slices of ``step``'s row as being written, then (unless the
+        update raised) as written: the stub sums a row left half-written again itself."""
+        row = step % len(self.marks)
+        self.marks[row] = -2 - step
+        yield
+        self.marks[row] = step
+
+
+def _mine(views: dict[str, np.ndarray], slices: list[Any]) -> dict[str, np.ndarray]:
+    """A server's slices (by slice name) of full-parameter arrays ``views``."""
+    return {s.name: views[s.param].reshape(-1)[s.start : s.stop] for s in slices}
 
 
 def _check_and_write(

@@ -81,7 +81,12 @@ class Stub(GroupBells):
         self._chunk = 0  # serve calls started
         # each step's summed gradient, and the servers' copies: what a lost server is rebuilt from
         self.log = ReplayLog(
-            self.count, dtype, spec.replay, f"{spec.tag}-log-stub{spec.index}", self.node
+            self.count,
+            dtype,
+            spec.replay,
+            f"{spec.tag}-log-stub{spec.index}",
+            self.node,
+            len(servers),
         )
         self._wire_workers(workers, worker_infos)
 
@@ -179,42 +184,24 @@ class Stub(GroupBells):
     @reports_role
     def run(self, start: int, stop: int) -> list[StepStats]:
         """Run steps ``start .. stop-1`` of this group: each step's loss and timings."""
+        if self.summing:
+            return self._run_alone(start, stop)
         records = []
         serving = self._start_serving(start, stop) if self.bells else []
-        t3 = time.perf_counter()
-        if self.summing:  # the roles ring one another: the stub hears each step's messages
-            self.log.begin(start)
-            self._kick(start)
         for step in range(start, stop):
-            # (a step of roles that ring one another starts when the last one ended)
-            t0 = t3 if self.summing else time.perf_counter()
-            wall0 = time.time() - (time.perf_counter() - t0)
-            if self.summing:
-                outs = self._hear_workers(step, serving)
-            elif serving:
-                outs = self._ring_workers(step, serving)
-            else:
-                outs = self._call_workers(step)
+            t0, wall0 = time.perf_counter(), time.time()
+            outs = self._ring_workers(step, serving) if serving else self._call_workers(step)
             t1, wall1 = time.perf_counter(), time.time()
-            # (mapped by the stub when summing too: a failed step's log row is summed from them)
             grads = [self._grad_flat(i, snap) for i, (_, snap) in enumerate(outs)]
-            if self.summing:
-                norm, t2 = None, t1
-                seconds = self._servers_sum(step, stop, serving, grads)
-            else:
-                on_threads(
-                    self.pool, functools.partial(self._sum, self.avg_flat, grads), self.ranges
-                )
-                norm = clip_grad_norm(self.avg.arrays, self.clip_norm) if self.clip_norm else None
-                t2 = time.perf_counter()
-                # logged while the servers read the same sum (before the next step overwrites it)
-                logged = self.pool.submit(self.log.record, step, self.avg_flat)
-                try:
-                    seconds = (
-                        self._ring_servers(step, serving) if serving else self._call_servers(step)
-                    )
-                finally:
-                    logged.result()
+            on_threads(self.pool, functools.partial(self._sum, self.avg_flat, grads), self.ranges)
+            norm = clip_grad_norm(self.avg.arrays, self.clip_norm) if self.clip_norm else None
+            t2 = time.perf_counter()
+            # logged while the servers read the same sum (before the next step overwrites it)
+            logged = self.pool.submit(self.log.record, step, self.avg_flat)
+            try:
+                seconds = self._ring_servers(step, serving) if serving else self._call_servers(step)
+            finally:
+                logged.result()
             t3 = time.perf_counter()
             stats = [st for st, _ in outs]
             fetch = max(st["fetch"] for st in stats)
@@ -274,28 +261,6 @@ class Stub(GroupBells):
         if not self.summing:
             return self.avg.handle()
         return SummedGrads(tuple(self.worker_handles), self.log.handle(), self.log.n_rows)
-
-    def _servers_sum(
-        self, step: int, stop: int, serving: list[Any], grads: list[np.ndarray]
-    ) -> list[float]:
-        """Hear the servers, which sum the workers' gradients ``grads`` into the log's row of
-        ``step`` as they update, and log the row; then begin the next step's row and tell the
-        servers so. A failed step may leave its row partly written: it is summed here (the
-        workers wait for every server, so their buffers still hold the step), and a lost
-        server is rebuilt through it."""
-        try:
-            seconds = self._hear_servers(step, serving)
-        except BaseException:
-            with contextlib.suppress(Exception):  # else the row stays unlogged: a restart
-                row = self.log.begin(step)
-                on_threads(self.pool, functools.partial(self._sum, row, grads), self.ranges)
-                self.log.commit(step)
-            raise
-        self.log.commit(step)
-        if step + 1 < stop:
-            self.log.begin(step + 1)
-            self._ring(self.bells["go_s"], step + 1)
-        return seconds
 
     def _update_arg(self, k: int) -> ShmHandle | np.ndarray:
         if not self.server_remote[k]:

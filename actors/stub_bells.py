@@ -1,16 +1,21 @@
 """A stub's per-step control through doorbells, for one synchronous group whose roles share
-the stub's node: each worker and server runs a ``serve`` call for a whole chunk of steps, and
-the stub rings each step's go and waits for their done messages in shared memory."""
+the stub's node: each worker and server runs a ``serve`` call for a whole chunk of steps. The
+stub rings each step's go and waits for their done messages in shared memory; or, where the
+servers sum the gradients, the roles ring one another and the stub waits for their calls."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import time
 from typing import Any
 
+from raysinga.grads import on_threads
+
 from .doorbell import wait_all
 from .errors import get_all
-from .protocol import Go, Wiring, WorkerDone
+from .protocol import Go, StepStats, Wiring, WorkerDone
 
 ENDED_GRACE_S = 5.0  # how long a doorbell may stay silent after a serve call ended normally
 
@@ -25,8 +30,17 @@ class GroupBells:
     server_infos: list[dict[str, Any]]
     group: int
     summing: bool
+    log: Any
+    pool: Any
+    ranges: list[tuple[int, int]]
     _ended_since: float | None
     _chunk: int
+
+    def _grad_flat(self, i: int, snap: Any) -> Any:
+        raise NotImplementedError
+
+    def _sum(self, out: Any, grads: list[Any], ab: tuple[int, int]) -> None:
+        raise NotImplementedError
 
     def _server_grads(self) -> Any:
         raise NotImplementedError
@@ -47,15 +61,15 @@ class GroupBells:
     def _start_serving(self, start: int, stop: int) -> list[Any]:
         """Start every worker's and server's ``serve`` call for steps ``start .. stop-1``.
         Where the servers sum the gradients (``summing``) the roles ring one another, and the
-        stub starts the chunk with :meth:`_kick`; else it rings every hand-over itself."""
+        stub starts the chunk (:meth:`_run_alone`); else it rings every hand-over itself."""
         self._chunk += 1  # tells this chunk's go messages from any a failed one left
         go_w = [b.path for b in self.bells["go_w"]]
         go_s = [b.path for b in self.bells["go_s"]]
         done_w, done_s = self.bells["done_w"].path, self.bells["done_s"].path
         n_w, n_s = len(self.workers), len(self.servers)
-        if self.summing:
-            to_w = [Wiring(self._chunk, p, done_w, n_s, tuple(go_s)) for p in go_w]
-            to_s = [Wiring(self._chunk, p, done_s, n_w + 1, tuple(go_w), 1) for p in go_s]
+        if self.summing:  # no done messages: each serve call returns what it measured
+            to_w = [Wiring(self._chunk, p, "", n_s, tuple(go_s)) for p in go_w]
+            to_s = [Wiring(self._chunk, p, "", n_w, tuple(go_w), 1) for p in go_s]
         else:
             to_w = [Wiring(self._chunk, p, done_w) for p in go_w]
             to_s = [Wiring(self._chunk, p, done_s) for p in go_s]
@@ -74,11 +88,45 @@ class GroupBells:
             for _ in range(times):
                 bell.ring(go)
 
-    def _kick(self, step: int) -> None:
-        """Start a chunk whose roles ring one another: the servers hear that the log's row
-        of ``step`` is ready (the caller began it), every worker hears each server's go."""
-        self._ring(self.bells["go_s"], step)
-        self._ring(self.bells["go_w"], step, times=len(self.servers))
+    def _run_alone(self, start: int, stop: int) -> list[StepStats]:
+        """Steps ``start .. stop-1`` of roles that ring one another (``summing``): the stub
+        starts them, waits for their calls to end, and builds each step's timings from what
+        they measured. Where a call fails, a log row a lost server left half-written is summed
+        here first (:meth:`_seal`)."""
+        import ray  # noqa: PLC0415
+
+        self.log.drop_unfinished()  # none writes now: a mark left by a failed chunk is stale
+        serving = self._start_serving(start, stop)
+        t0 = time.time()
+        self._ring(self.bells["go_w"], start, times=len(self.servers))  # each server's, as it were
+        ended: dict[Any, Any] = {}  # a call that returned -> what it returned
+        try:
+            while not_done := [r for r in serving if r not in ended]:
+                ready, _ = ray.wait(not_done, num_returns=1)
+                i, k = serving.index(ready[0]), len(self.workers)
+                if i < k:
+                    ended[ready[0]] = get_all(ready, "worker", self.group, indices=[i])[0]
+                else:
+                    ended[ready[0]] = get_all(ready, "server", indices=[i - k])[0]
+        except BaseException:
+            self._seal()
+            raise
+        results = [ended[r] for r in serving]
+        return step_stats(start, t0, results[: len(self.workers)], results[len(self.workers) :])
+
+    def _seal(self) -> None:
+        """Sum again the log row of a step a server began and did not finish (the workers
+        wait for every server before the next step, so their buffers still hold it): the lost
+        server is rebuilt through that step. If this fails, the row stays unlogged (a restart
+        then)."""
+        step = self.log.unfinished()
+        if step is None:
+            return
+        with contextlib.suppress(Exception):
+            grads = [self._grad_flat(i, None) for i in range(len(self.workers))]
+            row = self.log.begin(step)
+            on_threads(self.pool, functools.partial(self._sum, row, grads), self.ranges)
+            self.log.commit(step)
 
     def _raise_ended(self, serving: list[Any], timeout: float, servers_only: bool = False) -> bool:
         """Raise the error of a serve call that ended with one (an exception or a death),
@@ -150,6 +198,41 @@ class GroupBells:
             self._failed(serving, servers_only=True)
         _same_step(msgs, step)
         return [m.seconds for m in msgs]
+
+
+def step_stats(
+    start: int,
+    t0: float,
+    workers: list[list[dict[str, float]]],
+    servers: list[list[tuple[float, float, float]]],
+) -> list[StepStats]:
+    """Each step's timings, from the workers' (what each measured) and the servers' (when
+    rung for, when done, seconds) of roles that ring one another; a step starts when its
+    last server's go went out (the first, ``t0``, when the stub's)."""
+    out = []
+    for j, per_server in enumerate(zip(*servers, strict=True)):
+        stats = [w[j] for w in workers]
+        heard = min(h for h, _, _ in per_server)  # the last worker's go reached a server
+        end = max(e for _, e, _ in per_server)
+        fetch = max(st["fetch"] for st in stats)
+        compute = max(st["compute"] for st in stats)
+        out.append(
+            StepStats(
+                step=start + j,
+                loss=sum(st["loss"] for st in stats),
+                fetch=fetch,
+                compute=compute,
+                gather=heard - t0 - fetch - compute,
+                dispatch=max(st["start"] for st in stats) - t0,
+                collect=heard - max(st["end"] for st in stats),
+                average=0.0,
+                update=end - heard,
+                server=max(sec for _, _, sec in per_server),
+                total=end - t0,
+            )
+        )
+        t0 = end
+    return out
 
 
 def _same_step(msgs: list[Any], step: int) -> None:

@@ -167,21 +167,22 @@ class Worker(Abortable):
     @reports_role
     def serve(
         self, start: int, stop: int, part: int, parts: int, wiring: Wiring, *sources: ShmHandle
-    ) -> int:
-        """Compute steps ``start .. stop-1`` as they are rung for (same node only)."""
-        bells = Steps(wiring, WorkerDone, self.check_abort)
+    ) -> list[dict[str, float]]:
+        """Compute steps ``start .. stop-1`` as they are rung for (same node only); returns
+        what each step measured (:attr:`WorkerDone.STATS`)."""
+        bells, out = Steps(wiring, WorkerDone, self.check_abort), []
         try:
             for step in range(start, stop):
                 bells.wait(step)
                 st = self._compute(step, part, parts, sources)
-                stats = {k: st[k] for k in WorkerDone.STATS}
+                out.append(stats := {k: st[k] for k in WorkerDone.STATS})
                 bells.done(WorkerDone(part, step, 0, **stats), step, stop)
         except BaseException:
             bells.failed(WorkerDone(part, -1, 1, 0.0, 0.0, 0.0, 0.0, 0.0))  # wake the stub now
             raise
         finally:
             bells.close()
-        return stop - start
+        return out
 
     def _compute(self, step: int, part: int, parts: int, sources: tuple) -> dict[str, float]:
         start = time.time()

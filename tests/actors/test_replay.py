@@ -24,10 +24,9 @@ def logs(tmp_path):
     """Makes logs whose rows live in shared memory, closed (their files removed) after."""
     made: list[ReplayLog] = []
 
-    def make(count: int, capacity: int) -> ReplayLog:
-        made.append(
-            ReplayLog(count, "float32", capacity, f"test-{tmp_path.name}-log-stub{len(made)}")
-        )
+    def make(count: int, capacity: int, n_servers: int = 1) -> ReplayLog:
+        tag = f"test-{tmp_path.name}-log-stub{len(made)}"
+        made.append(ReplayLog(count, "float32", capacity, tag, n_servers=n_servers))
         return made[-1]
 
     yield make
@@ -51,6 +50,25 @@ def test_the_log_plans_a_rebuild_from_the_copy_through_the_steps_since(logs):
     assert log.plan(0, 3)[1] == []  # the copy is the target
     assert log.plan(0, 7) is None  # step 6 was never logged
     assert log.plan(1, 6) is None  # no copy of server 1
+
+
+def test_a_row_holds_a_step_once_every_server_has_marked_its_share_written(logs):
+    log = logs(16, 4, n_servers=2)
+    assert log.steps.tolist() == [-1] * 4 and log.unfinished() is None
+    log.record(1, flat_row(1))  # the stub's own sum: every share at once
+    marks = log.marks  # what each server's SumViews.writing sets in the shared file
+    marks[0, 2], marks[1, 2] = 2, -2 - 2  # server 1 lost halfway through step 2
+    assert log.steps.tolist() == [-1, 1, -1, -1]
+    assert log.unfinished() == 2
+    log.copies[1] = (1, {"version": 1})
+    assert log.plan(1, 3) is None  # step 2 is not whole: no rebuild through it
+    np.copyto(log.begin(2), flat_row(2))  # the stub sums it again (Stub._seal)
+    log.commit(2)
+    assert log.steps.tolist() == [-1, 1, 2, -1] and log.unfinished() is None
+    assert log.plan(1, 3)[1] == [1, 2]
+    marks[1, 3] = -2 - 3  # a mark a failed chunk left: nothing writes at a chunk's start
+    log.drop_unfinished()
+    assert log.unfinished() is None and log.marks[1, 3] == -1
 
 
 def test_a_copy_older_than_the_log_reaches_back_is_not_rebuilt_from(logs):

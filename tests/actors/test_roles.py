@@ -31,6 +31,7 @@ from raysinga.actors.protocol import (
 )
 from raysinga.actors.server import ParamServer
 from raysinga.actors.slicing import plan_slices
+from raysinga.actors.stub_bells import step_stats
 from raysinga.checkpoint import Checkpoint, CheckpointError, writer
 from raysinga.model import ModelSpec, Net
 
@@ -100,6 +101,26 @@ def test_a_role_hears_every_go_of_its_chunk_and_drops_those_a_failed_chunk_left(
         steps.close()
         for bell in (ring, peer_bell, stub):
             bell.close()
+
+
+def test_steps_of_roles_that_ring_one_another_are_timed_from_what_they_measured():
+    def w(start: float, compute: float, end: float, loss: float) -> dict[str, float]:
+        return {"loss": loss, "fetch": 0.001, "compute": compute, "start": start, "end": end}
+
+    workers = [  # two steps of two workers, from t0 = 100.0
+        [w(100.001, 0.010, 100.012, 0.5), w(101.003, 0.010, 101.014, 0.25)],
+        [w(100.002, 0.012, 100.015, 0.5), w(101.002, 0.011, 101.014, 0.25)],
+    ]
+    servers = [  # (rung for, done, seconds) of each step, one server
+        [(100.016, 101.000, 0.9), (101.015, 101.020, 0.004)],
+    ]
+    first, second = step_stats(7, 100.0, workers, servers)
+    assert (first.step, first.loss, second.step, second.loss) == (7, 1.0, 8, 0.5)
+    assert first.total == pytest.approx(1.0) and second.total == pytest.approx(0.020)
+    assert first.compute == 0.012 and first.server == 0.9
+    assert first.dispatch == pytest.approx(0.002) and second.dispatch == pytest.approx(0.003)
+    assert first.collect == pytest.approx(0.001) and second.update == pytest.approx(0.005)
+    assert second.gather == pytest.approx(0.015 - 0.001 - 0.011)
 
 
 # ---------------------------------------------------------------- a server's checkpoints
