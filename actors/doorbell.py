@@ -15,7 +15,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .protocol import Go, Wiring
 
@@ -95,6 +95,30 @@ class Steps:
         self.go = Doorbell(wiring.go, Go)
         self.done_bell = Doorbell(wiring.done, done) if wiring.done else None
         self.then = [Doorbell(path, Go) for path in wiring.then]
+
+    def run(
+        self,
+        start: int,
+        stop: int,
+        step_fn: Callable[[int], tuple[Any, Message]],
+        failed: Message,
+    ) -> list[Any]:
+        """Steps ``start .. stop-1``: each waited for, run (``step_fn`` gives what the step
+        measured and the done message), and rung as done; what each measured. Where a step
+        raises, ``failed`` is rung first. The doorbells are closed at the end."""
+        out = []
+        try:
+            for step in range(start, stop):
+                self.wait(step)
+                record, msg = step_fn(step)
+                out.append(record)
+                self.done(msg, step, stop)
+        except BaseException:
+            self.failed(failed)
+            raise
+        finally:
+            self.close()
+        return out
 
     def wait(self, step: int) -> None:
         """Until ``n_go`` go messages for ``step`` have come (one of another chunk, left by a

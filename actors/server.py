@@ -104,25 +104,19 @@ class ParamServer(Abortable):
         """Apply updates for steps ``start .. stop-1`` as they are rung for (same node only).
         Returns, for each step, when it was rung for and when it was done (wall clock, before
         its done message), and the seconds its update took."""
-        bells, out = Steps(wiring, ServerDone, self.check_abort), []
         src = (
             self.sums.use(grads, self.slices, self.index)
             if isinstance(grads, SummedGrads)
             else grads
         )
-        try:
-            for step in range(start, stop):
-                bells.wait(step)
-                heard = time.time()
-                _, _, seconds = self._update(step, src)
-                out.append((heard, time.time(), seconds))
-                bells.done(ServerDone(self.index, step, 0, seconds), step, stop)
-        except BaseException:
-            bells.failed(ServerDone(self.index, -1, 1, 0.0))  # wake the stub at once
-            raise
-        finally:
-            bells.close()
-        return out
+
+        def step_fn(step: int) -> tuple[tuple[float, float, float], ServerDone]:
+            heard = time.time()
+            seconds = self._update(step, src)[2]
+            return (heard, time.time(), seconds), ServerDone(self.index, step, 0, seconds)
+
+        failed = ServerDone(self.index, -1, 1, 0.0)  # wakes the stub at once
+        return Steps(wiring, ServerDone, self.check_abort).run(start, stop, step_fn, failed)
 
     @reports_role
     def update(self, step: int, grads: Any, group: int = 0) -> tuple[int, Any, float]:

@@ -170,19 +170,14 @@ class Worker(Abortable):
     ) -> list[dict[str, float]]:
         """Compute steps ``start .. stop-1`` as they are rung for (same node only); returns
         what each step measured (:attr:`WorkerDone.STATS`)."""
-        bells, out = Steps(wiring, WorkerDone, self.check_abort), []
-        try:
-            for step in range(start, stop):
-                bells.wait(step)
-                st = self._compute(step, part, parts, sources)
-                out.append(stats := {k: st[k] for k in WorkerDone.STATS})
-                bells.done(WorkerDone(part, step, 0, **stats), step, stop)
-        except BaseException:
-            bells.failed(WorkerDone(part, -1, 1, 0.0, 0.0, 0.0, 0.0, 0.0))  # wake the stub now
-            raise
-        finally:
-            bells.close()
-        return out
+
+        def step_fn(step: int) -> tuple[dict[str, float], WorkerDone]:
+            st = self._compute(step, part, parts, sources)
+            stats = {k: st[k] for k in WorkerDone.STATS}
+            return stats, WorkerDone(part, step, 0, **stats)
+
+        failed = WorkerDone(part, -1, 1, 0.0, 0.0, 0.0, 0.0, 0.0)  # wakes the stub at once
+        return Steps(wiring, WorkerDone, self.check_abort).run(start, stop, step_fn, failed)
 
     def _compute(self, step: int, part: int, parts: int, sources: tuple) -> dict[str, float]:
         start = time.time()
