@@ -122,7 +122,9 @@ class Steps:
 
     def wait(self, step: int) -> None:
         """Until ``n_go`` go messages for ``step`` have come (one of another chunk, left by a
-        chunk that failed, is dropped)."""
+        chunk that failed, is dropped). ``check`` runs first: told to stop, a role whose
+        peers keep ringing stops at the next step all the same."""
+        self.check()
         heard = 0
         while heard < self.wiring.n_go:
             msg = self.go.wait(self.check)

@@ -19,7 +19,14 @@ import pytest
 
 from raysinga import run_state
 from raysinga.actors import server as server_module
-from raysinga.actors.doorbell import Doorbell, DoorbellTimeout, Steps, wait_all
+from raysinga.actors.doorbell import (
+    Abortable,
+    Doorbell,
+    DoorbellTimeout,
+    ServeAborted,
+    Steps,
+    wait_all,
+)
 from raysinga.actors.protocol import (
     Go,
     ServerDone,
@@ -101,6 +108,23 @@ def test_a_role_hears_every_go_of_its_chunk_and_drops_those_a_failed_chunk_left(
         steps.close()
         for bell in (ring, peer_bell, stub):
             bell.close()
+
+
+def test_a_role_told_to_stop_stops_at_its_next_step_though_its_peers_ring_on(tmp_path):
+    go, peer = _bells(tmp_path, "go", "peer")
+    role = Abortable()
+    steps = Steps(Wiring(1, go, "", then=(peer,)), WorkerDone, role.check_abort)
+    ring = Doorbell(go, Go)
+    try:
+        for step in (0, 1):
+            ring.ring(Go(step, 1))
+        steps.wait(0)
+        role.abort()  # while step 0 runs; step 1's go has come already
+        with pytest.raises(ServeAborted):
+            steps.wait(1)
+    finally:
+        steps.close()
+        ring.close()
 
 
 def test_steps_of_roles_that_ring_one_another_are_timed_from_what_they_measured():
