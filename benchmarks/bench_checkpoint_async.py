@@ -17,6 +17,7 @@ for the servers' in-memory copy of their state) and the time until it was commit
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -79,22 +80,25 @@ def main() -> None:
     from raysinga.distributed import DistributedTrainer
 
     work = Path(tempfile.mkdtemp(prefix="bench-async-", dir=args.dir))
-    rng = np.random.default_rng(0)
-    np.save(work / "x.npy", rng.standard_normal((512, WIDTH), dtype=np.float32))
-    np.save(work / "y.npy", rng.integers(0, CLASSES, 512).astype(np.int64))
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    times: dict[int, list[float]] = {0: [], 10: []}
-    saved: list[dict] = []
-    order = [0, 10, 10, 0] * (args.rounds // 2) + [0, 10] * (args.rounds % 2)
-    for r, every in enumerate(order):
-        t = DistributedTrainer(
-            job(work / f"run{r}-every{every}", work, args.steps, every),
-            log=lambda line: None,
-            gather=False,
-        )
-        res = t.fit()
-        times[every].append(statistics.mean(step_times(res.history, args.warmup)))
-        saved += t.saved
+    try:  # its runs' checkpoints are GiBs: removed at the end
+        rng = np.random.default_rng(0)
+        np.save(work / "x.npy", rng.standard_normal((512, WIDTH), dtype=np.float32))
+        np.save(work / "y.npy", rng.integers(0, CLASSES, 512).astype(np.int64))
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        times: dict[int, list[float]] = {0: [], 10: []}
+        saved: list[dict] = []
+        order = [0, 10, 10, 0] * (args.rounds // 2) + [0, 10] * (args.rounds % 2)
+        for r, every in enumerate(order):
+            t = DistributedTrainer(
+                job(work / f"run{r}-every{every}", work, args.steps, every),
+                log=lambda line: None,
+                gather=False,
+            )
+            res = t.fit()
+            times[every].append(statistics.mean(step_times(res.history, args.warmup)))
+            saved += t.saved
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     ray.shutdown()
 
     print(f"256 MiB of parameters + Adam, {args.steps} steps, batch {BATCH}, 1 worker, 1 server")
