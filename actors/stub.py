@@ -36,7 +36,7 @@ from .protocol import (
     server_slices,
 )
 from .replay import ReplayLog
-from .stub_bells import GroupBells
+from .stub_bells import GroupBells, step_record
 
 
 class Stub(GroupBells):
@@ -189,40 +189,21 @@ class Stub(GroupBells):
         records = []
         serving = self._start_serving(start, stop) if self.bells else []
         for step in range(start, stop):
-            t0, wall0 = time.perf_counter(), time.time()
+            t0 = time.time()  # (wall clock: the workers' own times are compared with it)
             outs = self._ring_workers(step, serving) if serving else self._call_workers(step)
-            t1, wall1 = time.perf_counter(), time.time()
+            t1 = time.time()
             grads = [self._grad_flat(i, snap) for i, (_, snap) in enumerate(outs)]
             on_threads(self.pool, functools.partial(self._sum, self.avg_flat, grads), self.ranges)
             norm = clip_grad_norm(self.avg.arrays, self.clip_norm) if self.clip_norm else None
-            t2 = time.perf_counter()
+            t2 = time.time()
             # logged while the servers read the same sum (before the next step overwrites it)
             logged = self.pool.submit(self.log.record, step, self.avg_flat)
             try:
                 seconds = self._ring_servers(step, serving) if serving else self._call_servers(step)
             finally:
                 logged.result()
-            t3 = time.perf_counter()
             stats = [st for st, _ in outs]
-            fetch = max(st["fetch"] for st in stats)
-            compute = max(st["compute"] for st in stats)
-            records.append(
-                StepStats(
-                    step=step,
-                    loss=sum(st["loss"] for st in stats),
-                    fetch=fetch,
-                    compute=compute,
-                    gather=t1 - t0 - fetch - compute,
-                    # where "gather" goes: reaching the last worker, and hearing back from it
-                    dispatch=max(st["start"] for st in stats) - wall0,
-                    collect=wall1 - max(st["end"] for st in stats),
-                    average=t2 - t1,
-                    update=t3 - t2,
-                    server=max(seconds),
-                    total=t3 - t0,
-                    grad_norm=norm,
-                )
-            )
+            records.append(step_record(step, stats, t0, t1, t2, time.time(), seconds, norm))
         if serving:  # every serve call returns once its last step is done
             get_all(serving[: len(self.workers)], "worker", self.group)
             get_all(serving[len(self.workers) :], "server")

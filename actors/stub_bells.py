@@ -211,28 +211,44 @@ def step_stats(
     last server's go went out (the first, ``t0``, when the stub's)."""
     out = []
     for j, per_server in enumerate(zip(*servers, strict=True)):
-        stats = [w[j] for w in workers]
         heard = min(h for h, _, _ in per_server)  # the last worker's go reached a server
         end = max(e for _, e, _ in per_server)
-        fetch = max(st["fetch"] for st in stats)
-        compute = max(st["compute"] for st in stats)
-        out.append(
-            StepStats(
-                step=start + j,
-                loss=sum(st["loss"] for st in stats),
-                fetch=fetch,
-                compute=compute,
-                gather=heard - t0 - fetch - compute,
-                dispatch=max(st["start"] for st in stats) - t0,
-                collect=heard - max(st["end"] for st in stats),
-                average=0.0,
-                update=end - heard,
-                server=max(sec for _, _, sec in per_server),
-                total=end - t0,
-            )
-        )
+        seconds = [sec for _, _, sec in per_server]
+        out.append(step_record(start + j, [w[j] for w in workers], t0, heard, heard, end, seconds))
         t0 = end
     return out
+
+
+def step_record(
+    step: int,
+    stats: list[dict[str, float]],
+    t0: float,
+    t1: float,
+    t2: float,
+    t3: float,
+    seconds: list[float],
+    norm: float | None = None,
+) -> StepStats:
+    """One step's timings from what its workers measured (``stats``) and when (wall clock)
+    it started (``t0``), its workers were heard (``t1``), their gradients summed (``t2``)
+    and its servers were done (``t3``), ``seconds`` their own times."""
+    fetch = max(st["fetch"] for st in stats)
+    compute = max(st["compute"] for st in stats)
+    return StepStats(
+        step=step,
+        loss=sum(st["loss"] for st in stats),
+        fetch=fetch,
+        compute=compute,
+        gather=t1 - t0 - fetch - compute,
+        # where "gather" goes: reaching the last worker, and hearing back from it
+        dispatch=max(st["start"] for st in stats) - t0,
+        collect=t1 - max(st["end"] for st in stats),
+        average=t2 - t1,
+        update=t3 - t2,
+        server=max(seconds),
+        total=t3 - t0,
+        grad_norm=norm,
+    )
 
 
 def _same_step(msgs: list[Any], step: int) -> None:
