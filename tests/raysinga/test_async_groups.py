@@ -293,9 +293,11 @@ def test_eight_groups_at_the_full_rate_are_stopped_before_their_checkpoints_dive
     with pytest.raises(Diverged) as e:
         DistributedTrainer(cfg, **QUIET).fit()
     msg, root = str(e.value), tmp_path / "checkpoints"
+    # (the rate at the step it was caught: the cosine from 0.05 reads 0.04999 by step 12, and
+    # when the groups' interleaving lets the loss climb, the guard may catch it that late)
     assert re.match(
         r"loss is \S+ \(the mean over the last 256 samples\), over 2x (its early|the chance) "
-        r"level \S+ at step \d+ of group \d: the run diverged \(learning rate 0\.05, "
+        r"level \S+ at step \d+ of group \d: the run diverged \(learning rate 0\.(05|049\d*), "
         r"downpour: 8 group\(s\) x 1 worker\(s\), 1 server\(s\)\); the run stops, ",
         msg,
     ), msg
