@@ -81,8 +81,9 @@ class SummedGrads:
     """What a server on its stub's node sums its gradient from, in its own update: its
     workers' gradient buffers (``parts``, in worker order, each laid out as the parameters),
     and the stub's log rows (``rows``, :class:`~actors.replay.ReplayLog`), into whose row
-    ``step % n_rows`` it writes its slices of the sum (the stub logs the row once every server
-    has). The stub's own pass over the gradients, summing them, is saved."""
+    ``step % n_rows`` it writes its slices of the sum, marking its share of the row in the same
+    file (the row is logged once every server's mark names the step). The stub's own pass over
+    the gradients, summing them, is saved."""
 
     parts: tuple[ShmHandle, ...]
     rows: ShmHandle
@@ -99,10 +100,11 @@ class Wiring:
     after it, then rings ``then`` (other roles' go doorbells), if anything.
 
     With the stub between every hand-over, a role hears one go from the stub and rings nothing
-    else. Where the servers sum the gradients, the stub leaves the step's path: a worker hears
-    each server's go and rings every server when its part is written; a server hears every
-    worker's go and the stub's (its log's row is ready for the step) and rings every worker's go
-    for the next step once its done message is out. Done comes first, so the stub, hearing a
+    else. Where the servers sum the gradients, the roles ring one another and ring no done
+    message (``done`` empty; each ``serve`` call returns what it measured): a worker hears each
+    server's go and rings every server when its part is written; a server hears every worker's
+    go and rings every worker's go for the next step once its update is done. So a worker
+    starts no step before every server has finished the last one, and the stub, hearing a
     server fail, finds the workers' gradients still those of the failed step."""
 
     chunk: int

@@ -282,8 +282,8 @@ class ReplayLog:
     def unfinished(self) -> int | None:
         """The step some server began writing into its row and did not finish (a server lost
         halfway through it), if any."""
-        begun = self.marks[self.marks < -1] if self.capacity else self.marks[:0]
-        return int(-2 - begun.min()) if begun.size else None
+        begun = self.marks[self.marks < -1]
+        return int(-2 - begun.min()) if self.capacity and begun.size else None
 
     def attach(self, handles: dict[int, Any]) -> None:
         """Map each server's :class:`CopyBuffer` (by index; servers on this node), in place of

@@ -172,11 +172,8 @@ class GroupBells:
         raise RuntimeError("a role reported a failure, but no call ended with it in 60 s")
 
     def _ring_workers(self, step: int, serving: list[Any]) -> list[tuple[dict, None]]:
+        """Ring every worker for ``step``; what each measured, in worker order."""
         self._ring(self.bells["go_w"], step)
-        return self._hear_workers(step, serving)
-
-    def _hear_workers(self, step: int, serving: list[Any]) -> list[tuple[dict, None]]:
-        """Every worker's done message of ``step``: what each measured, in worker order."""
         k = len(self.workers)
         self._ended_since = None
         msgs = wait_all(self.bells["done_w"], k, lambda: self._check(serving))
@@ -187,11 +184,8 @@ class GroupBells:
         return [({f: getattr(m, f) for f in WorkerDone.STATS}, None) for m in in_order]
 
     def _ring_servers(self, step: int, serving: list[Any]) -> list[float]:
+        """Ring every server for ``step``; the seconds each spent."""
         self._ring(self.bells["go_s"], step)
-        return self._hear_servers(step, serving)
-
-    def _hear_servers(self, step: int, serving: list[Any]) -> list[float]:
-        """Every server's done message of ``step``: the seconds each spent."""
         self._ended_since = None
         msgs = wait_all(self.bells["done_s"], len(self.servers), lambda: self._check(serving, True))
         if any(m.failed for m in msgs):
