@@ -62,7 +62,7 @@ class CheckpointCoordinator:
             return
         cfg, session = self.session.cfg, self.session
         t0 = time.perf_counter()
-        tmp = writer.begin(session.root, step, replace=replace)
+        tmp = session.staging(step, replace)
         try:
             infos, states = roles.snapshot(tmp, cfg.checkpoint.compression)
             optimizer = merge_optimizer([i["optimizer"] for i in infos])

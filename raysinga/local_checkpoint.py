@@ -103,7 +103,7 @@ def save(
         step,
     )
     # A Downpour checkpoint resumed here may hold other groups' steps under this number.
-    tmp = writer.begin(session.root, step, replace=replace)
+    tmp = session.staging(step, replace)
     try:
         compression = cfg.checkpoint.compression
         shard = writer.write_shard(

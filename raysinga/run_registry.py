@@ -55,22 +55,18 @@ def drop(run_key: str, drop_steps: list[int]) -> None:
         ray.get([reg.delete.remote(run_key, s) for s in drop_steps])
 
 
-def keep_in_object_store(
-    run_key: str, step: int, uri: str, deleted: list[int], adopting: list[Any]
-) -> None:
+def keep_in_object_store(run_key: str, step: int, uri: str, adopting: list[Any]) -> None:
     """``checkpoint.object_store``: the registry (a detached actor, which then owns the object)
     puts the checkpoint just committed at ``uri`` into Ray's object store under ``run_key``
-    (:func:`key`), and drops the steps pruned from the directory, so that the store
-    holds what the directory holds. The call is not waited for; its ref joins ``adopting``
-    (those still running), for :func:`wait_adopted` at the end of the run."""
+    (:func:`key`); the steps pruned from the directory are dropped from it (:func:`drop`). The
+    call is not waited for; its ref joins ``adopting`` (those still running), for
+    :func:`wait_adopted` at the end of the run."""
     import ray  # noqa: PLC0415
 
     reg = actor(create=True)
     if adopting:
         _, adopting[:] = ray.wait(adopting, num_returns=len(adopting), timeout=0)
     adopting.append(reg.adopt.remote(run_key, step, uri))
-    for s in deleted:
-        reg.delete.remote(run_key, s)
 
 
 def wait_adopted(adopting: list[Any], log: Any, timeout: float = 30.0) -> None:

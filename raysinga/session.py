@@ -22,9 +22,11 @@ from typing import Any
 import yaml
 
 from . import data_identity, run_record, run_registry, run_sources
-from .checkpoint import Checkpoint, CheckpointError, storage
+from .background_prune import BackgroundPrune
+from .checkpoint import Checkpoint, CheckpointError, storage, writer
 from .checkpoint.lock import RunLock
 from .checkpoint.manage import prune, steps
+from .checkpoint.storage import Location
 from .cursor import DataCursor
 from .divergence import Diverged, Guard
 from .events import CheckpointCommitted, Evaluated, EventHub
@@ -138,6 +140,7 @@ class RunSession:
         self.saved_at: dict[int, tuple[int, ...]] = {}
         self.saved: list[dict[str, Any]] = []  # per commit: step, path, blocked, seconds
         self.adopting: list[Any] = []  # the object-store registry's calls still running
+        self.pruning = BackgroundPrune()  # the prune after the last commit, still running
         # the running launch's divergence guard: pruning keeps its newest healthy checkpoint,
         # and a divergence sets the newer ones aside as the session ends
         self.guard: Guard | None = None
@@ -188,12 +191,22 @@ class RunSession:
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         try:
+            self._settle_prune(exc)
             if isinstance(exc, Diverged):
                 self._set_aside_diverged(exc)
             run_registry.wait_adopted(self.adopting, self.log)
             self.keep_record()
         finally:
             self._release()
+
+    def _settle_prune(self, exc: BaseException | None) -> None:
+        """The last prune ends with the run; its failure is raised unless the run failed."""
+        try:
+            self.pruning.close()
+        except Exception as e:
+            if exc is None:
+                raise
+            self.log(f"raysinga: pruning old checkpoints failed: {e}")
 
     def _set_aside_diverged(self, e: Diverged) -> None:
         """Checkpoints newer than ``e.safe`` hold states from after the divergence began: moved
@@ -307,6 +320,7 @@ class RunSession:
         """Where a restart (after a lost role, or to resize) begins: the newest committed
         checkpoint (the object store's copy when it is at least as new as the newest on
         disk), else the run's own start again."""
+        self.pruning.settle()
         src, ck, _ = run_sources.find_resume(
             self.root, self.cfg.name, self.cfg.checkpoint.object_store
         )
@@ -380,6 +394,12 @@ class RunSession:
             return None
         return step in self.saved_at
 
+    def staging(self, step: int, replace: bool) -> Location:
+        """The temporary directory a checkpoint of ``step`` is written into
+        (:func:`.checkpoint.writer.begin`), once the last prune is done."""
+        self.pruning.settle()
+        return writer.begin(self.root, step, replace=replace)
+
     def committed(
         self,
         step: int,
@@ -389,8 +409,9 @@ class RunSession:
         seconds: float,
         in_background: bool,
     ) -> None:
-        """Book a committed checkpoint: report it, prune older ones by the keep rules, and
-        hand it to the object-store registry (``checkpoint.object_store``)."""
+        """Book a committed checkpoint: report it, hand it to the object-store registry
+        (``checkpoint.object_store``) and prune older ones by the keep rules, in the
+        background (:mod:`.background_prune`)."""
         self.saved_at[step] = steps
         self.saved.append({"step": step, "path": path, "blocked": blocked_s, "seconds": seconds})
         self.hub.emit(CheckpointCommitted(step, path, blocked_s, seconds, in_background))
@@ -400,10 +421,16 @@ class RunSession:
         # (the newest is not yet known to be); a finished run keeps what the rules say
         guarded = self.guard is not None and self.cfg.divergence.factor is not None
         floor = self.guard.safe if guarded and step < self.cfg.train_steps else None
-        deleted = prune(self.root, c.keep_last, c.keep_every, False, step, best, floor)
-        if c.object_store:
-            key = run_registry.key(self.cfg.name, self.root)
-            run_registry.keep_in_object_store(key, step, path, deleted, self.adopting)
+        key = run_registry.key(self.cfg.name, self.root) if c.object_store else None
+        if key is not None:
+            run_registry.keep_in_object_store(key, step, path, self.adopting)
+
+        def prune_older() -> None:
+            deleted = prune(self.root, c.keep_last, c.keep_every, False, step, best, floor)
+            if key is not None and deleted:  # the store holds what the directory holds
+                run_registry.drop(key, deleted)
+
+        self.pruning.start(prune_older)
         self.keep_record()
 
 
