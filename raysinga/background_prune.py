@@ -35,10 +35,15 @@ class BackgroundPrune:
             running, self._running = self._running, None
             running.result()
 
-    def close(self) -> None:
-        """Wait for the prune under way and stop the thread; a failure is raised."""
+    def close(self, tell: Callable[[str], None] | None = None) -> None:
+        """Wait for the prune under way and stop the thread. A failure is raised, or, with
+        ``tell`` (a run that failed already: its own error is what counts), told through it."""
         try:
             self.settle()
+        except Exception as e:
+            if tell is None:
+                raise
+            tell(f"raysinga: pruning old checkpoints failed: {e}")
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
