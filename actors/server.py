@@ -138,21 +138,22 @@ class ParamServer(Abortable):
         self.applied[group] = step
         self.snaps.wait_for_copy()  # a checkpoint's copy of the values must come first
         self.copies.wait_for_copy()  # and a copy kept for a rebuild
-        g, parts = _gradient(grads, step, self.slices, self.layout, self._attached)
-        if self.gpu is not None:
-            for name, ps in parts.items():
-                sum_into(g[name], ps)
-            g = self.gpu.upload_grads({s.name: g[s.name] for s in self.slices})
-            for s in self.slices:
-                self.optimizer.update(step, s.name, self.gpu.values[s.name], g[s.name])
-            with self.guard:
-                self.gpu.publish()
-        elif parts:
-            with self.guard, grads.writing(step):
-                self.optimizer.update_summed(step, self.buf.arrays, g, parts, self.pool)
-        else:
-            with self.guard:
-                self.optimizer.update_all(step, self.buf.arrays, g, self.pool)
+        with self.snaps.updating():  # a checkpoint's write in the background pauses
+            g, parts = _gradient(grads, step, self.slices, self.layout, self._attached)
+            if self.gpu is not None:
+                for name, ps in parts.items():
+                    sum_into(g[name], ps)
+                g = self.gpu.upload_grads({s.name: g[s.name] for s in self.slices})
+                for s in self.slices:
+                    self.optimizer.update(step, s.name, self.gpu.values[s.name], g[s.name])
+                with self.guard:
+                    self.gpu.publish()
+            elif parts:
+                with self.guard, grads.writing(step):
+                    self.optimizer.update_summed(step, self.buf.arrays, g, parts, self.pool)
+            else:
+                with self.guard:
+                    self.optimizer.update_all(step, self.buf.arrays, g, self.pool)
         ref = self._publish()
         if self.copies.due(self.guard.version):
             self.copies.start(self.guard.version, self._take)
@@ -261,8 +262,9 @@ class ParamServer(Abortable):
             tensors, image = self.snaps.copy(live, compression)
         finally:
             copied.set()  # updates may go on (after a failure too: it is reported at the end)
+        pace = self.snaps.pace
         return self.snaps.behind(
-            lambda: _check_and_write(tensors, version, tmp, shard, compression, image)
+            lambda: _check_and_write(tensors, version, tmp, shard, compression, image, pace)
         )
 
     def _shard(self, slots: dict[str, dict[str, np.ndarray]]) -> server_shard.Tensors:
@@ -399,11 +401,12 @@ def _check_and_write(
     shard: int,
     compression: str | None,
     image: Any,
+    pace: Any,
 ) -> dict[str, Any]:
     """Check a snapshot's copy and write it as its shard: on the copy, off the training path
-    (a non-finite state is never committed)."""
-    check_finite_state(((i.name, a) for i, a in tensors), version)
-    return server_shard.write_shard(tmp, shard, tensors, compression, image)
+    (a non-finite state is never committed), ``pace()`` before each piece."""
+    check_finite_state(((i.name, a) for i, a in tensors), version, pace)
+    return server_shard.write_shard(tmp, shard, tensors, compression, image, pace)
 
 
 def _by_slice(slots: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:

@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -63,8 +63,18 @@ class CopyGate:
         self.waited = time.perf_counter() - t0
 
 
+# The longest a piece of a checkpoint's background work waits for the server's update under
+# way (seconds): updates back to back (asynchronous groups) slow the write, never stop it.
+PACE_WAIT_MAX = 0.5
+
+
 class Snapshots:
     """One server's snapshots: at most one background write at a time.
+
+    The background work after the copy (the finite check, the hashing, the writes, a few MiB
+    at a time) waits while the server updates (:meth:`updating`, :meth:`pace`): the update is
+    memory-bound and on the steps' path, the write is neither. It runs while the workers
+    compute, when the server's cores would idle.
 
     ``pool``: the server's update threads, which copy large arrays in chunks (they are idle
     while a snapshot is copied: the next update waits for the copy).
@@ -81,6 +91,9 @@ class Snapshots:
         self._preparing: Future[None] | None = None
         self._buffers: dict[tuple[str, int], np.ndarray] = {}  # plain copies, reused
         self.gate = CopyGate()  # the update after a snapshot waits for its copy
+        self._quiet = threading.Event()  # set while no update runs
+        self._quiet.set()
+        self._update_s = 0.1  # how long the last update took (bounds a wait in pace())
 
     def prepare(self, placeholders: Tensors) -> None:
         """Lay out and map the shard image for tensors like ``placeholders`` in the
@@ -111,6 +124,22 @@ class Snapshots:
         """``fn()`` on the low-priority thread (see ``BACKGROUND_NICE``), waited for: a write's
         part after its copy (the server's pool threads, which copy, never start from it)."""
         return self._low.submit(fn).result()
+
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        """Around an update: the background work pauses meanwhile (:meth:`pace`)."""
+        t0 = time.perf_counter()
+        self._quiet.clear()
+        try:
+            yield
+        finally:
+            self._quiet.set()
+            self._update_s = min(time.perf_counter() - t0, PACE_WAIT_MAX)
+
+    def pace(self) -> None:
+        """Before each piece of a snapshot's background work: wait while an update runs, at
+        most as long as the last one took."""
+        self._quiet.wait(self._update_s)
 
     def wait_for_copy(self) -> None:
         """Before an update: the last snapshot's copy of the values must be taken first."""

@@ -31,6 +31,7 @@ import fcntl
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -54,8 +55,20 @@ def address(mv: memoryview) -> int:
     return int(np.frombuffer(mv, np.uint8).ctypes.data)
 
 
+def _unpaced() -> None:
+    pass
+
+
 class ShardSink:
-    def __init__(self, loc: Location, image: mmap.mmap | None = None) -> None:
+    """``pace``: called before each piece of the hashing and each write on local disk; a
+    writer that must leave room to other work waits in it (see ``actors.snapshots``)."""
+
+    def __init__(
+        self,
+        loc: Location,
+        image: mmap.mmap | None = None,
+        pace: Callable[[], None] | None = None,
+    ) -> None:
         self.hash, self.size, self.closed = xxhash.xxh3_64(), 0, False
         self._io = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
         self._local = loc.local
@@ -66,6 +79,7 @@ class ShardSink:
                 if image is None
                 else _ImageFile(loc.path, self.hash, self._io, image)
             )
+            self._file.pace = pace or _unpaced
         else:
             self._file = loc.fs.open_output_stream(loc.path)
 
@@ -147,13 +161,21 @@ class _Span:
         self.done: Future[str] = Future()
 
 
-def _hash_pass(file_hash: Any, view: memoryview, base: int, spans: list[_Span]) -> None:
+def _hash_pass(
+    file_hash: Any,
+    view: memoryview,
+    base: int,
+    spans: list[_Span],
+    pace: Callable[[], None] = _unpaced,
+) -> None:
     """Hash ``view`` (the file's bytes from offset ``base``) into the file's hash and, a piece
     at a time while the piece is in the cache, into the tensors' in it; hand over the digests
-    of the tensors that end in it. Runs on the sink's one hasher thread, in file order."""
+    of the tensors that end in it. Runs on the sink's one hasher thread, in file order;
+    ``pace()`` is called before each piece."""
     try:
         end = base + len(view)
         for lo in range(0, len(view), HASH_PIECE):
+            pace()
             piece = view[lo : lo + HASH_PIECE]
             file_hash.update(piece)
             a, b = base + lo, base + lo + len(piece)
@@ -184,6 +206,7 @@ class _StagedFile:
 
     def __init__(self, path: str, hash_: Any, hasher: ThreadPoolExecutor) -> None:
         self.hash, self.hasher = hash_, hasher
+        self.pace: Callable[[], None] = _unpaced
         self.direct = DIRECT
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         try:
@@ -218,7 +241,9 @@ class _StagedFile:
         i, n = self.cur, self.fill
         view = self.views[i]
         self.pending[i] = [
-            self.hasher.submit(_hash_pass, self.hash, view[:n], self.offset, self._take(n)),
+            self.hasher.submit(
+                _hash_pass, self.hash, view[:n], self.offset, self._take(n), self.pace
+            ),
             self.writers.submit(self._out, view, n, self.offset),
         ]
         self.offset += n
@@ -239,6 +264,7 @@ class _StagedFile:
 
     def _out(self, view: memoryview, n: int, offset: int) -> None:
         """Write ``view[:n]`` at ``offset`` (``view`` reaches at least to the next block end)."""
+        self.pace()
         length = -(-n // BLOCK) * BLOCK if self.direct else n
         if length > n:  # the tail: whole blocks for O_DIRECT, zero padded, cut off by finish
             view[n:length] = bytes(length - n)
@@ -330,7 +356,9 @@ class _ImageFile(_StagedFile):
         a = self.sent
         self.offset = a
         spans = self._take(upto - a)
-        self.inflight.append(self.hasher.submit(_hash_pass, self.hash, self.view[a:upto], a, spans))
+        self.inflight.append(
+            self.hasher.submit(_hash_pass, self.hash, self.view[a:upto], a, spans, self.pace)
+        )
         self.inflight.append(self.writers.submit(self._out, self.view[a:], upto - a, a))
         self.sent = upto
         while self.inflight and self.inflight[0].done():  # a failure shows as soon as it can

@@ -15,7 +15,7 @@ import contextlib
 import mmap
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -93,6 +93,7 @@ def write_shard(
     tensors: Iterable[tuple[TensorInfo, Any]],
     compression: str | None = None,
     image: ShardImage | None = None,
+    pace: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Write ``shard-<shard>.arrow`` into the temporary directory; returns its record for the
     manifest (file, size, checksum, and one entry per tensor for ``params.meta``).
@@ -100,7 +101,9 @@ def write_shard(
     Hashing costs a save almost nothing: each tensor and the file's bytes are hashed on helper
     threads while Arrow writes them (see :mod:`.sink`). With ``image`` (the tensors having been
     placed in it by :meth:`ShardImage.place`), a local file is written from it without copying,
-    and its tensors are hashed in the file's own pass over it.
+    and its tensors are hashed in the file's own pass over it. ``pace()``, if given, is called
+    before each piece of the hashing and each write (on local disk): a writer that must leave
+    room to other work waits in it.
     """
     if compression not in COMPRESSIONS:
         raise CheckpointError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
@@ -111,7 +114,7 @@ def write_shard(
     infos: list[TensorInfo] = []
     hashes: list[Future[str]] = []
     with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool, _writing(loc):
-        sink = ShardSink(loc, None if image is None else image.buf)
+        sink = ShardSink(loc, None if image is None else image.buf, pace)
         try:
             if compression is None:
                 w: Any = pa.ipc.new_file(pa.PythonFile(sink, mode="w"), SCHEMA)

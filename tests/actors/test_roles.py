@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -436,3 +437,33 @@ def test_a_worker_step_reuses_the_last_steps_memory_instead_of_faulting_in_fresh
         ray.kill(worker)
     # measured here: about 5 per step, and 175 with the thresholds as glibc leaves them
     assert per_step < 50, f"{per_step:.0f} page faults per step"
+
+
+def test_a_checkpoints_background_work_waits_while_the_server_updates():
+    """Each piece of it (``pace``) waits for the update under way to end, and at most as long
+    as the last update took: updates back to back slow a write, never stop it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from raysinga.actors.snapshots import PACE_WAIT_MAX, Snapshots
+
+    snaps = Snapshots(ThreadPoolExecutor(1))
+    try:
+        with snaps.updating():
+            time.sleep(PACE_WAIT_MAX)  # the last update's time bounds the wait below
+        paced: list[float] = []
+        piece = threading.Thread(target=lambda: (snaps.pace(), paced.append(time.perf_counter())))
+        with snaps.updating():
+            piece.start()
+            time.sleep(PACE_WAIT_MAX / 10)
+            assert not paced  # waiting for the update
+            ended = time.perf_counter()
+        piece.join(10)
+        assert paced and paced[0] >= ended
+        with snaps.updating():
+            pass  # a short update: a short bound
+        with snaps.updating():  # an update that outlasts it
+            t0 = time.perf_counter()
+            snaps.pace()
+            assert time.perf_counter() - t0 < PACE_WAIT_MAX
+    finally:
+        snaps.close()
