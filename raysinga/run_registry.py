@@ -46,13 +46,17 @@ def forget(run_key: str) -> None:
         drop(run_key, [e["step"] for e in ray.get(reg.list.remote(run_key))])
 
 
-def drop(run_key: str, drop_steps: list[int]) -> None:
-    """Drop the registry's copies of these steps of a run (set aside on disk, say)."""
+def drop(run_key: str, drop_steps: list[int], wait: bool = True) -> None:
+    """Drop the registry's copies of these steps of a run (set aside on disk, say); ``wait``:
+    until the registry has (else the calls are only sent, as after a prune: the checkpoints
+    on disk are what counts)."""
     import ray  # noqa: PLC0415
 
     reg = actor()
     if reg is not None:
-        ray.get([reg.delete.remote(run_key, s) for s in drop_steps])
+        calls = [reg.delete.remote(run_key, s) for s in drop_steps]
+        if wait:
+            ray.get(calls)
 
 
 def keep_in_object_store(run_key: str, step: int, uri: str, adopting: list[Any]) -> None:

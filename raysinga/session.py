@@ -112,7 +112,7 @@ class RunSession:
     """The lock, start decision, stop signals and commit bookkeeping of one run.
 
     Use as a context manager: entering takes the run's lock and decides :attr:`start`; leaving
-    waits for the object-store copies handed over and releases the lock.
+    waits for the last prune and the object-store copies handed over, and releases the lock.
     """
 
     def __init__(
@@ -400,7 +400,7 @@ class RunSession:
         def prune_older() -> None:
             deleted = prune(self.root, c.keep_last, c.keep_every, False, step, best, floor)
             if key is not None and deleted:  # the store holds what the directory holds
-                run_registry.drop(key, deleted)
+                run_registry.drop(key, deleted, wait=False)
 
         self.pruning.start(prune_older)
         self.keep_record()
