@@ -14,7 +14,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -401,7 +401,7 @@ def _check_and_write(
     shard: int,
     compression: str | None,
     image: Any,
-    pace: Any,
+    pace: Callable[[], None],
 ) -> dict[str, Any]:
     """Check a snapshot's copy and write it as its shard: on the copy, off the training path
     (a non-finite state is never committed), ``pace()`` before each piece."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,9 @@ class NonFiniteState(FloatingPointError):
     """A checkpoint was about to take NaN or infinite values: it is never committed."""
 
 
-def first_nonfinite(named: Any, chunk: int = 1 << 20, pace: Any = None) -> str | None:
+def first_nonfinite(
+    named: Any, chunk: int = 1 << 20, pace: Callable[[], None] | None = None
+) -> str | None:
     """The name of the first array of ``named`` ((name, array) pairs) holding a NaN or an
     infinity, or None; checked in pieces, so the check allocates little whatever the size
     (``pace()``, if given, is called before each)."""
@@ -28,7 +31,7 @@ def first_nonfinite(named: Any, chunk: int = 1 << 20, pace: Any = None) -> str |
     return None
 
 
-def check_finite_state(named: Any, step: int, pace: Any = None) -> None:
+def check_finite_state(named: Any, step: int, pace: Callable[[], None] | None = None) -> None:
     """Refuse to checkpoint a state that holds NaN or infinite values (``pace``: see
     :func:`first_nonfinite`)."""
     bad = first_nonfinite(named, pace=pace)

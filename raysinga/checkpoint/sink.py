@@ -74,12 +74,12 @@ class ShardSink:
         self._local = loc.local
         self._expected: _Span | None = None  # a tensor announced by expect()
         if self._local:
+            pace = pace or _unpaced
             self._file: Any = (
-                _StagedFile(loc.path, self.hash, self._io)
+                _StagedFile(loc.path, self.hash, self._io, pace)
                 if image is None
-                else _ImageFile(loc.path, self.hash, self._io, image)
+                else _ImageFile(loc.path, self.hash, self._io, pace, image)
             )
-            self._file.pace = pace or _unpaced
         else:
             self._file = loc.fs.open_output_stream(loc.path)
 
@@ -204,9 +204,10 @@ class _StagedFile:
     are hashed (in file order, on the sink's helper thread) and written (side by side, each at
     its own offset: a fast device wants several writes in flight)."""
 
-    def __init__(self, path: str, hash_: Any, hasher: ThreadPoolExecutor) -> None:
-        self.hash, self.hasher = hash_, hasher
-        self.pace: Callable[[], None] = _unpaced
+    def __init__(
+        self, path: str, hash_: Any, hasher: ThreadPoolExecutor, pace: Callable[[], None]
+    ) -> None:
+        self.hash, self.hasher, self.pace = hash_, hasher, pace
         self.direct = DIRECT
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         try:
@@ -318,9 +319,16 @@ class _ImageFile(_StagedFile):
     are hashed (in order) and queued for writing, up to ``NBUF`` writes side by side. Neither
     waits for the other: the image holds the whole file."""
 
-    def __init__(self, path: str, hash_: Any, hasher: ThreadPoolExecutor, image: mmap.mmap) -> None:
+    def __init__(
+        self,
+        path: str,
+        hash_: Any,
+        hasher: ThreadPoolExecutor,
+        pace: Callable[[], None],
+        image: mmap.mmap,
+    ) -> None:
         self.image = image
-        super().__init__(path, hash_, hasher)
+        super().__init__(path, hash_, hasher, pace)
 
     def _buffers(self) -> None:
         self.view = memoryview(self.image)
