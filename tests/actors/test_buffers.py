@@ -78,10 +78,12 @@ def test_files_of_dead_processes_are_swept_and_live_ones_kept():
 
 
 def _update_for(handle_path_q, stop, seconds):
-    """The writer of the sequence-lock test: fills its array with 1, 2, 3, ... in place."""
+    """The writer of the sequence-lock test: fills its array with 1, 2, 3, ... in place, with
+    pauses of up to 2 ms between updates (a server waits for gradients between two)."""
     buf = SharedBuffer("test-seq", with_seq(Layout.of({"w": ((1 << 20,), "float32")})))
     guard = UpdateGuard(buf.arrays[SEQ])
     handle_path_q.put(buf.handle())
+    rng = np.random.default_rng(0)
     try:
         v = 0.0
         deadline = time.monotonic() + seconds
@@ -89,6 +91,7 @@ def _update_for(handle_path_q, stop, seconds):
             v += 1
             with guard:
                 buf.arrays["w"].fill(v)
+            time.sleep(rng.uniform(0, 0.002))
     finally:
         stop.wait(30)  # the reader detaches first
         buf.close()
@@ -115,13 +118,15 @@ def test_copies_under_the_sequence_lock_never_mix_two_updates():
             w = lay.views(out)["w"]
             torn += int(w.min() != w.max())
         assert torn, "the writer never overlapped a plain copy: the test proves nothing"
-        last = -1
+        first = last = stable_copy(src, seq, out)
         for _ in range(300):
             version = stable_copy(src, seq, out)
             w = lay.views(out)["w"]
             assert w.min() == w.max() == version, (w.min(), w.max(), version)
             assert version >= last
             last = version
+        # the copies were taken while the writer wrote (not after it ran out of time)
+        assert p.is_alive() and last > first + 10, "the writer stopped: the test proves nothing"
         del w, src, seq
         att.close()
     finally:
