@@ -11,6 +11,7 @@ are usable, raysinga's CuPy kernels run against PyTorch on that GPU as well::
 
     pip install -e '.[bench,examples]'
     python benchmarks/bench_step.py [--model mlp|cnn|charlm] [--steps 50] [--rounds 5]
+        [--device all|cpu|gpu]
 
 The two sides alternate round by round and the ratio is taken of the medians, so drifts of a
 noisy machine fall on both; it is printed with the lowest and highest of the rounds' own
@@ -206,6 +207,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50, help="steps per timed round")
     ap.add_argument("--rounds", type=int, default=5, help="rounds per side, alternating")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads, both sides")
+    ap.add_argument(
+        "--device",
+        choices=("all", "cpu", "gpu"),
+        default="all",
+        help="the side(s) to measure: the CPU, the GPU (where usable) or both (default)",
+    )
     add_json_option(ap)
     a = ap.parse_args()
 
@@ -240,11 +247,13 @@ def main() -> None:
         "charlm": {"cpu": 1.2, "gpu": 1.2},
     }[a.model]
     report = Report("bench_step", {**vars(a), "torch": torch.__version__, "numpy": np.__version__})
-    devices = ["cpu"]
-    if K.gpu_available() and torch.cuda.is_available():
-        devices.append("gpu")
-    else:
-        print(f"gpu: not measured ({K.gpu_unavailable_reason() or 'PyTorch sees no CUDA device'})")
+    devices = [] if a.device == "gpu" else ["cpu"]
+    if a.device != "cpu":
+        if K.gpu_available() and torch.cuda.is_available():
+            devices.append("gpu")
+        else:
+            why = K.gpu_unavailable_reason() or "PyTorch sees no CUDA device"
+            print(f"gpu: not measured ({why})")
     for dev in devices:
         ours, peer = compare(dev, a.model, a.steps, a.rounds)
         report.add(Figure(f"{dev}: raysinga step", [t * 1e3 for t in ours], " ms"), ".2f")
