@@ -18,6 +18,7 @@ from raysinga.data import BatchPlan
 from raysinga.data_split import open_splits
 from raysinga.kernels import to_numpy
 from raysinga.kernels.cpu_memory import retain_freed_memory
+from raysinga.kernels.cpu_sched import batch_scheduling
 from raysinga.kernels.cpu_threads import blas_threads
 from raysinga.layers import StepContext
 from raysinga.model import ModelSpec, Net
@@ -170,6 +171,7 @@ class Worker(Abortable):
     ) -> list[dict[str, float]]:
         """Compute steps ``start .. stop-1`` as they are rung for (same node only); returns
         what each step measured (:attr:`WorkerDone.STATS`)."""
+        batch_scheduling()  # woken by a ring, this thread never preempts the ringer
 
         def step_fn(step: int) -> tuple[dict[str, float], WorkerDone]:
             st = self._compute(step, part, parts, sources)

@@ -304,11 +304,12 @@ def test_a_checkpoint_is_written_at_low_priority_and_the_update_threads_keep_the
 
 def run_group(
     ray, remote: bool, steps: int, clip: float | None = 1.0
-) -> tuple[list, dict[str, np.ndarray]]:
+) -> tuple[list, dict[str, np.ndarray], list[int]]:
     """One group of two workers and two servers for ``steps`` steps: through doorbells, or
     (``remote``: told the workers sit on another node) through Ray calls and snapshots.
     Through doorbells and without clipping (``clip`` None), the servers sum the workers'
-    gradients themselves."""
+    gradients themselves. Returns the steps' records, the values, and the scheduling policy
+    of each worker's thread that ran its steps."""
     from raysinga.actors.stub import Stub
     from raysinga.actors.worker import Worker
 
@@ -363,7 +364,8 @@ def run_group(
         # and the stub's log of the summed gradients, which a lost server is rebuilt from
         log = ray.get(stub.__ray_call__.remote(lambda self: (self.log.steps, self.log.rows)))
         values["log steps"], values["log rows"] = log
-        return stats, values
+        policy = [w.__ray_call__.remote(lambda _: os.sched_getscheduler(0)) for w in workers]
+        return stats, values, ray.get(policy)
     finally:
         ray.get([a.shutdown.remote() for a in actors])
         for a in actors:
@@ -374,8 +376,10 @@ def run_group(
 def test_doorbells_and_ray_calls_train_the_same_bits(ray_session, clip):
     """Without clipping, the servers on the stub's node sum the workers' gradients (into the
     stub's log, 6 steps over its 4 rows): the bits of the stub's own sum."""
-    rung, by_bell = run_group(ray_session, remote=False, steps=6, clip=clip)
-    called, by_call = run_group(ray_session, remote=True, steps=6, clip=clip)
+    rung, by_bell, policies = run_group(ray_session, remote=False, steps=6, clip=clip)
+    called, by_call, _ = run_group(ray_session, remote=True, steps=6, clip=clip)
+    # woken by a ring, a worker does not preempt the ringer (raysinga.kernels.cpu_sched)
+    assert policies == [os.SCHED_BATCH] * 2, policies
     assert [r.step for r in rung] == [r.step for r in called] == list(range(6))
     assert [r.loss for r in rung] == [r.loss for r in called]
     if clip:
