@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import os
 import select
+import signal
 import statistics
 import struct
+import sys
 import tempfile
 import time
 
@@ -32,8 +34,11 @@ def _worker(go: str, back: str, core: int, batch: bool, rings: int) -> None:
     if batch:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     a, b = os.open(go, os.O_RDWR), os.open(back, os.O_RDWR)
+    parent = os.getppid()
     for _ in range(rings):
-        select.select([a], [], [])
+        while not select.select([a], [], [], 1.0)[0]:
+            if os.getppid() != parent:  # the ringer is gone
+                os._exit(1)
         os.read(a, MSG.size)
         woke = time.time()
         sum(range(200_000))  # about 3 ms of work
@@ -53,7 +58,7 @@ def late_rings(rings: int, work_s: float, batch: bool) -> int:
             _worker(go, back, core, batch, rings)
         pids.append(pid)
     fds, b = [os.open(p, os.O_RDWR) for p in gos], os.open(back, os.O_RDWR)
-    late = 0
+    late, done = 0, False
     try:
         for _ in range(rings):
             t = time.perf_counter()
@@ -68,9 +73,14 @@ def late_rings(rings: int, work_s: float, batch: bool) -> int:
                 buf += os.read(b, 2 * MSG.size - len(buf))
             woke = max(MSG.unpack_from(buf, i * MSG.size)[0] for i in range(2))
             late += woke - t0 > LATE_S
+        done = True
     finally:
         for pid in pids:
+            if not done:  # interrupted: the workers would wait for a ring for ever
+                os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+        for fd in (*fds, b):
+            os.close(fd)
         for p in (*gos, back):
             os.unlink(p)
         os.rmdir(d)
@@ -85,6 +95,7 @@ def main() -> None:
     a = ap.parse_args()
     if len(os.sched_getaffinity(0)) < 2 or not hasattr(os, "SCHED_BATCH"):
         raise SystemExit("bench_wakeup needs Linux and two cores")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the workers and FIFOs cleaned up
     counts: dict[str, list[int]] = {"default policy": [], "SCHED_BATCH": []}
     for _ in range(a.rounds):
         for name in counts:
