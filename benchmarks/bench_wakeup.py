@@ -7,10 +7,11 @@ each worker's FIFO in turn and waits for both to report; each worker, pinned to 
 own (cores 0 and 1), notes when it woke and computes for about 3 ms. A ring is late where the
 later of the two woke more than 1 ms after the ringer's first write::
 
-    python benchmarks/bench_wakeup.py [--rings 600] [--rounds 3]
+    python benchmarks/bench_wakeup.py [--rings 600] [--rounds 3] [--json FILE]
 
-The two variants alternate round by round; each prints its late rings per round and their
-median. Needs Linux and two cores.
+The two variants alternate round by round; each prints the median of its rounds' late rings,
+with their minimum and maximum (``--json FILE`` writes every round). There is no goal: it shows
+what the workers' policy changes. Needs Linux and two cores.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import argparse
 import os
 import select
 import signal
-import statistics
 import struct
 import sys
 import tempfile
 import time
+
+from report import Figure, Report, add_json_option
 
 MSG = struct.Struct("<d")
 LATE_S = 1e-3
@@ -92,6 +94,7 @@ def main() -> None:
     ap.add_argument("--rings", type=int, default=600)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--work-ms", type=float, default=2.0, help="the ringer's work before a ring")
+    add_json_option(ap)
     a = ap.parse_args()
     if len(os.sched_getaffinity(0)) < 2 or not hasattr(os, "SCHED_BATCH"):
         raise SystemExit("bench_wakeup needs Linux and two cores")
@@ -100,11 +103,11 @@ def main() -> None:
     for _ in range(a.rounds):
         for name in counts:
             counts[name].append(late_rings(a.rings, a.work_ms / 1e3, name == "SCHED_BATCH"))
+    report = Report("bench_wakeup", vars(a))
     for name, c in counts.items():
-        print(
-            f"workers under {name}: the second started over 1 ms late in "
-            f"{statistics.median(c):g} of {a.rings} rings (median; rounds: {c})"
-        )
+        label = f"workers under {name}: rings of {a.rings} where the second started over 1 ms late"
+        report.add(Figure(label, c, ""), ".0f")
+    report.write(a.json)
 
 
 if __name__ == "__main__":
