@@ -4,8 +4,8 @@ group's workers each step: with the workers under the default policy and as batc
 
 Three plain processes, no Ray: the ringer works for ``--work-ms`` (the update), then writes to
 each worker's FIFO in turn and waits for both to report; each worker, pinned to a core of its
-own (cores 0 and 1), notes when it woke and computes for about 3 ms. A ring is late where the
-later of the two woke more than 1 ms after the ringer's first write::
+own (the first two this process may use), notes when it woke and computes for about 3 ms. A
+ring is late where the later of the two woke more than 1 ms after the ringer's first write::
 
     python benchmarks/bench_wakeup.py [--rings 600] [--rounds 3] [--json FILE]
 
@@ -54,7 +54,7 @@ def late_rings(rings: int, work_s: float, batch: bool) -> int:
     for p in (*gos, back):
         os.mkfifo(p, 0o600)
     pids = []
-    for core, go in enumerate(gos):
+    for core, go in zip(sorted(os.sched_getaffinity(0))[:2], gos, strict=True):
         pid = os.fork()
         if pid == 0:
             _worker(go, back, core, batch, rings)
