@@ -27,6 +27,8 @@ import time
 
 from report import Figure, Report, add_json_option
 
+from raysinga.kernels.cpu_sched import batch_scheduling
+
 MSG = struct.Struct("<d")
 LATE_S = 1e-3
 
@@ -34,7 +36,7 @@ LATE_S = 1e-3
 def _worker(go: str, back: str, core: int, batch: bool, rings: int) -> None:
     os.sched_setaffinity(0, {core})
     if batch:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        batch_scheduling()  # as a worker's serving thread does
     a, b = os.open(go, os.O_RDWR), os.open(back, os.O_RDWR)
     parent = os.getppid()
     for _ in range(rings):

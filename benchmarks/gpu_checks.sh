@@ -5,12 +5,13 @@
 #     benchmarks/gpu_checks.sh [OUT] [SECONDS]
 #
 # In order of importance: the `gpu` tests, the kernel benchmark, the step benchmark's GPU side
-# (MLP, CNN, character model), then training with the GPU: the README's job on one process, a distributed
-# run with GPU workers and one with a GPU server too. Each part runs under its own time limit
-# (SECONDS, default 150; the tests get twice that) so one that hangs does not take the others'
-# time. Without a usable GPU it stops at once, saying why. Each part's output goes to OUT (default gpu-results/) as NAME.log, with the benchmarks'
-# figures as NAME.json; OUT/summary.txt lists every part's exit status and seconds. The script
-# exits non-zero when any part failed.
+# (MLP, CNN, character model), then training with the GPU: the README's job on one process, a
+# distributed run with GPU workers and one with a GPU server too. Each part runs under its own
+# time limit (SECONDS, default 150; the tests get twice that) so one that hangs does not take
+# the others' time. Without a usable GPU it stops at once, saying why. Each part's output goes
+# to OUT (default gpu-results/) as NAME.log, with the benchmarks' figures as NAME.json;
+# OUT/summary.txt lists every part's exit status and seconds. The script exits non-zero when
+# any part failed.
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-gpu-results}
@@ -36,9 +37,9 @@ part() {  # part NAME SECONDS COMMAND...: run COMMAND with a limit, log it, note
 
 {
   date -u +"%Y-%m-%d %H:%M UTC"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
-  "$py" -c 'import cupy; print("CuPy", cupy.__version__, "CUDA runtime", cupy.cuda.runtime.runtimeGetVersion())' 2>&1
-  "$py" -c 'from raysinga.kernels import gpu_available, gpu_unavailable_reason as r; print("usable GPU:", gpu_available() or r())' 2>&1
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  "$py" -c 'import cupy; print("CuPy", cupy.__version__, "CUDA runtime", cupy.cuda.runtime.runtimeGetVersion())'
+  "$py" -c 'from raysinga.kernels import gpu_available, gpu_unavailable_reason as r; print("usable GPU:", gpu_available() or r())'
 } > "$out/device.txt" 2>&1
 cat "$out/device.txt"
 if ! "$py" -c 'import sys; from raysinga.kernels import gpu_available; sys.exit(not gpu_available())'; then
@@ -49,8 +50,8 @@ fi
 part gpu-tests $((2 * limit)) "$py" -m pytest -q -m gpu -p no:cacheprovider --junitxml="$out/gpu-tests.xml"
 part bench-kernels "$limit" "$py" benchmarks/bench_kernels.py --json "$out/bench-kernels.json"
 for model in mlp cnn charlm; do
-  part "bench-step-$model" "$limit" "$py" benchmarks/bench_step.py --model "$model" --device gpu --rounds 3 \
-    --json "$out/bench-step-$model.json"
+  part "bench-step-$model" "$limit" "$py" benchmarks/bench_step.py --model "$model" \
+    --device gpu --rounds 3 --json "$out/bench-step-$model.json"
 done
 runs=$(mktemp -d)
 job=examples/digits_mlp.yaml
