@@ -69,6 +69,11 @@ def test_pbt_hands_checkpoints_over_in_memory_and_a_lineage_replays_bit_exact(
         hyperparam_mutations={"updater.lr": tune.loguniform(1e-3, 2e-1)},
         quantile_fraction=0.25,
         resample_probability=0.5,
+        # synchronous: at each perturbation point the worst trial exploits the best, whatever
+        # the order the trials reported in. Asynchronous PBT copies a trial only where that one
+        # was in the upper quantile at its own last report, which the order decides: it can end
+        # a run of 6 reports without one exploit.
+        synch=True,
     )
     tuner = tune.Tuner(
         tune.with_resources(rtune.trainable(JOB, report_every=10), {"cpu": 1}),
