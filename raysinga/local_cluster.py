@@ -34,7 +34,12 @@ def local_cluster(*node_cpus: int, **head: Any) -> Iterator[tuple[Any, list[Any]
         yield cluster, nodes
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        # the cluster is thrown away: its processes are killed outright. A graceful stop waits
+        # up to a second for each process of each node, and Ray's GCS server ignores SIGTERM
+        for node in [*cluster.worker_nodes, cluster.head_node]:
+            if node is not None:
+                cluster.remove_node(node, allow_graceful=False)
+        cluster.shutdown()  # Ray's records of the cluster's address
         _put_back(saved)
 
 
