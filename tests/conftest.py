@@ -370,7 +370,7 @@ def stop_group(*pgids: int, grace: float = 2.0) -> None:
     import time  # noqa: PLC0415
 
     live = list(pgids)
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 30.0)):
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 15.0)):
         for pgid in live:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, sig)
