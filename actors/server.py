@@ -20,13 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from raysinga import server_shard
-from raysinga.finite import check_finite_state
-from raysinga.grads import sum_into
 from raysinga.kernels.cpu_memory import retain_freed_memory
-from raysinga.model import ModelSpec, Net
-from raysinga.optim import make_optimizer
+from raysinga.nn.model import ModelSpec, Net
+from raysinga.optim.grads import sum_into
+from raysinga.optim.optimizers import make_optimizer
+from raysinga.run.finite import check_finite_state
 
+from . import server_shard
 from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, UpdateGuard, with_seq
 from .device import ServerDevice
 from .doorbell import Abortable, Steps

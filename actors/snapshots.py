@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from raysinga.server_shard import ShardImage, Tensors, copy_in_chunks
+from .server_shard import ShardImage, Tensors, copy_in_chunks
 
 # The nice value of the thread that checks and writes a server's checkpoint copy, and of the
 # hashing and writing threads it starts (a new thread takes its creator's): on a node whose

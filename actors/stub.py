@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from raysinga.grads import chunks, clip_grad_norm, on_threads, sum_into
 from raysinga.kernels.cpu_memory import retain_freed_memory
+from raysinga.optim.grads import chunks, clip_grad_norm, on_threads, sum_into
 
 from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
 from .doorbell import Doorbell, Message

@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from raysinga.grads import on_threads
+from raysinga.optim.grads import on_threads
 
 from .doorbell import wait_all
 from .errors import get_all

@@ -13,16 +13,16 @@ from typing import Any
 
 import numpy as np
 
-from raysinga.cursor import DataCursor
 from raysinga.data import BatchPlan
-from raysinga.data_split import open_splits
+from raysinga.data.cursor import DataCursor
+from raysinga.data.splits import open_splits
 from raysinga.kernels import to_numpy
 from raysinga.kernels.cpu_memory import retain_freed_memory
 from raysinga.kernels.cpu_sched import batch_scheduling
 from raysinga.kernels.cpu_threads import blas_threads
-from raysinga.layers import StepContext
-from raysinga.model import ModelSpec, Net
-from raysinga.trainer import evaluate_splits
+from raysinga.nn.layers import StepContext
+from raysinga.nn.model import ModelSpec, Net
+from raysinga.run.trainer import evaluate_splits
 
 from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, stable_copy
 from .device import WorkerDevice

@@ -75,7 +75,7 @@ def run(n_groups: int, steps: int, worker_cpus: float, rule: str) -> dict:
 
 
 def plot(curves: dict[int, list[tuple[int, float]]], rule: str, steps: int, out: Path) -> Path:
-    from raysinga.plots import loss_scale, pyplot
+    from raysinga.obs.plots import loss_scale, pyplot
 
     plt = pyplot("bench_async")
     fig, ax = plt.subplots(figsize=(9, 5), layout="constrained")

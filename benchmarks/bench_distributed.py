@@ -105,7 +105,7 @@ def bench_raysinga(xp, yp, steps, warmup, fault: dict | None = None, disp: int |
 
 
 def bench_local(xp, yp, steps, warmup) -> dict:
-    from raysinga.trainer import Trainer
+    from raysinga.run import Trainer
 
     res = Trainer(job(xp, yp, steps, warmup, None), log=lambda s: None).fit()
     timed = [r for r in res.history if r["kind"] == "train"][1:]

@@ -66,7 +66,7 @@ def one_run(cluster, kind: str, recovery: str, run_dir: Path) -> dict[str, float
     import ray
 
     from raysinga.distributed import DistributedTrainer
-    from raysinga.events import Event, Recovered, TrainStep
+    from raysinga.obs.events import Event, Recovered, TrainStep
 
     more = ("topology.n_servers=2",) if kind == "node" else ()
     t = DistributedTrainer(job(run_dir, recovery, *more), log=None, gather=False)
@@ -116,7 +116,7 @@ def main() -> None:
     add_json_option(ap)
     args = ap.parse_args()
 
-    from raysinga.local_cluster import local_cluster
+    from raysinga.cluster.local import local_cluster
 
     work = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     out: dict[tuple[str, str], list[dict[str, float]]] = {}

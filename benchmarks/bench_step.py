@@ -93,8 +93,8 @@ def charlm_spec() -> tuple[dict, int]:
 
 def torch_charlm(torch):
     """The same model in PyTorch: torch_interop's module of the example's spec."""
-    from raysinga.model import ModelSpec
-    from raysinga.torch_interop import torch_module
+    from raysinga.nn.model import ModelSpec
+    from raysinga.nn.torch_interop import torch_module
 
     return torch_module(ModelSpec.from_dict(charlm_spec()[0]))
 
@@ -128,9 +128,9 @@ def batches(
 class Ours:
     def __init__(self, device: str, data: list, spec: dict) -> None:
         from raysinga import kernels as K
-        from raysinga.layers import StepContext
-        from raysinga.model import ModelSpec, Net
-        from raysinga.optim import SGD
+        from raysinga.nn.layers import StepContext
+        from raysinga.nn.model import ModelSpec, Net
+        from raysinga.optim.optimizers import SGD
 
         self.xp = xp = K.xp_for(device)
         self.net = Net(ModelSpec.from_dict(spec))

@@ -87,7 +87,7 @@ def job(width: int) -> dict:
 
 
 def trial_job(spec: dict, name: str, lr: float, run_dir: str):
-    from raysinga.tune_lineage import job_for
+    from raysinga.tune.lineage import job_for
 
     return job_for(
         spec,
@@ -111,10 +111,10 @@ class Trial:
         from ray import tune
         from ray.train._internal.storage import StorageContext
 
-        from raysinga.events import CheckpointCommitted, TrainStep
-        from raysinga.trainer import Trainer
+        from raysinga.obs.events import CheckpointCommitted, TrainStep
+        from raysinga.run import Trainer
         from raysinga.tune import _Reporter, tune_checkpoint
-        from raysinga.tune_lineage import segment
+        from raysinga.tune.lineage import segment
 
         out: dict = {}
         lineage = [segment(name, {"updater.lr": 0.01}, 0, None)]
@@ -144,8 +144,8 @@ class Trial:
         exploit, under a new learning rate, until its first step is done."""
         from ray import tune
 
-        from raysinga.events import TrainStep
-        from raysinga.trainer import Trainer
+        from raysinga.obs.events import TrainStep
+        from raysinga.run import Trainer
         from raysinga.tune import start_from
 
         out: dict = {"start": time.time()}

@@ -1,6 +1,6 @@
 """A job under chaos: role processes SIGKILLed at seeded random instants (found through Ray's
-state API, see :mod:`raysinga.chaos`), some aimed at the driver's recovery windows; then the
-same job uninterrupted, and the two runs' final parameters compared bit for bit::
+state API, see :mod:`raysinga.distributed.chaos`), some aimed at the driver's recovery windows;
+then the same job uninterrupted, and the two runs' final parameters compared bit for bit::
 
     python benchmarks/chaos.py --kills 20 --seed 1
     python benchmarks/chaos.py examples/digits_mlp.yaml --kills 5 --steps 2000 --address auto
@@ -46,9 +46,9 @@ def main() -> int:
     import ray
 
     from raysinga import config
-    from raysinga.chaos import Chaos
+    from raysinga.cluster.local import local_cluster
     from raysinga.distributed import DistributedTrainer
-    from raysinga.local_cluster import local_cluster
+    from raysinga.distributed.chaos import Chaos
 
     cluster = None
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as d:

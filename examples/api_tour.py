@@ -18,10 +18,11 @@ from pathlib import Path
 
 import ray
 
-from raysinga import config, run_registry
+from raysinga import config
 from raysinga.checkpoint import objstore
 from raysinga.distributed import DistributedTrainer
-from raysinga.trainer import Trainer
+from raysinga.run import Trainer
+from raysinga.run import registry as run_registry
 
 
 def job(run_dir: Path, steps: int) -> dict:

@@ -21,7 +21,7 @@ import ray
 from raysinga import config
 from raysinga.checkpoint import objstore
 from raysinga.distributed import DistributedTrainer
-from raysinga.trainer import Trainer
+from raysinga.run import Trainer
 
 JOB = Path(__file__).resolve().parent / "digits_mlp.yaml"
 

@@ -29,9 +29,9 @@ from pathlib import Path
 import ray
 
 from raysinga import config
+from raysinga.cluster.local import local_cluster
 from raysinga.distributed import DistributedTrainer
-from raysinga.events import Event, TrainStep
-from raysinga.local_cluster import local_cluster
+from raysinga.obs.events import Event, TrainStep
 
 JOB = Path(__file__).resolve().parent / "digits_mlp.yaml"
 

@@ -23,14 +23,12 @@ from .common import check_float, check_same_dtype, conv_out_size, dropout_thresh
 
 # The redundant aliases re-export: callers that know only this module keep finding the kernel
 # tables and the fused updates (sgd_update, adam_update, weighted_sum) here.
-from .gpu_launch import BLOCK as BLOCK
-from .gpu_launch import KERNELS as KERNELS
-from .gpu_launch import MAX_GRID as MAX_GRID
-from .gpu_launch import NVRTC_OPTIONS as NVRTC_OPTIONS
-from .gpu_launch import contiguous, get_kernel, launch, launch_blocks
-from .gpu_optim import adam_update as adam_update
-from .gpu_optim import sgd_update as sgd_update
-from .gpu_optim import weighted_sum as weighted_sum
+from .gpu_launch import (
+    contiguous,
+    get_kernel,
+    launch,
+    launch_blocks,
+)
 
 SUM_CHUNK = 256  # rows one thread adds in order per pass of the column sum
 

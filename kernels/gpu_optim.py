@@ -1,8 +1,9 @@
 """CuPy fused updates: the optimizers' steps and the parameter-server stub's gradient sum.
 
 Not twins of ``cpu.py`` ops, so they live apart from ``gpu.py``'s layer ops: their references are
-raysinga.optim's NumPy updates and the stub's NumPy sum, which these match bit for bit (see
-optim.cu, compiled without fused multiply-adds). Each updates its arrays in place in one launch.
+the NumPy updates of raysinga.optim.optimizers and the stub's NumPy sum, which these match bit for
+bit (see optim.cu, compiled without fused multiply-adds). Each updates its arrays in place in
+one launch.
 ``gpu.py`` re-exports them, so ``from raysinga.kernels import gpu; gpu.sgd_update(...)`` still
 works.
 """

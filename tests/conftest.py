@@ -1,4 +1,6 @@
-"""Session-wide test setup: skip `gpu` tests when no GPU is usable."""
+"""Session-wide test setup: the suite's own Ray, skipping `gpu` tests where no GPU is usable,
+the order of tests that replace the session's Ray, and the fixtures tests share. Helpers that
+are not fixtures live in ``helpers.py``."""
 
 from __future__ import annotations
 
@@ -10,12 +12,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import (
+    S3_BUCKET,
+    S3_KEYS,
+    free_port,
+    group_of,
+    local_cluster,
+    node_env,
+    start_ray,
+    stop_group,
+)
 
+from raysinga.cluster.local import address_file as local_cluster_address_file
 from raysinga.kernels import gpu_available, gpu_unavailable_reason
-from raysinga.local_cluster import address_file as local_cluster_address_file
-from raysinga.local_cluster import local_cluster
-
-__all__ = ["local_cluster"]  # tests take it from here, with the other helpers
 
 
 def pytest_configure(config):
@@ -122,24 +131,6 @@ def ray_session():
     return start_ray()
 
 
-def start_ray():
-    """The session's embedded Ray (module-scoped fixtures call this directly)."""
-    ray = pytest.importorskip("ray")
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    return ray
-
-
-def load_job(d: Path, text: str, *more: str):
-    """A job from YAML ``text``, written as ``d/job.yaml`` with its run in ``d``, and
-    ``more`` overrides."""
-    from raysinga import config  # noqa: PLC0415
-
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "job.yaml").write_text(text)
-    return config.load(d / "job.yaml", [f"run_dir={d}", *more])
-
-
 @pytest.fixture
 def small_fs(tmp_path):
     """A 2 MiB tmpfs: a disk that fills up (skipped where mounting is not allowed)."""
@@ -163,10 +154,6 @@ def two_node_cluster():
     """A head with no CPUs and two 2-CPU nodes."""
     with local_cluster(2, 2) as c:
         yield c
-
-
-S3_BUCKET = "raysinga-test"
-S3_KEYS = {"access_key": "testing", "secret_key": "testing"}
 
 
 @pytest.fixture(scope="module")
@@ -199,287 +186,7 @@ def s3():
                 os.environ[k] = v
 
 
-@contextlib.contextmanager
-def s3_requests():
-    """The requests the moto server answers meanwhile, as ``(method, path)``: read off the
-    request lines its HTTP server logs, so a request is counted where it arrives."""
-    import logging  # noqa: PLC0415
-    import re  # noqa: PLC0415
-
-    seen: list[tuple[str, str]] = []
-    line = re.compile(r'"(?:\x1b\[[0-9;]*m)*([A-Z]+) (\S+) HTTP')
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            m = line.search(record.getMessage())
-            if m:
-                seen.append((m.group(1), m.group(2)))
-
-    log = logging.getLogger("werkzeug")
-    handler, level, propagate = Collect(), log.level, log.propagate
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    try:
-        yield seen
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
-        log.propagate = propagate
-
-
-def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
-    """The scalars of a run's TensorBoard event files by tag, as TensorBoard itself reads them."""
-    from tensorboard.backend.event_processing.event_accumulator import (  # noqa: PLC0415
-        EventAccumulator,
-    )
-
-    acc = EventAccumulator(str(run_dir / "tensorboard"))
-    acc.Reload()
-    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
-
-
-def run_cli(*args: str, cwd=None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``raysinga ARGS`` as a user runs it: its own process, output captured."""
-
-    return subprocess.run(
-        [sys.executable, "-m", "raysinga.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def cli_error(*args: str, named: str | list[str] = (), status: int | None = None) -> str:
-    """``raysinga ARGS`` run in this process (fast: no interpreter start; distributed runs join
-    the session's Ray) for an input mistake: asserts a non-zero exit with exactly one
-    ``raysinga: error:`` line naming each of ``named``, and no traceback. Returns that line."""
-    import contextlib  # noqa: PLC0415
-    import io  # noqa: PLC0415
-
-    from raysinga import cli  # noqa: PLC0415
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = cli.main(list(args))
-        except SystemExit as e:  # argparse's own usage errors
-            code = e.code
-    text = err.getvalue()
-    assert "Traceback" not in text + out.getvalue(), text
-    assert code not in (0, None), f"exit {code}; stderr: {text}; stdout: {out.getvalue()}"
-    if status is not None:
-        assert code == status, (code, text)
-    errors = [line for line in text.splitlines() if line.startswith("raysinga: error:")]
-    if code != 2 or errors:  # argparse prints "usage: ..." and its own error line
-        assert len(errors) == 1, text
-    line = errors[0] if errors else text
-    for n in [named] if isinstance(named, str) else named:
-        assert n in line, f"{n!r} not named in: {line}"
-    return line
-
-
-# A single-process digits run with a checkpoint every 10 of its 30 steps (Adam: slots and counts),
-# for tests of where and how checkpoints are written; "{name}" is the run's name.
-TINY_JOB = """
-name: {name}
-seed: 3
-model:
-  input_shape: [64]
-  layers:
-    - {{kind: dense, name: fc1, units: 16, activation: relu}}
-    - {{kind: dense, name: out, units: 10}}
-data: {{source: {{kind: digits}}, batch_size: 32}}
-updater: {{name: adam, lr: 0.01}}
-train_steps: 30
-disp_freq: 10
-test_freq: 0
-checkpoint_frequency: 10
-"""
-
-
-def trained_to(run_dir, step: int) -> bool:
-    """Whether a run in another process has reported training at ``step`` or beyond, read from
-    its records (``metrics.jsonl``), not from its console text."""
-    import json
-    from pathlib import Path
-
-    f = Path(run_dir) / "metrics.jsonl"
-    if not f.exists():
-        return False
-    for line in f.read_text().splitlines():
-        with contextlib.suppress(ValueError):  # a line being written
-            rec = json.loads(line)
-            if rec.get("kind") == "train" and rec["step"] >= step:
-                return True
-    return False
-
-
-def free_port() -> int:
-    import socket  # noqa: PLC0415
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def group_of(pid: int) -> list[int]:
-    """The live processes of process group ``pid``."""
-    out = []
-    for d in Path("/proc").iterdir():
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pid:
-            out.append(int(d.name))
-    return out
-
-
-def node_processes(pgid: int) -> list[int]:
-    """Every live process of the node ``ray start`` left in process group ``pgid``: the group
-    and everything started under it (Ray gives each worker a process group of its own)."""
-    parents: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z":
-            parents[int(d.name)] = int(fields[1])
-    found = set(group_of(pgid))
-    grew = True
-    while grew:
-        more = {pid for pid, parent in parents.items() if parent in found} - found
-        found |= more
-        grew = bool(more)
-    return sorted(found)
-
-
-def stop_group(*pgids: int, grace: float = 2.0) -> None:
-    """End the processes ``ray start`` left in each of these process groups (the daemons and the
-    workers they started), all groups at once: SIGTERM, then SIGKILL for what is left after
-    ``grace`` seconds, and wait until they are gone. They are the suite's own: a graceful stop
-    saves nothing worth the wait (here Ray's GCS server outlived 20 s of SIGTERM, and a raylet
-    took 10 s to follow it)."""
-    import os  # noqa: PLC0415
-    import signal  # noqa: PLC0415
-    import time  # noqa: PLC0415
-
-    live = list(pgids)
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 15.0)):
-        for pgid in live:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, sig)
-        deadline = time.monotonic() + wait
-        while (live := [g for g in live if group_of(g)]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-
-
-@contextlib.contextmanager
-def ray_start_cluster(nodes: list[tuple[str, int]], env: dict[str, str], head_cpus: int = 0):
-    """A cluster of ``ray start`` processes as a user starts one: a head with ``head_cpus``
-    (this environment's Ray), then one node per ``(python, cpus)``, each with ports of its own
-    and in a process group of its own, so that exactly these are stopped afterwards (a user's
-    Ray beside the suite holds the default ports and lives on). Yields the head's address, its
-    dashboard's port and the process group of each node after the head (to remove one, kill
-    its group)."""
-    import shutil  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
-
-    # Not a client of the session's RAY_ADDRESS; a node joins the head with `ray start`'s token
-    env = {**{k: v for k, v in env.items() if k != "RAY_ADDRESS"}, "RAY_AUTH_MODE": "token"}
-    port, dash = free_port(), free_port()
-    # Its own temp dir keeps its address file out of /tmp/ray, where a later ray.init() would
-    # find the stopped head (`ray stop` removes that file; stopping the group does not).
-    temp = tempfile.mkdtemp(prefix="rs-", dir="/tmp")  # short: Ray's socket paths must fit
-    own = ("--disable-usage-stats", f"--dashboard-agent-listen-port={free_port()}")
-    head = [
-        sys.executable,
-        "-c",
-        "from ray.scripts.scripts import main; main()",
-        "start",
-        "--head",
-        f"--port={port}",
-        f"--dashboard-port={dash}",
-        f"--ray-client-server-port={free_port()}",
-        f"--num-cpus={head_cpus}",
-        f"--temp-dir={temp}",
-        *own,
-    ]
-    started = []
-    try:
-        for i, cmd in enumerate(
-            [head]
-            + [
-                [
-                    py,
-                    "-c",
-                    "from ray.scripts.scripts import main; main()",
-                    "start",
-                    f"--address=127.0.0.1:{port}",
-                    f"--num-cpus={cpus}",
-                    "--disable-usage-stats",
-                    f"--dashboard-agent-listen-port={free_port()}",
-                ]
-                for py, cpus in nodes
-            ]
-        ):
-            p = subprocess.Popen(
-                cmd,
-                cwd=temp,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-            started.append(p.pid)
-            out, _ = p.communicate(timeout=180)
-            assert p.returncode == 0, f"ray start ({'head' if i == 0 else f'node {i}'}): {out}"
-        yield f"127.0.0.1:{port}", dash, started[1:]
-    finally:
-        stop_group(*started)
-        shutil.rmtree(temp, ignore_errors=True)
-    assert not any(group_of(pid) for pid in started), "a node's processes outlived the stop"
-
-
 @pytest.fixture(scope="session")
 def node_python(tmp_path_factory):
     """The Python of a node that has Ray and raysinga's dependencies but not raysinga."""
     return node_env(tmp_path_factory.mktemp("node-env"))
-
-
-def node_env(where: Path, without: tuple[str, ...] = ()) -> str:
-    """A virtual environment in ``where`` whose Python imports what this one's site-packages
-    hold, but not raysinga (its install's hook is a path file, which a directory reached
-    through another path file does not run) nor the top-level modules ``without``. Returns
-    its Python."""
-    import sysconfig  # noqa: PLC0415
-
-    subprocess.run([sys.executable, "-m", "venv", str(where / "venv")], check=True)
-    py = str(where / "venv" / "bin" / "python")
-    site = subprocess.run(
-        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    deps = Path(sysconfig.get_paths()["purelib"])
-    if without:  # a directory of links to every entry but those
-        linked = where / "deps"
-        linked.mkdir()
-        for entry in deps.iterdir():
-            top = entry.name.split("-")[0].split(".")[0].lower()
-            if top not in without:
-                (linked / entry.name).symlink_to(entry)
-        deps = linked
-    Path(site, "deps.pth").write_text(f"{deps}\n")
-    lacks = ["raysinga", *without]
-    for module in ["ray", "numpy", "pyarrow", "msgpack", *lacks]:
-        found = subprocess.run([py, "-c", f"import {module}"], cwd=where, capture_output=True)
-        assert (found.returncode == 0) == (module not in lacks), (module, found.stderr)
-    return py

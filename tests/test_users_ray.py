@@ -43,7 +43,7 @@ def test_without_an_address_a_run_joins_the_users_ray_and_says_so(users_ray):
         [
             sys.executable,
             "-c",
-            "import ray; from raysinga.actors import cluster; print(cluster.connect()); "
+            "import ray; from raysinga.cluster.connect import connect; print(connect()); "
             "ray.shutdown()",
         ],
         env={**env, "RAY_AUTH_MODE": "token"},

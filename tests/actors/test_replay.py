@@ -13,8 +13,8 @@ from raysinga.actors.protocol import server_layouts
 from raysinga.actors.replay import CopyBuffer, ReplayLog, ServerCopies, take_state
 from raysinga.actors.slicing import plan_slices
 from raysinga.config import FaultConfig
-from raysinga.optim import make_optimizer
-from raysinga.replace import replay_steps
+from raysinga.distributed.replace import replay_steps
+from raysinga.optim.optimizers import make_optimizer
 
 SHAPES = {"w": (3, 4), "b": (4,)}
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from raysinga import run_state
 from raysinga.actors import server as server_module
 from raysinga.actors.doorbell import (
     Abortable,
@@ -41,7 +40,8 @@ from raysinga.actors.server import ParamServer
 from raysinga.actors.slicing import plan_slices
 from raysinga.actors.stub_bells import step_stats
 from raysinga.checkpoint import Checkpoint, CheckpointError, writer
-from raysinga.model import ModelSpec, Net
+from raysinga.nn.model import ModelSpec, Net
+from raysinga.run import state as run_state
 
 MODEL = {
     "input_shape": [64],

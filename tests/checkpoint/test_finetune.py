@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from helpers import run_cli
 
 from raysinga import checkpoint as C
 from raysinga.checkpoint import CheckpointError, TensorInfo

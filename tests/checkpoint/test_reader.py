@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import xxhash
-from conftest import run_cli
+from helpers import run_cli
 
 from raysinga.checkpoint import (
     Checkpoint,

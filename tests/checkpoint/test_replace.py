@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY_JOB
+from helpers import TINY_JOB
 
 from raysinga import config
 from raysinga.checkpoint import (
@@ -30,7 +30,7 @@ from raysinga.checkpoint import (
     write_shard,
 )
 from raysinga.checkpoint.manage import recover
-from raysinga.trainer import Trainer
+from raysinga.run import Trainer
 
 OLD, NEW = np.full(5, 1, np.float32), np.full(5, 2, np.float32)
 

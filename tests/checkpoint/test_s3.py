@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import S3_BUCKET, S3_KEYS, TINY_JOB
+from helpers import S3_BUCKET, S3_KEYS, TINY_JOB
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -227,7 +227,7 @@ JOB = TINY_JOB.format(name="s3run")
 def _train(port: int, run: Location, d, *more: str, lines: list | None = None, **kw):
     """The single-process trainer with its checkpoints in ``run`` on the moto server."""
     from raysinga import config  # noqa: PLC0415 - the trainer is needed by these tests only
-    from raysinga.trainer import Trainer  # noqa: PLC0415
+    from raysinga.run.trainer import Trainer  # noqa: PLC0415
 
     d.mkdir(parents=True, exist_ok=True)
     (d / "job.yaml").write_text(JOB)

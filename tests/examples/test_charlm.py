@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import local_cluster
+from helpers import local_cluster
 
 from raysinga import config
 from raysinga.checkpoint import Checkpoint, steps
 from raysinga.distributed import DistributedTrainer
-from raysinga.events import Event, TrainStep
+from raysinga.obs.events import Event, TrainStep
 
 JOB = Path(__file__).resolve().parents[2] / "examples" / "charlm.yaml"
 SMALL = [

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import node_processes, ray_start_cluster, run_cli, trained_to
+from helpers import node_processes, ray_start_cluster, run_cli, trained_to
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

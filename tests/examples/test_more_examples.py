@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import start_ray
+from helpers import start_ray
 
 from raysinga import config
 from raysinga.checkpoint import Checkpoint
 from raysinga.checkpoint.format import FORMAT_VERSION
 from raysinga.checkpoint.writer import SCHEMA
-from raysinga.optim import OPTIMIZERS
+from raysinga.optim.optimizers import OPTIMIZERS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "checkpoint-format.md").read_text()
@@ -77,7 +77,7 @@ def _job(d: Path, sets: list[str]) -> config.JobConfig:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     from raysinga.distributed import DistributedTrainer  # noqa: PLC0415
-    from raysinga.trainer import Trainer  # noqa: PLC0415
+    from raysinga.run.trainer import Trainer  # noqa: PLC0415
 
     root, out = tmp_path_factory.mktemp("kinds"), {}
     for name, (distributed, sets) in KINDS.items():

@@ -110,8 +110,8 @@ def test_every_sequence_op_has_a_gpu_twin(gpu_seq):
     ("positional", {}, (16, 32)),
 ])  # fmt: skip
 def test_sequence_layers_on_the_gpu_match_numpy(kind, opts, in_shape):
-    from raysinga.layer_kinds import LAYERS  # noqa: PLC0415
-    from raysinga.layers import StepContext  # noqa: PLC0415
+    from raysinga.nn.kinds import LAYERS  # noqa: PLC0415
+    from raysinga.nn.layers import StepContext  # noqa: PLC0415
 
     cp = kernels.cupy_module()
     rng = np.random.default_rng(5)

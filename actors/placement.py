@@ -1,0 +1,234 @@
+"""Checking that a topology fits the cluster, placing the roles and spawning them.
+
+A topology that cannot fit fails here within seconds with what is missing, instead of hanging on a
+pending placement group. Actor classes are plain classes made remote at spawn time, so tests can
+pass in failing or slow variants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from raysinga.config.topology import Resources, Topology
+
+
+class ResourceError(RuntimeError):
+    """The cluster cannot hold the topology; the message names what is missing."""
+
+
+def check_fits(topo: Topology) -> None:
+    """Refuse a topology larger than the cluster, naming the resources that fall short."""
+    import ray  # noqa: PLC0415
+
+    total = ray.cluster_resources()
+    need = topo.total()
+    short = [
+        f"{k}: needs {v:g}, cluster has {total.get(k, 0):g}"
+        for k, v in need.items()
+        if v > total.get(k, 0) + 1e-9
+    ]
+    if short:
+        raise ResourceError(
+            f"the topology ({topo.n_servers} servers, {topo.n_groups} groups x "
+            f"{topo.workers_per_group} workers) does not fit the cluster: "
+            + "; ".join(short)
+            + ". Lower the counts or the per-role resources (topology.worker/server/stub)."
+        )
+    nodes = live_nodes()
+    for role, res in (("worker", topo.worker), ("server", topo.server), ("stub", topo.stub)):
+        if res.empty:
+            continue
+        bundle = res.as_bundle()
+        if not any(all(node.get(k, 0) + 1e-9 >= v for k, v in bundle.items()) for node in nodes):
+            raise ResourceError(
+                f"no node can hold one {role} ({bundle}); the largest node has "
+                f"{max(nodes, key=lambda n: n.get('CPU', 0)) if nodes else {}}"
+            )
+
+
+@dataclass
+class Placement:
+    """A placement group and the bundle index of every role instance."""
+
+    pg: Any
+    workers: list[list[int]] = field(default_factory=list)  # [group][worker] -> bundle
+    servers: list[int] = field(default_factory=list)
+    stubs: list[int] = field(default_factory=list)
+
+
+def _merge(*rs: Resources) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for r in rs:
+        for k, v in r.as_bundle().items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def _layout(topo: Topology) -> tuple[list[dict[str, float]], Placement]:
+    """The bundles the topology asks for, and which role goes in which."""
+    bundles: list[dict[str, float]] = []
+    p = Placement(pg=None)
+    colocate = topo.preset == "allreduce"
+    for _ in range(topo.n_groups):
+        row = []
+        for _ in range(topo.workers_per_group):
+            row.append(len(bundles))
+            bundles.append(_merge(topo.worker, topo.server) if colocate else _merge(topo.worker))
+        p.workers.append(row)
+    flat_workers = [b for row in p.workers for b in row]
+    for k in range(topo.n_servers):
+        if colocate or topo.server.empty:  # ride in a worker's bundle, on that worker's node
+            p.servers.append(flat_workers[k % len(flat_workers)])
+        else:
+            p.servers.append(len(bundles))
+            bundles.append(_merge(topo.server))
+    for g in range(topo.n_groups):
+        if topo.stub.empty:
+            p.stubs.append(p.workers[g][0])
+        else:
+            p.stubs.append(len(bundles))
+            bundles.append(_merge(topo.stub))
+    return bundles, p
+
+
+def place(topo: Topology, timeout_s: float = 30.0, name: str = "") -> Placement:
+    """Reserve the topology's resources; ``allreduce`` puts server ``i`` with worker ``i``.
+
+    ``name``: one that only this run uses: a placement group of that name is left from an
+    earlier start of it whose driver was stopped without freeing it (a Ray Tune trial, whose
+    group lives as long as the Tune job), and is removed before the new one is made."""
+    import ray  # noqa: PLC0415
+    from ray.util import get_placement_group  # noqa: PLC0415
+    from ray.util.placement_group import placement_group, remove_placement_group  # noqa: PLC0415
+
+    bundles, p = _layout(topo)
+    if name:
+        try:
+            remove_placement_group(get_placement_group(name))
+        except Exception:  # noqa: BLE001, S110 - none of that name (ValueError), or gone already
+            pass
+    p.pg = placement_group(bundles, strategy="PACK", name=name)
+    ready, _ = ray.wait([p.pg.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(p.pg)
+        raise ResourceError(
+            f"the cluster did not grant {len(bundles)} bundles ({topo.total()}) within "
+            f"{timeout_s:g} s: other jobs may hold them (ray status shows what is in use)"
+        )
+    return p
+
+
+def live_nodes() -> list[dict[str, float]]:
+    """The resources of every node Ray counts as alive."""
+    import ray  # noqa: PLC0415
+
+    return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+
+
+def packs(topo: Topology, nodes: list[dict[str, float]]) -> bool:
+    """Whether the topology's bundles fit the nodes' resources (first fit, largest first: a
+    quick check before asking Ray, which has the last word)."""
+    bundles, _ = _layout(topo)
+    free = [dict(n) for n in nodes]
+    for b in sorted(bundles, key=lambda b: -sum(b.values())):
+        for n in free:
+            if all(n.get(k, 0.0) + 1e-9 >= v for k, v in b.items()):
+                for k, v in b.items():
+                    n[k] = n.get(k, 0.0) - v
+                break
+        else:
+            return False
+    return True
+
+
+def shrunk(topo: Topology, min_groups: int, min_workers: int) -> list[Topology]:
+    """The topology and its smaller forms down to the given bounds, largest first: fewer
+    workers per group before fewer groups."""
+    return [
+        replace(topo, n_groups=g, workers_per_group=w)
+        for g in range(topo.n_groups, min_groups - 1, -1)
+        for w in range(topo.workers_per_group, min_workers - 1, -1)
+    ]
+
+
+def spawn(cls: type, placement: Placement, bundle: int, res: Resources, *args: Any) -> Any:
+    """Make ``cls`` remote now, pinned to one bundle of the placement group."""
+    from ray.util.scheduling_strategies import (  # noqa: PLC0415
+        PlacementGroupSchedulingStrategy,
+    )
+
+    strategy = PlacementGroupSchedulingStrategy(
+        placement_group=placement.pg, placement_group_bundle_index=bundle
+    )
+    opts: dict[str, Any] = {"num_cpus": res.cpus, "scheduling_strategy": strategy}
+    if res.gpus:
+        opts["num_gpus"] = res.gpus
+    if res.memory:
+        opts["memory"] = res.memory
+    return _remote(cls, opts, args)
+
+
+def spawn_spare(cls: type, node_id: str, *args: Any) -> Any:
+    """Make ``cls`` remote now on node ``node_id``, outside the placement group and holding
+    no resources: a spare that waits, idle, to take over from a lost role of its kind there
+    (it then runs on the CPUs the lost role leaves)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
+
+    strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    return _remote(cls, {"num_cpus": 0, "scheduling_strategy": strategy}, args)
+
+
+def _remote(cls: type, opts: dict[str, Any], args: tuple) -> Any:
+    import ray  # noqa: PLC0415
+
+    opts = {**opts, "max_restarts": 0, "max_concurrency": 1}
+    # Calls run one at a time, except those sent to the "control" group (Abortable.abort),
+    # which must reach a role while its serve loop waits for a stub that is gone, and to the
+    # "copies" group (a stub keeping a server's copy of itself, while the stub runs steps).
+    remote = ray.remote(concurrency_groups={"control": 1, "copies": 1})(cls)
+    return remote.options(**opts).remote(*args)
+
+
+def remove_shared_files(tag: str) -> None:
+    """After roles were killed outright: unlink their shared-memory files here at once, and on
+    every other live node by a small task (not waited for)."""
+    import ray  # noqa: PLC0415
+    from ray.util.scheduling_strategies import (  # noqa: PLC0415
+        NodeAffinitySchedulingStrategy,
+    )
+
+    from .buffers import remove_files  # noqa: PLC0415
+
+    remove_files(tag)
+    here = ray.get_runtime_context().get_node_id()
+    task = ray.remote(num_cpus=0)(remove_files)
+    for node in ray.nodes():
+        if node.get("Alive") and node["NodeID"] != here:
+            strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+            task.options(scheduling_strategy=strategy).remote(tag)
+
+
+def first_death(actors: list[Any]) -> float | None:
+    """When the first of ``actors`` to die (not by ``ray.kill``) died, as Ray's control store
+    recorded it (seconds since the epoch); None if none has or Ray does not say."""
+    try:  # the actor table; Ray has no public getter without its dashboard
+        from ray._private import state  # noqa: PLC0415
+    except ImportError:
+        return None
+    ends = []
+    for a in actors:
+        try:
+            info = state.actors(actor_id=a._actor_id.hex())
+        except Exception:  # noqa: BLE001 - a diagnostic only
+            continue
+        if not isinstance(info, dict) or info.get("State") != "DEAD" or not info.get("EndTime"):
+            continue
+        with contextlib.suppress(Exception):  # ray.kill is ours, not the failure
+            ctx = info["DeathCause"].actor_died_error_context
+            kinds = type(ctx).DESCRIPTOR.fields_by_name["reason"].enum_type.values_by_number
+            if kinds[ctx.reason].name == "RAY_KILL":
+                continue
+        ends.append(info["EndTime"] / 1000.0)
+    return min(ends) if ends else None

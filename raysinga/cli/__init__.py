@@ -1,0 +1,8 @@
+"""The ``raysinga`` command line: ``train``, ``inspect``, ``verify``, ``export``, ``plot``,
+``generate``, ``graph``, ``runs`` and ``tune``. Nothing in the library imports it."""
+
+from __future__ import annotations
+
+from .main import main, program
+
+__all__ = ["main", "program"]

@@ -1,0 +1,5 @@
+"""``python -m raysinga.cli``: the ``raysinga`` command."""
+
+from .main import program
+
+program()

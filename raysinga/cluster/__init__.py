@@ -1,0 +1,2 @@
+"""The Ray cluster a run uses: raysinga's own code shipped to its nodes, a check that every
+node can run the roles, and multi-node clusters on one machine for demos, benchmarks and tests."""

@@ -1,0 +1,147 @@
+"""raysinga's own code, handed to the roles of a run on a cluster, and a check that every node
+can run them.
+
+A node of a Ray cluster needs Python, Ray and raysinga's dependencies; raysinga itself comes
+with the run, as a Ray job brings its code through a runtime environment. The package is
+assembled as one directory ``raysinga`` (with ``raysinga.actors``, ``raysinga.kernels`` and the
+kernels' ``.cu`` sources, wherever the install keeps them) in a cache keyed by its content, and
+handed to Ray as ``py_modules`` when the run joins a cluster. Before any role is spawned, a
+small task on each live node imports what the roles import; a node where that fails stops the
+run with one line naming the node, the module and what to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SUFFIXES = (".py", ".cu")
+PROBE_S = 120.0  # a node's first Python worker may wait for its runtime environment
+
+
+class NodeSetupError(RuntimeError):
+    """A node of the cluster cannot run raysinga's roles; the message says which and why."""
+
+
+def package_files() -> list[tuple[Path, Path]]:
+    """(source, path inside the assembled ``raysinga``) of every file the roles need."""
+    # Found, not imported: shipping needs where the packages are, not what they run.
+    roots = {
+        Path(rel): Path(importlib.util.find_spec(name).origin).parent
+        for rel, name in (
+            ("", "raysinga"),
+            ("actors", "raysinga.actors"),
+            ("kernels", "raysinga.kernels"),
+        )
+    }
+    files = []
+    for prefix, root in roots.items():
+        for f in sorted(root.rglob("*")):
+            rel = f.relative_to(root)
+            if f.suffix not in SUFFIXES or "__pycache__" in rel.parts or not f.is_file():
+                continue
+            if prefix == Path() and rel.parts[0] in ("actors", "kernels"):
+                continue  # an installed wheel keeps them inside: taken from their own roots
+            files.append((f, prefix / rel))
+    return files
+
+
+def assembled(cache: Path | None = None) -> Path:
+    """The directory ``raysinga`` as the roles import it, built once per content in
+    ``cache`` (default: the user's cache directory)."""
+    files = package_files()
+    digest = hashlib.sha256()
+    for src, rel in files:
+        digest.update(str(rel).encode() + b"\0" + src.read_bytes() + b"\0")
+    base = (cache or _cache_dir()) / digest.hexdigest()[:20]
+    dest = base / "raysinga"
+    if dest.is_dir():
+        return dest
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".raysinga-", dir=base))
+    for src, rel in files:
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, tmp / rel)
+    try:
+        tmp.rename(dest)  # whole or not at all; another run may have built it meanwhile
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = Path(root) / "raysinga" / "code"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    except OSError:  # no writable home: the machine's temporary directory
+        return Path(tempfile.gettempdir()) / f"raysinga-code-{os.getuid()}"
+
+
+def runtime_env() -> dict[str, Any] | None:
+    """The runtime environment that brings raysinga's code to every role; None where the job
+    already hands Ray modules of its own (Ray refuses a second list: the job's must then
+    hold raysinga, or the nodes must have it installed)."""
+    job = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if job:
+        with_modules = json.loads(job).get("runtime_env", {}).get("py_modules")
+        if with_modules:
+            return None
+    return {"py_modules": [str(assembled())]}
+
+
+def check_nodes(timeout_s: float = PROBE_S) -> None:
+    """Import what the roles import on every live node, at once; raise NodeSetupError naming
+    the first node that cannot, the module and what to do."""
+    import ray  # noqa: PLC0415
+    from ray import cloudpickle  # noqa: PLC0415
+    from ray.exceptions import GetTimeoutError, RayError  # noqa: PLC0415
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
+
+    from . import node_probe  # noqa: PLC0415
+
+    cloudpickle.register_pickle_by_value(node_probe)  # the node need not import it to run it
+    task = ray.remote(num_cpus=0, max_retries=0)(node_probe.probe)
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    refs = [
+        task.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+        ).remote()
+        for n in nodes
+    ]
+    for ref, node in zip(refs, nodes, strict=True):
+        where = f"node {node['NodeManagerAddress']} ({node['NodeID'][:8]})"
+        try:
+            found = ray.get(ref, timeout=timeout_s)
+        except GetTimeoutError:
+            raise NodeSetupError(
+                f"{where} did not start a Python worker within {timeout_s:g} s (its runtime "
+                "environment may still be installing; `ray status` shows the node)"
+            ) from None
+        except RayError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise NodeSetupError(f"{where} cannot run raysinga's roles: {first}") from None
+        if found["module"]:
+            raise NodeSetupError(
+                f"{where} cannot import {found['module']} with {found['python']} "
+                f"({found['why']}): {_remedy(found['module'])}"
+            )
+
+
+def _remedy(module: str) -> str:
+    if module.split(".")[0] == "raysinga":
+        return (
+            "install raysinga on that node, or let the run ship its code there (the default "
+            "when joining a cluster; --no-ship turns it off)"
+        )
+    return (
+        f"install it in that node's Python (pip install {module.split('.')[0]}), then start "
+        "the node again (ray start --address=...)"
+    )

@@ -1,0 +1,284 @@
+"""The roles of one placement: spawned, loaded, wired and torn down together.
+
+A :class:`RoleGroup` owns the parameter servers, the workers of every group and the groups'
+stubs of one placement group, and every Ray call that reaches all of them at once: describe,
+verify and load a checkpoint, snapshot, gather the parameters, shut down. The controller decides
+when; this object knows how.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+from ray.util.placement_group import remove_placement_group
+
+from raysinga.actors import placement
+from raysinga.actors.errors import get_all
+from raysinga.actors.protocol import ServerSpec, StubSpec, WorkerSpec
+from raysinga.checkpoint import Checkpoint, CheckpointError
+from raysinga.data.cursor import DataCursor
+from raysinga.kernels.cpu_threads import compute_threads
+from raysinga.run import sources as run_sources
+from raysinga.run.sources import Source
+from raysinga.run.state import worker_state
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What every placement of a run shares: the parameters, their slicing over the servers,
+    the optimizer, the devices, and what progress reports need."""
+
+    shapes: dict[str, tuple[int, ...]]
+    slices: list[Any]
+    updater: dict[str, Any]
+    schedule: Callable[[int], float]  # the learning rate by step
+    worker_device: str
+    server_device: str
+    state_names: list[str]  # the workers' non-trainable state
+    n_train: int  # training samples
+    run_dir: Path
+    chance_loss: float | None = None  # a classifier's loss of a uniform guess (the guard's floor)
+
+
+class RoleGroup:
+    """Servers, workers and stubs of one placement of a run's topology."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        classes: dict[str, type],
+        topo: Any,
+        placement: placement.Placement,
+        plan: RunPlan,
+    ) -> None:
+        """``plan``: what every placement of the run shares."""
+        self.cfg, self.classes, self.topo, self.placement, self.plan = (
+            cfg,
+            classes,
+            topo,
+            placement,
+            plan,
+        )
+        self.tag = f"{cfg.name}-{uuid.uuid4().hex[:8]}"  # names the roles' shared-memory files
+        self.servers: list[Any] = []
+        self.workers: list[list[Any]] = []
+        self.stubs: list[Any] = []
+        self.server_infos: list[dict[str, Any]] = []
+        self.worker_infos: list[list[dict[str, Any]]] = []
+        self.stub_infos: list[dict[str, Any]] = []
+        self.seed = 0  # the workers' (the start checkpoint's)
+        self.spares: list[Any] = []  # roles spawned to take over from lost ones (replace.py)
+        self.replaced = False  # a role was replaced: its shared files are left to remove
+        self.replay = 0  # steps a stub logs to rebuild a lost server (replace.replay_steps)
+
+    @property
+    def actors(self) -> list[Any]:
+        return [*self.stubs, *(w for row in self.workers for w in row), *self.servers]
+
+    def spawn_spare(self, role: str, node: str, *args: Any) -> Any:
+        """A spare ``role`` on ``node``, idle until it takes over from a lost one; stopped
+        with the others."""
+        actor = placement.spawn_spare(self.classes[role], node, *args)
+        self.spares.append(actor)
+        return actor
+
+    def _spawn(self, role: str, bundle: int, spec: Any, *more: Any) -> Any:
+        res = getattr(self.topo, role)
+        return placement.spawn(self.classes[role], self.placement, bundle, res, spec, *more)
+
+    # ------------------------------------------------------------------ spawning
+    def spawn_servers(self, seed: int) -> None:
+        self.seed = seed
+        self.servers = [self.spawn_server(k) for k in range(self.topo.n_servers)]
+
+    def spawn_server(self, k: int) -> Any:
+        return self._spawn("server", self.placement.servers[k], self.server_spec(k))
+
+    def server_spec(self, k: int) -> ServerSpec:
+        plan, cfg = self.plan, self.cfg
+        return ServerSpec(
+            k,
+            cfg.model.to_dict(),
+            cfg.dtype,
+            self.seed,
+            tuple(plan.slices),
+            plan.updater,
+            self.tag,
+            plan.server_device,
+            cfg.lr_scale(self.topo),
+        )
+
+    def spawn_workers(self, seed: int) -> None:
+        self.seed = seed
+        self.workers = [
+            [self.spawn_worker(g, i) for i in range(self.topo.workers_per_group)]
+            for g in range(self.topo.n_groups)
+        ]
+
+    def spawn_worker(self, g: int, i: int) -> Any:
+        return self._spawn("worker", self.placement.workers[g][i], self.worker_spec(g, i))
+
+    def worker_spec(self, g: int, i: int) -> WorkerSpec:
+        cfg, plan, topo = self.cfg, self.plan, self.topo
+        return WorkerSpec(
+            i,
+            g,
+            cfg.model.to_dict(),
+            cfg.dtype,
+            self.seed,
+            cfg.data.source,
+            cfg.data.batch_size,
+            cfg.data.shuffle,
+            tuple(plan.slices),
+            topo.n_servers,
+            topo.n_groups,
+            self.tag,
+            plan.worker_device,
+            compute_threads(topo.worker.cpus),
+            cfg.data.validation,
+        )
+
+    def describe(self) -> None:
+        """Wait for servers and workers to be up; keep what they say of themselves."""
+        self.server_infos = get_all([s.describe.remote() for s in self.servers], "server")
+        self.worker_infos = [
+            get_all([w.describe.remote() for w in row], "worker", g)
+            for g, row in enumerate(self.workers)
+        ]
+
+    def wire(self, prepare_snapshots: bool) -> None:
+        """Tell each server whether readers on other nodes need its values published, and
+        spawn the stubs that connect each group's workers to the servers. With
+        ``prepare_snapshots``, the servers map their checkpoint images now, in the
+        background."""
+        if prepare_snapshots:
+            get_all([s.prepare_snapshots.remote() for s in self.servers], "server")
+        self.publish_where_read()
+        self.stubs = [self.spawn_stub(g) for g in range(self.topo.n_groups)]
+        self.stub_infos = get_all([s.describe.remote() for s in self.stubs], "stub")
+
+    def publish_where_read(self) -> None:
+        """Tell each server whether workers on other nodes read it (it then publishes a
+        snapshot of its values after each update); keep the snapshot's ref."""
+        worker_nodes = {w["node"] for row in self.worker_infos for w in row}
+        for k, (s, info) in enumerate(zip(self.servers, self.server_infos, strict=True)):
+            remote = bool(worker_nodes - {info["node"]})
+            info["ref"] = get_all([s.set_remote_readers.remote(remote)], "server", k)[0]
+
+    def spawn_stub(self, g: int) -> Any:
+        return self._spawn("stub", self.placement.stubs[g], *self.stub_args(g))
+
+    def stub_args(self, g: int) -> tuple:
+        """What the stub of group ``g`` is made from: its spec, then the group's workers and
+        every server, with what they said of themselves."""
+        plan, cfg = self.plan, self.cfg
+        spec = StubSpec(
+            g,
+            plan.shapes,
+            tuple(plan.slices),
+            cfg.dtype,
+            cfg.clip_norm,
+            self.topo.n_groups,
+            self.tag,
+            self.replay,
+        )
+        return spec, self.workers[g], self.servers, self.worker_infos[g], self.server_infos
+
+    def keep_copies(self, which: list[int] | None = None) -> None:
+        """Where the stub logs its steps, have each server (of ``which``; default all) hand
+        it a copy of itself now and every half of the log (:mod:`actors.replay`)."""
+        if self.replay:
+            ks = list(range(len(self.servers))) if which is None else which
+            get_all([self.stubs[0].keep_copies.remote(ks)], "stub", 0)
+
+    # ------------------------------------------------------------------ checkpoints in
+    def verify(self, src: Source, ck: Checkpoint) -> None:
+        """Hash a checkpoint's files in full, the servers sharing the work."""
+        files = [f["file"] for f in ck.manifest["files"]]
+        plan = run_sources.plan_verification(files, len(self.servers))
+        errors = get_all(
+            [s.verify.remote(src, plan[k]) for k, s in enumerate(self.servers)], "server"
+        )
+        if any(errors):
+            raise CheckpointError("; ".join(e for e in errors if e))
+
+    def restore(self, start: Any, cursor: DataCursor, state_names: list[str]) -> None:
+        """Load a verified start checkpoint into the servers (parameters; on a resume also the
+        optimizer) and the workers (non-trainable state; on a resume also the data cursor)."""
+        names = None if start.resumed else start.names
+        fork = start.kind == "fork"  # the job's optimizer hyperparameters, not the checkpoint's
+        get_all(
+            [s.load.remote(start.source, start.resumed, names, fork) for s in self.servers],
+            "server",
+        )
+        calls = []
+        for g, row in enumerate(self.workers):
+            for i, w in enumerate(row):
+                st = worker_state(start.checkpoint, g, i, state_names)
+                calls.append(w.restore.remote(st, cursor if start.resumed else DataCursor()))
+        get_all(calls, "worker")
+
+    # ------------------------------------------------------------------ checkpoints out
+    def snapshot(self, tmp: Any, compression: str | None) -> tuple[list[dict], dict]:
+        """Each server copies its shard at this step boundary and writes it in the background
+        (their infos); each worker hands its non-trainable state ((group, index) -> arrays)."""
+        infos = get_all(
+            [s.snapshot.remote(tmp, k, compression) for k, s in enumerate(self.servers)],
+            "server",
+        )
+        states = {}
+        for g, row in enumerate(self.workers):
+            for i, st in enumerate(get_all([w.get_state.remote() for w in row], "worker", g)):
+                states[(g, i)] = st
+        return infos, states
+
+    def snapshot_results(self, servers: list[int], wait: bool) -> list[dict[str, Any] | None]:
+        """The shard records of those servers' background writes (None: still writing)."""
+        return get_all([self.servers[k].snapshot_result.remote(wait) for k in servers], "server")
+
+    def gather_state(self) -> dict[str, np.ndarray]:
+        """The non-trainable state (batch norm's running statistics) of group 0's first
+        worker: the one a checkpoint of a single-process run would hold."""
+        return get_all([self.workers[0][0].get_state.remote()], "worker", 0)[0]
+
+    def gather_params(self) -> dict[str, np.ndarray]:
+        """Whole parameters assembled from the servers' slices (small models, tests)."""
+        values: dict[str, np.ndarray] = {}
+        for vals in get_all([s.values.remote() for s in self.servers], "server"):
+            values.update(vals)
+        out = {}
+        for p, shape in self.plan.shapes.items():
+            pieces = sorted((s for s in self.plan.slices if s.param == p), key=lambda s: s.start)
+            out[p] = np.concatenate([values[s.name] for s in pieces]).reshape(shape)
+        return out
+
+    # ------------------------------------------------------------------ the end
+    def shutdown(self, graceful: bool = True, calls: Any = ()) -> None:
+        """Stop every actor and free the placement group; safe to call twice and after
+        failures. ``graceful``: each actor first unlinks its shared memory itself (up to 5 s);
+        otherwise (after a lost role, when the others may hang on it) they are killed at once.
+        Files not unlinked by their actors are removed by tag. ``calls``: refs of calls still
+        running on them, fetched so that Ray does not report each as an unhandled error."""
+        actors = [*self.actors, *(a for a in self.spares if a not in self.actors)]
+        done: list[Any] = []
+        if actors and graceful:
+            stops = [a.shutdown.remote() for a in actors]
+            done, _ = ray.wait(stops, num_returns=len(actors), timeout=5)
+        for a in actors:
+            ray.kill(a)
+        if actors and (len(done) < len(actors) or self.replaced):  # files nobody unlinked
+            placement.remove_shared_files(self.tag)
+        for ref in calls:
+            with contextlib.suppress(Exception):
+                ray.get(ref, timeout=5)
+        if self.placement is not None:
+            remove_placement_group(self.placement.pg)
+        self.servers, self.workers, self.stubs, self.spares = [], [], [], []
+        self.placement = None

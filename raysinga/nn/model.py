@@ -1,0 +1,302 @@
+"""The model spec (a net of named layers) and the net that computes loss and gradients with it.
+
+A :class:`ModelSpec` is plain data: it crosses actor boundaries, goes into job files and
+checkpoints, and hashes to a stable digest. :class:`Net` builds layers from it; parameters get
+stable hierarchical names (``fc1/W``, ``fc1/b``) and are passed in as a flat dict, never owned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from raysinga import kernels as K
+
+from .kinds import LAYERS
+from .layers import Layer, StepContext, param_rng
+from .losses import CLASSIFYING, LOSSES, accuracy
+
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    kind: str
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, **self.options}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    input_shape: tuple[int, ...]
+    layers: tuple[LayerSpec, ...]
+    loss: str = "softmax_cross_entropy"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
+        """From a job file's ``model`` section; errors name the offending key path."""
+        if not isinstance(d, dict):
+            raise ValueError(f"model: expected a mapping, got {type(d).__name__}")
+        unknown = set(d) - {"input_shape", "layers", "loss"}
+        if unknown:
+            raise ValueError(
+                f"model: unknown key(s) {sorted(unknown)}; allowed: input_shape, layers, loss"
+            )
+        for key in ("input_shape", "layers"):
+            if key not in d:
+                raise ValueError(f"model.{key}: missing")
+        shape = d["input_shape"]
+        if (
+            not isinstance(shape, (list, tuple))
+            or not shape
+            or not all(isinstance(v, int) and v > 0 for v in shape)
+        ):
+            raise ValueError(
+                f"model.input_shape: expected a list of positive integers, got {shape!r}"
+            )
+        if not isinstance(d["layers"], list) or not d["layers"]:
+            raise ValueError("model.layers: expected a non-empty list of layers")
+        layers = []
+        for i, ld in enumerate(d["layers"]):
+            if not isinstance(ld, dict) or "kind" not in ld or "name" not in ld:
+                raise ValueError(f"model.layers[{i}]: expected a mapping with 'kind' and 'name'")
+            opts = {k: v for k, v in ld.items() if k not in ("kind", "name")}
+            layers.append(LayerSpec(ld["kind"], ld["name"], opts))
+        spec = cls(tuple(shape), tuple(layers), d.get("loss", "softmax_cross_entropy"))
+        spec.validate()
+        return spec
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "input_shape": list(self.input_shape),
+            "layers": [ls.to_dict() for ls in self.layers],
+            "loss": self.loss,
+        }
+
+    def digest(self) -> str:
+        """SHA-256 of the canonical JSON form: equal specs, equal digests, across processes."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def validate(self) -> None:
+        """Build every layer once so bad options fail when the config is read."""
+        Net(self)
+
+
+class Net:
+    """Layers built from a spec, with the loss at the end."""
+
+    def __init__(self, spec: ModelSpec, dtype: str = "float32") -> None:
+        if dtype not in K.common.FLOAT_DTYPES:
+            raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
+        if spec.loss not in LOSSES:
+            raise ValueError(f"model.loss: unknown loss {spec.loss!r}; allowed: {sorted(LOSSES)}")
+        self.spec, self.dtype = spec, np.dtype(dtype)
+        self.layers: list[Layer] = []
+        self.out_shapes: list[tuple[int, ...]] = []  # per layer, one sample's
+        # per layer, the earlier layers whose outputs it sums (its ``from``); None: the last one
+        self.sources: list[tuple[str, ...] | None] = []
+        names: dict[str, int] = {}
+        shape = tuple(spec.input_shape)
+        for i, ls in enumerate(spec.layers):
+            if ls.kind not in LAYERS:
+                raise ValueError(
+                    f"model.layers[{i}].kind: unknown layer kind {ls.kind!r}; "
+                    f"allowed: {', '.join(sorted(LAYERS))}"
+                )
+            if not ls.name or not set(ls.name) <= _NAME_CHARS or ls.name in names:
+                raise ValueError(
+                    f"model.layers[{i}].name: {ls.name!r} must be unique and use only letters, "
+                    "digits, '_', '-' and '.'"
+                )
+            options = dict(ls.options)
+            sources = self._sources(i, ls.name, options.pop("from", None), names)
+            if sources is not None:
+                shape = self.out_shapes[names[sources[0]]]
+            names[ls.name] = i
+            try:
+                layer = LAYERS[ls.kind](ls.name, **options)
+                shape = layer.build(shape)
+            except TypeError as e:  # an option the layer does not take
+                raise ValueError(f"model.layers[{i}] ({ls.name}): {e}") from None
+            except ValueError as e:
+                raise ValueError(f"model.layers[{i}]: {e}") from None
+            self.layers.append(layer)
+            self.out_shapes.append(tuple(shape))
+            self.sources.append(sources)
+        self.layers[0].need_dx = False  # nobody wants the input's gradient: skip that GEMM
+        self._check_used()
+        self.output_shape = shape
+        self.loss_fn = LOSSES[spec.loss]
+        self.takes_tokens = bool(getattr(self.layers[0], "takes_tokens", False))
+        # outputs a later layer's ``from`` names: kept during a forward pass
+        self.kept = {n for srcs in self.sources if srcs for n in srcs}
+
+    def _sources(
+        self, i: int, name: str, given: Any, names: dict[str, int]
+    ) -> tuple[str, ...] | None:
+        """A layer's ``from``: earlier layers of one output shape, whose outputs it sums."""
+        if given is None:
+            return None
+        where = f"model.layers[{i}] ({name}).from"
+        if isinstance(given, str):
+            given = [given]
+        if not isinstance(given, list) or not given or not all(isinstance(n, str) for n in given):
+            raise ValueError(f"{where}: expected a list of earlier layers' names, got {given!r}")
+        unknown = [n for n in given if n not in names]
+        if unknown:
+            raise ValueError(
+                f"{where}: {unknown} name no earlier layer; a layer can sum the outputs of "
+                f"layers above it ({', '.join(names) or 'none'})"
+            )
+        shapes = {n: self.out_shapes[names[n]] for n in given}
+        if len(set(shapes.values())) > 1:
+            raise ValueError(f"{where}: outputs of different shapes cannot be summed: {shapes}")
+        return tuple(given)
+
+    def _check_used(self) -> None:
+        """Every layer's output goes somewhere: the next layer, a ``from``, or the loss."""
+        used = {n for srcs in self.sources if srcs for n in srcs}
+        for i, ly in enumerate(self.layers[:-1]):
+            if self.sources[i + 1] is not None and ly.name not in used:
+                raise ValueError(
+                    f"model.layers[{i}] ({ly.name}): its output is used by no later layer "
+                    f"(layer {self.layers[i + 1].name!r} takes 'from' instead)"
+                )
+
+    def prepare_input(self, x: Any, xp: Any = np) -> Any:
+        """A batch as the first layer takes it: token ids as they are (integers), anything
+        else in the net's dtype."""
+        if self.takes_tokens:
+            return xp.asarray(x)
+        return xp.asarray(x, self.dtype)
+
+    # -- names, shapes, initial values
+    def describe(self) -> dict[str, Any]:
+        """The net's structure as plain data: every layer with its options, the shape of one
+        sample leaving it and its parameters (what ``raysinga graph`` draws)."""
+        layers = []
+        for ly, ls, out in zip(self.layers, self.spec.layers, self.out_shapes, strict=True):
+            params = {ly.key(k): list(s) for k, s in ly.param_shapes().items()}
+            layers.append(
+                {
+                    "name": ly.name,
+                    "kind": ls.kind,
+                    "options": dict(ls.options),
+                    "output_shape": list(out),
+                    "params": params,
+                    "param_count": sum(int(np.prod(s)) for s in params.values()),
+                }
+            )
+        return {
+            "input_shape": list(self.spec.input_shape),
+            "layers": layers,
+            "loss": self.spec.loss,
+            "param_count": sum(ly["param_count"] for ly in layers),
+        }
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every trainable parameter, in layer order: ``{"fc1/W": (784, 1024), ...}``."""
+        return {ly.key(k): s for ly in self.layers for k, s in ly.param_shapes().items()}
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Non-trainable state (batch-norm running statistics)."""
+        return {ly.key(k): s for ly in self.layers for k, s in ly.state_shapes().items()}
+
+    def layer_sizes(self) -> list[tuple[int, int]]:
+        """Per layer, from shapes alone (nothing is allocated): the elements of its parameters
+        and state, and the elements of one sample leaving it."""
+        sizes = []
+        for ly, out in zip(self.layers, self.out_shapes, strict=True):
+            shapes = (*ly.param_shapes().values(), *ly.state_shapes().values())
+            sizes.append((sum(math.prod(s) for s in shapes), math.prod(out)))
+        return sizes
+
+    def init_params(self, seed: int) -> dict[str, np.ndarray]:
+        """Initial parameters as NumPy arrays; each depends only on (seed, its name)."""
+        return {key: self.init_param(key, seed) for key in self.param_shapes()}
+
+    def init_param(self, key: str, seed: int) -> np.ndarray:
+        """The initial value of one parameter, so that a server creates only what it owns."""
+        layer_name, _, local = key.rpartition("/")
+        for ly in self.layers:
+            if ly.name == layer_name and local in ly.param_shapes():
+                shape = ly.param_shapes()[local]
+                return np.asarray(ly.init_param(local, shape, param_rng(seed, key)), self.dtype)
+        raise KeyError(f"no parameter {key!r} in this model")
+
+    def init_state(self) -> dict[str, np.ndarray]:
+        return {
+            ly.key(k): np.asarray(ly.init_state(k, s), self.dtype)
+            for ly in self.layers
+            for k, s in ly.state_shapes().items()
+        }
+
+    # -- compute
+    def forward(self, params: dict, state: dict, x: Any, ctx: StepContext) -> Any:
+        kept: dict[str, Any] = {}
+        for ly, sources in zip(self.layers, self.sources, strict=True):
+            if sources is not None:
+                x = kept[sources[0]]
+                for name in sources[1:]:
+                    x = x + kept[name]
+            local = {k: params[ly.key(k)] for k in ly.param_shapes()}
+            x = ly.forward(local, state, x, ctx)
+            if ly.name in self.kept:
+                kept[ly.name] = x
+        return x
+
+    def backward(self, dout: Any, into: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The parameters' gradients. ``into`` (parameter name -> an array of its shape and
+        dtype): where layers that can write their gradients do so (a worker's shared buffer);
+        the others' come back as new arrays."""
+        grads: dict[str, Any] = {}
+        # the gradient with respect to each layer's output, summed over where it went
+        pending: dict[str, Any] = {self.layers[-1].name: dout}
+        for i in reversed(range(len(self.layers))):
+            ly, sources = self.layers[i], self.sources[i]
+            if into:
+                ly.grads_into = {k: into[ly.key(k)] for k in ly.param_shapes()}
+            try:
+                dx, g = ly.backward(pending.pop(ly.name))
+            finally:
+                ly.grads_into = {}
+            grads.update({ly.key(k): v for k, v in g.items()})
+            if i == 0:
+                break
+            for name in sources if sources is not None else (self.layers[i - 1].name,):
+                pending[name] = dx if name not in pending else pending[name] + dx
+        return {k: grads[k] for k in self.param_shapes()}
+
+    def loss_and_grads(
+        self,
+        params: dict,
+        state: dict,
+        x: Any,
+        y: Any,
+        ctx: StepContext,
+        denom: int | None = None,
+        into: dict[str, Any] | None = None,
+    ) -> tuple[float, dict[str, Any], Any]:
+        """``(loss, grads, output)``; the loss is summed over the batch and divided by ``denom``
+        (default: the batch size). A worker of a group passes the group's batch size, so that the
+        group's gradient is the plain sum of its workers' gradients. ``into``: see
+        :meth:`backward`."""
+        out = self.forward(params, state, x, ctx)
+        loss, dout = self.loss_fn(out, y, len(x) if denom is None else denom)
+        return float(loss), self.backward(dout, into), out
+
+    def evaluate(self, params: dict, state: dict, x: Any, y: Any) -> tuple[float, float | None]:
+        """``(mean loss, accuracy or None)`` on one batch in inference mode."""
+        out = self.forward(params, state, x, StepContext(train=False))
+        loss, _ = self.loss_fn(out, y, len(x))
+        acc = accuracy(out, y) if self.spec.loss in CLASSIFYING else None
+        return float(loss), acc

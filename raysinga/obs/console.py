@@ -1,0 +1,100 @@
+"""Events as the lines a user reads: rendered here, at the edge, and nowhere else.
+
+:func:`render` is the one place a line of console text is made from an event;
+:class:`TextLog` hands those lines to a ``log(line)`` callback (``print`` by default, a list's
+``append`` in tests). The progress bar (:mod:`raysinga.obs.progress`) renders through it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from .events import (
+    CheckpointCommitted,
+    Evaluated,
+    Event,
+    EventHub,
+    Notice,
+    Recovered,
+    Resized,
+    RoleLost,
+    RunStarted,
+    Subscriber,
+    TrainStep,
+)
+
+
+def step_head(step: int, total: int) -> str:
+    return f"step {step:>{len(str(total))}}/{total}"
+
+
+def render(ev: Event) -> str | None:
+    """The console line of an event, or None for events with nothing to say."""
+    if isinstance(ev, Notice):
+        return ev.text
+    if isinstance(ev, TrainStep):
+        return (
+            f"{step_head(ev.step, ev.total)}  epoch {ev.epoch}  loss {ev.loss:.4f}  "
+            f"lr {ev.lr:.4g}  {ev.samples_per_s:,.0f} samples/s"
+        )
+    if isinstance(ev, Evaluated):
+        m, parts = ev.metrics, []
+        for split in ("valid", "test"):
+            if f"{split}_loss" in m:
+                bits = f"{split}_bits"
+                parts.append(f"{split}_loss {m[f'{split}_loss']:.4f}")
+                parts += [f"({m[bits]:.3f} bits per token)"] if bits in m else []
+                acc = f"{split}_accuracy"
+                parts += [f"{acc} {m[acc]:.4f}"] if acc in m else []
+        return f"{step_head(ev.step, ev.total)}  {'  '.join(parts)}"
+    if isinstance(ev, RunStarted):
+        return f"raysinga: training {ev.name!r} on {ev.where}"
+    if isinstance(ev, CheckpointCommitted):
+        if ev.in_background:
+            how = f"training waited {ev.blocked_s * 1e3:.0f} ms; written in {ev.seconds:.2f} s"
+        else:
+            how = f"written in {ev.seconds:.2f} s"
+        return f"raysinga: checkpoint step {ev.step} -> {ev.path} ({how})"
+    if isinstance(ev, RoleLost):
+        return (
+            f"raysinga: {ev.error} at step {ev.step}; recovering "
+            f"(failure {ev.count} of at most {ev.limit})"
+        )
+    if isinstance(ev, Recovered):
+        r = ev.info
+        return (
+            f"raysinga: recovered in {r['restore_s']:.2f} s from step {r['restored_from']} "
+            f"({r['steps_redone']} step(s) to redo)"
+        )
+    if isinstance(ev, Resized):
+        r = ev.info
+        return (
+            f"raysinga: grew to {r['groups']} group(s) x {r['workers']} worker(s) at step "
+            f"{r['step']} in {r['resize_s']:.2f} s"
+        )
+    return None
+
+
+class TextLog:
+    """A subscriber that passes each event's console line to ``log``."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self.log = log
+
+    def __call__(self, ev: Event) -> None:
+        line = render(ev)
+        if line is not None:
+            self.log(line)
+
+
+def hub_for(
+    log: Callable[[str], None] | None, on_event: Subscriber | Iterable[Subscriber] | None
+) -> EventHub:
+    """The hub of a trainer: ``log`` gets each event as a console line (None: no text), then
+    each of ``on_event`` gets the event itself."""
+    subs: list[Subscriber] = [] if log is None else [TextLog(log)]
+    if callable(on_event):
+        subs.append(on_event)
+    elif on_event is not None:
+        subs.extend(on_event)
+    return EventHub(subs)

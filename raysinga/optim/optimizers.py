@@ -1,0 +1,446 @@
+"""Optimizers (SGD, AdaGrad, RMSProp, Adam, AdamW) and gradient clipping, on NumPy or CuPy arrays.
+
+The math follows torch.optim's single-tensor code operation by operation (same formulas, same order
+of operations), so results agree with PyTorch to rounding. Every update is element-wise and in
+place, so a server that owns a slice of a parameter and updates it under its own name (e.g.
+"fc1/W[0:512]") gets bit-for-bit the values the whole-tensor update would give.
+
+Slots (momentum, Adam's m and v, ...) are keyed by the name passed to ``update`` and allocated on
+the first update of that name, on the parameter's device and in its dtype. The learning rate comes
+from a Schedule evaluated at the global step; Adam's bias correction uses the number of updates
+applied to that name, kept per name so that it survives a checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, ClassVar
+
+import numpy as np
+
+from raysinga.kernels import get_array_module, to_numpy
+
+from .grads import BLOCK, chunks, on_threads, sum_into
+from .schedules import Schedule, make_schedule, schedule_from_state
+
+
+def _number(opt: str, key: str, v: Any, upper: float | None = None) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"optimizer {opt!r}: {key} must be a number, got {v!r}")
+    v = float(v)
+    if not math.isfinite(v) or v < 0 or (upper is not None and v >= upper):
+        bound = f"in [0, {upper:g})" if upper is not None else ">= 0"
+        raise ValueError(f"optimizer {opt!r}: {key} must be {bound}, got {v!r}")
+    return v
+
+
+def _flag(opt: str, key: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"optimizer {opt!r}: {key} must be true or false, got {v!r}")
+    return v
+
+
+def _lerp_(a: Any, b: Any, w: float) -> None:
+    # torch's lerp: two formulas, picked by |w| < 0.5 so the result stays exact at both ends.
+    if abs(w) < 0.5:
+        a += w * (b - a)
+    else:
+        a[...] = b - (b - a) * (1.0 - w)
+
+
+def _check_float(name: str, param: Any) -> None:
+    if param.dtype.kind != "f":
+        raise TypeError(f"parameter {name!r} must be floating point, got {param.dtype}")
+
+
+class Optimizer:
+    """Base class. Subclasses set ``name``, ``defaults`` and implement ``_check`` and ``_apply``."""
+
+    name: ClassVar[str] = ""
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, lr: float | dict | Schedule = 0.01, **hparams: Any) -> None:
+        self.schedule = make_schedule(lr)
+        self.hparams = self._hparams(hparams)
+        self._slots: dict[str, dict[str, Any]] = {}  # param name -> slot name -> array
+        self._ready: set[str] = set()  # names whose slots live on the param's device and dtype
+        self.counts: dict[str, int] = {}  # param name -> updates applied
+
+    def _hparams(self, given: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(given) - set(self.defaults))
+        if unknown:
+            raise ValueError(
+                f"unknown hyperparameter(s) {unknown} for optimizer {self.name!r}; "
+                f"allowed: {sorted(['lr', *self.defaults])}"
+            )
+        h = {**self.defaults, **given}
+        self._check(h)
+        return h
+
+    def _check(self, h: dict[str, Any]) -> None:
+        """Validate and normalise ``h`` in place."""
+        for k in ("eps", "weight_decay"):
+            if k in h:
+                h[k] = _number(self.name, k, h[k])
+
+    def slot_names(self) -> tuple[str, ...]:
+        """The slots each parameter name gets, e.g. ("m", "v") for Adam."""
+        return self._slot_names(self.hparams)
+
+    @staticmethod
+    def _slot_names(h: dict[str, Any]) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def _apply(self, xp: Any, param: Any, grad: Any, s: dict[str, Any], lr: float, t: int) -> None:
+        raise NotImplementedError
+
+    def _fused(self, param: Any, grad: Any, s: dict[str, Any], lr: float, t: int) -> bool:
+        """Apply the update to a contiguous CuPy ``param`` in one fused kernel; False where this
+        optimizer has none (then ``_apply`` runs, as CuPy array operations)."""
+        return False
+
+    # The factor on the schedule's rate, set by who runs the optimizer (a server of an
+    # asynchronous topology: 1 / its groups, JobConfig.lr_scale); not part of the state.
+    lr_scale: float = 1.0
+
+    def lr(self, step: int) -> float:
+        lr = self.schedule(step)
+        return lr if self.lr_scale == 1.0 else lr * self.lr_scale
+
+    def update(self, step: int, name: str, param: Any, grad: Any, pool: Any = None) -> None:
+        """Update ``param`` in place; ``step`` is the global step (it picks the learning rate).
+
+        With a thread pool (``concurrent.futures.Executor``), a large NumPy parameter is updated
+        in contiguous chunks on several threads. Every optimizer here is element-wise, so the
+        result is bit-identical to one pass; NumPy releases the GIL inside its loops.
+        """
+        xp = get_array_module(param)
+        _check_float(name, param)
+        # The stub sends NumPy gradients; a GPU server's parameters are CuPy (no copy otherwise).
+        grad = xp.asarray(grad, dtype=param.dtype)
+        if grad.shape != param.shape:
+            raise ValueError(f"gradient for {name!r} has shape {grad.shape}, param {param.shape}")
+        self._prepare_once(xp, name, param)
+        t = self.counts.get(name, 0) + 1
+        slots, lr = self._slots.get(name, {}), self.lr(step)
+        pieces = chunks(param.size, pool) if xp is np and param.flags.c_contiguous else []
+        if xp is not np and param.flags.c_contiguous and self._fused(param, grad, slots, lr, t):
+            pass  # one fused kernel on the GPU, bit-identical to _apply
+        elif len(pieces) > 1:
+            p, g = param.reshape(-1), np.ascontiguousarray(grad).reshape(-1)
+            flat = {k: v.reshape(-1) for k, v in slots.items()}
+
+            def run(ab: tuple[int, int]) -> None:
+                a, b = ab
+                self._apply(xp, p[a:b], g[a:b], {k: v[a:b] for k, v in flat.items()}, lr, t)
+
+            on_threads(pool, run, pieces)
+        else:
+            self._apply(xp, param, grad, slots, lr, t)
+        self.counts[name] = t
+
+    def update_summed(
+        self, step: int, params: dict, grads: dict, parts: dict, pool: Any = None
+    ) -> None:
+        """Update the NumPy parameters named in ``parts``, each with the sum of its gradient's
+        ``parts[name]`` (added in the given order), written into ``grads[name]`` on the way,
+        one cache-sized block at a time: the sum costs no pass over memory of its own. All are
+        contiguous and shaped alike. The work of all of them is split evenly over the pool's
+        threads and the caller's (one hand-over per call). The bits are those of summing each
+        gradient, then :meth:`update`."""
+        work = []
+        for name in parts:
+            param, grad = params[name], grads[name]
+            _check_float(name, param)
+            p, g, ps = param.reshape(-1), grad.reshape(-1), [x.reshape(-1) for x in parts[name]]
+            if g.shape != p.shape or not ps or any(x.shape != p.shape for x in ps):
+                raise ValueError(f"gradient parts for {name!r} do not match param {param.shape}")
+            if not (param.flags.c_contiguous and grad.flags.c_contiguous):
+                raise ValueError(f"{name!r}: a summed update needs contiguous arrays")
+            self._prepare_once(np, name, param)
+            flat = {k: v.reshape(-1) for k, v in self._slots.get(name, {}).items()}
+            work.append((p, g, ps, flat, self.counts.get(name, 0) + 1))
+        lr, total = self.lr(step), sum(w[0].size for w in work)
+        spans = chunks(total, pool)
+
+        def run(span: tuple[int, int]) -> None:
+            off = 0
+            for p, g, ps, flat, t in work:
+                lo, hi = max(span[0] - off, 0), min(span[1] - off, p.size)
+                for a in range(lo, hi, BLOCK):
+                    b = min(hi, a + BLOCK)
+                    sum_into(g[a:b], [x[a:b] for x in ps])
+                    self._apply(np, p[a:b], g[a:b], {k: v[a:b] for k, v in flat.items()}, lr, t)
+                off += p.size
+
+        on_threads(pool, run, spans)
+        for name, w in zip(parts, work, strict=True):
+            self.counts[name] = w[4]
+
+    def _prepare_once(self, xp: Any, name: str, param: Any) -> None:
+        if name not in self._ready:
+            self._prepare(xp, name, param)
+
+    def update_all(self, step: int, params: dict, grads: dict, pool: Any = None) -> None:
+        """Update every parameter that has a gradient, in name order (deterministic)."""
+        extra = sorted(set(grads) - set(params))
+        if extra:
+            raise KeyError(f"gradients for unknown parameter(s) {extra}")
+        for name in sorted(grads):
+            self.update(step, name, params[name], grads[name], pool)
+
+    def _initial_slot(self, xp: Any, slot: str, param: Any) -> Any:
+        return xp.zeros_like(param)
+
+    def _prepare(self, xp: Any, name: str, param: Any) -> None:
+        loaded = self._slots.get(name, {})
+        slots = {}
+        for slot in self.slot_names():
+            if slot not in loaded:
+                slots[slot] = self._initial_slot(xp, slot, param)
+                continue
+            a = loaded[slot]
+            if tuple(a.shape) != param.shape:
+                raise ValueError(
+                    f"slot {name}/{slot} has shape {tuple(a.shape)}, parameter {param.shape}"
+                )
+            # A copy: loaded arrays may be read-only zero-copy views of a checkpoint.
+            # NumPy cannot read a CuPy array implicitly; CuPy reads both (and other devices).
+            src = to_numpy(a) if xp is np else a
+            slots[slot] = xp.array(src, dtype=param.dtype, copy=True)
+        if slots:
+            self._slots[name] = slots
+        self._ready.add(name)
+
+    def state_dict(self) -> dict:
+        """Plain data plus arrays: live references, not copies (serialise before updating)."""
+        slots = {
+            f"{name}/{slot}": arr
+            for name in sorted(self._slots)
+            for slot, arr in sorted(self._slots[name].items())
+        }
+        hp = {k: list(v) if isinstance(v, tuple) else v for k, v in self.hparams.items()}
+        return {
+            "name": self.name,
+            "hparams": hp,
+            "schedule": self.schedule.state_dict(),
+            "slots": slots,
+            "counts": dict(sorted(self.counts.items())),
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        """Load a state_dict; its hyperparameters and schedule replace ours (the checkpoint is
+        authoritative), a different optimizer name is refused. Arrays are copied to each
+        parameter's device and dtype on its next update."""
+        keys = {"name", "hparams", "schedule", "slots", "counts"}
+        if not isinstance(d, dict) or set(d) != keys:
+            got = sorted(d) if isinstance(d, dict) else type(d).__name__
+            raise ValueError(f"optimizer state must have keys {sorted(keys)}, got {got}")
+        if d["name"] != self.name:
+            raise ValueError(f"cannot load {d['name']!r} optimizer state into {self.name!r}")
+        # Validate everything before touching self, so a bad state leaves us unchanged.
+        hparams = self._hparams(dict(d["hparams"]))
+        schedule = schedule_from_state(d["schedule"])
+        expected = self._slot_names(hparams)
+        slots: dict[str, dict[str, Any]] = {}
+        for key, arr in d["slots"].items():
+            name, _, slot = key.rpartition("/")
+            if not name or slot not in expected:
+                raise ValueError(f"unexpected slot {key!r} for {self.name!r}; slots: {expected}")
+            slots.setdefault(name, {})[slot] = arr
+        counts = {}
+        for name, c in d["counts"].items():
+            if isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 0:
+                raise ValueError(f"update count for {name!r} must be an integer >= 0, got {c!r}")
+            counts[name] = int(c)
+        for name, c in counts.items():
+            missing = [s for s in expected if s not in slots.get(name, {})]
+            if c > 0 and missing:
+                raise ValueError(f"optimizer state for {name!r} lacks slot(s) {missing}")
+        self.hparams, self.schedule = hparams, schedule
+        self._slots, self.counts, self._ready = slots, counts, set()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(lr={self.schedule!r}, {self.hparams})"
+
+
+class SGD(Optimizer):
+    name = "sgd"
+    defaults = {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0}
+
+    def _check(self, h: dict[str, Any]) -> None:
+        super()._check(h)
+        h["momentum"] = _number(self.name, "momentum", h["momentum"])
+        h["nesterov"] = _flag(self.name, "nesterov", h["nesterov"])
+        if h["nesterov"] and h["momentum"] == 0:
+            raise ValueError("optimizer 'sgd': nesterov needs momentum > 0")
+
+    @staticmethod
+    def _slot_names(h: dict[str, Any]) -> tuple[str, ...]:
+        return ("momentum",) if h["momentum"] else ()
+
+    def _apply(self, xp, param, grad, s, lr, t) -> None:
+        h = self.hparams
+        g = grad
+        if h["weight_decay"]:
+            g = grad + h["weight_decay"] * param  # a new array: the caller's grad stays as given
+        if h["momentum"]:
+            buf = s["momentum"]
+            buf *= h["momentum"]
+            buf += g  # zero-initialised, so the first step gives buf = g as torch's clone does
+            g = g + h["momentum"] * buf if h["nesterov"] else buf
+        param -= lr * g
+
+    def _fused(self, param, grad, s, lr, t) -> bool:
+        from raysinga.kernels import gpu  # noqa: PLC0415 - CuPy, only for CuPy parameters
+
+        h = self.hparams
+        buf = s["momentum"] if h["momentum"] else None
+        gpu.sgd_update(param, grad, buf, lr, h["momentum"], h["weight_decay"], h["nesterov"])
+        return True
+
+
+class AdaGrad(Optimizer):
+    name = "adagrad"
+    defaults = {"eps": 1e-10, "initial_accumulator_value": 0.0, "weight_decay": 0.0}
+
+    def _check(self, h: dict[str, Any]) -> None:
+        super()._check(h)
+        key = "initial_accumulator_value"
+        h[key] = _number(self.name, key, h[key])
+
+    @staticmethod
+    def _slot_names(h: dict[str, Any]) -> tuple[str, ...]:
+        return ("sum",)
+
+    def _initial_slot(self, xp, slot, param):
+        return xp.full_like(param, self.hparams["initial_accumulator_value"])
+
+    def _apply(self, xp, param, grad, s, lr, t) -> None:
+        h = self.hparams
+        g = grad + h["weight_decay"] * param if h["weight_decay"] else grad
+        s["sum"] += g * g
+        std = xp.sqrt(s["sum"])
+        std += h["eps"]
+        param += -lr * g / std
+
+
+class RMSProp(Optimizer):
+    name = "rmsprop"
+    defaults = {"alpha": 0.99, "eps": 1e-8, "momentum": 0.0, "centered": False, "weight_decay": 0}
+
+    def _check(self, h: dict[str, Any]) -> None:
+        super()._check(h)
+        h["alpha"] = _number(self.name, "alpha", h["alpha"])
+        if h["alpha"] > 1:
+            raise ValueError(f"optimizer 'rmsprop': alpha must be <= 1, got {h['alpha']!r}")
+        h["momentum"] = _number(self.name, "momentum", h["momentum"])
+        h["centered"] = _flag(self.name, "centered", h["centered"])
+
+    @staticmethod
+    def _slot_names(h: dict[str, Any]) -> tuple[str, ...]:
+        return (
+            ("square_avg",)
+            + (("grad_avg",) if h["centered"] else ())
+            + (("momentum",) if h["momentum"] else ())
+        )
+
+    def _apply(self, xp, param, grad, s, lr, t) -> None:
+        h = self.hparams
+        g = grad + h["weight_decay"] * param if h["weight_decay"] else grad
+        sq = s["square_avg"]
+        sq *= h["alpha"]
+        sq += (1 - h["alpha"]) * g * g
+        if h["centered"]:
+            ga = s["grad_avg"]
+            _lerp_(ga, g, 1 - h["alpha"])
+            avg = sq - ga * ga
+            xp.sqrt(avg, out=avg)
+        else:
+            avg = xp.sqrt(sq)
+        avg += h["eps"]
+        if h["momentum"]:
+            buf = s["momentum"]
+            buf *= h["momentum"]
+            buf += g / avg
+            param -= lr * buf
+        else:
+            param += -lr * g / avg
+
+
+class Adam(Optimizer):
+    name = "adam"
+    defaults = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    decoupled: ClassVar[bool] = False  # AdamW: decay the parameter, not the gradient
+
+    def _check(self, h: dict[str, Any]) -> None:
+        super()._check(h)
+        b = h["betas"]
+        if not isinstance(b, (list, tuple)) or len(b) != 2:
+            raise ValueError(f"optimizer {self.name!r}: betas must be a pair, got {b!r}")
+        h["betas"] = (
+            _number(self.name, "betas[0]", b[0], upper=1.0),
+            _number(self.name, "betas[1]", b[1], upper=1.0),
+        )
+
+    @staticmethod
+    def _slot_names(h: dict[str, Any]) -> tuple[str, ...]:
+        return ("m", "v")
+
+    def _apply(self, xp, param, grad, s, lr, t) -> None:
+        h = self.hparams
+        beta1, beta2 = h["betas"]
+        wd = h["weight_decay"]
+        g = grad
+        if wd and self.decoupled:
+            param *= 1 - lr * wd
+        elif wd:
+            g = grad + wd * param
+        m, v = s["m"], s["v"]
+        _lerp_(m, g, 1 - beta1)
+        v *= beta2
+        v += (1 - beta2) * g * g
+        step_size = lr / (1 - beta1**t)
+        denom = xp.sqrt(v)
+        denom /= (1 - beta2**t) ** 0.5
+        denom += h["eps"]
+        param += -step_size * m / denom
+
+    def _fused(self, param, grad, s, lr, t) -> bool:
+        from raysinga.kernels import gpu  # noqa: PLC0415 - CuPy, only for CuPy parameters
+
+        h = self.hparams
+        gpu.adam_update(
+            param,
+            grad,
+            s["m"],
+            s["v"],
+            lr,
+            t,
+            h["betas"],
+            h["eps"],
+            h["weight_decay"],
+            self.decoupled,
+        )
+        return True
+
+
+class AdamW(Adam):
+    name = "adamw"
+    defaults = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}  # torch's defaults
+    decoupled = True
+
+
+OPTIMIZERS: dict[str, type[Optimizer]] = {c.name: c for c in (SGD, AdaGrad, RMSProp, Adam, AdamW)}
+
+
+def make_optimizer(spec: dict) -> Optimizer:
+    """An optimizer from ``{"name": "sgd", "lr": 0.1 or a schedule dict, **hyperparameters}``."""
+    if not isinstance(spec, dict):
+        raise TypeError(f"optimizer spec must be a dict, got {type(spec).__name__}")
+    args = dict(spec)
+    name = args.pop("name", None)
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; allowed: {', '.join(OPTIMIZERS)}")
+    return OPTIMIZERS[name](**args)

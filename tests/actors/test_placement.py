@@ -1,0 +1,73 @@
+"""Placing roles: which smaller topologies an elastic run tries, which fit the nodes, and roles
+spread over several nodes (data crosses through the object store, not shared memory)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from raysinga import config
+from raysinga.actors.placement import packs, shrunk
+from raysinga.config.topology import Resources, Topology
+from raysinga.distributed import DistributedTrainer
+from raysinga.run import Trainer
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def job(tmp_path, topology):
+    return config.load(
+        EXAMPLES / "digits_mlp.yaml",
+        [
+            "train_steps=30",
+            "disp_freq=15",
+            "test_freq=0",
+            f"run_dir={tmp_path}",
+            f"topology={topology}",
+        ],
+    )
+
+
+@pytest.mark.cluster
+def test_a_group_split_over_two_nodes_matches_the_reference(two_node_cluster, tmp_path):
+    # Two workers of two CPUs each cannot share a 2-CPU node; a server rides with each worker,
+    # so every worker reads one server locally and the other through a snapshot.
+    topo = "{workers_per_group: 2, n_servers: 2, slice_bytes: 8192, worker: {cpus: 2}}"
+    trainer = DistributedTrainer(job(tmp_path / "d", topo), log=lambda s: None)
+    params = trainer.fit().params
+    ref = Trainer(job(tmp_path / "r", "null"), log=lambda s: None).fit().params
+    for k in ref:
+        assert np.abs(params[k] - ref[k]).max() <= 1e-5 * np.abs(ref[k]).max(), k
+
+
+@pytest.mark.cluster
+def test_downpour_groups_on_different_nodes_train(two_node_cluster, tmp_path):
+    topo = "{preset: downpour, n_groups: 2, workers_per_group: 1, staleness: 2, worker: {cpus: 2}}"
+    cfg = config.load(
+        EXAMPLES / "digits_mlp.yaml",
+        ["train_steps=300", "disp_freq=100", f"run_dir={tmp_path}", f"topology={topo}"],
+    )
+    result = DistributedTrainer(cfg, log=lambda s: None).fit()
+    assert result.final_eval["test_accuracy"] >= 0.9
+
+
+def test_shrunk_lists_smaller_topologies_fewer_workers_first():
+    t = Topology(preset="downpour", n_groups=2, workers_per_group=3)
+    got = [(s.n_groups, s.workers_per_group) for s in shrunk(t, 1, 2)]
+    assert got == [(2, 3), (2, 2), (1, 3), (1, 2)]
+    assert shrunk(t, 2, 3) == [t]
+
+
+def test_packs_checks_every_bundle_against_some_node():
+    two = Topology(workers_per_group=2)  # two 1-CPU worker bundles; server and stub ride along
+    assert packs(two, [{"CPU": 2.0}])
+    assert packs(two, [{"CPU": 1.0}, {"CPU": 1.0}])
+    assert not packs(two, [{"CPU": 1.0}, {"CPU": 0.5}])  # 1.5 CPUs, but no half bundles
+    gpu = Topology(workers_per_group=2, worker=Resources(cpus=1, gpus=0.5))
+    assert packs(gpu, [{"CPU": 2.0, "GPU": 1.0}])
+    assert not packs(gpu, [{"CPU": 4.0}])
+    own = Topology(workers_per_group=1, server=Resources(cpus=2))  # a server bundle of its own
+    assert not packs(own, [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}])
+    assert packs(own, [{"CPU": 1.0}, {"CPU": 2.0}])

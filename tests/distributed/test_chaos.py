@@ -1,0 +1,85 @@
+"""Chaos: role processes SIGKILLed at seeded random instants, found through Ray's own state,
+some of them while the driver recovers from the kill before; the run ends bit-identical."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import load_job, local_cluster
+
+from raysinga import config
+from raysinga.distributed import DistributedTrainer
+from raysinga.distributed.chaos import RECOVERY_STATES, Chaos
+
+JOB = """
+name: chaos
+seed: 5
+model:
+  input_shape: [64]
+  layers:
+    - {kind: dense, name: fc1, units: 32, activation: relu}
+    - {kind: dropout, name: drop, rate: 0.1}
+    - {kind: dense, name: out, units: 10}
+data: {source: {kind: digits}, batch_size: 32}
+updater: {name: adam, lr: 0.01}
+train_steps: 800
+disp_freq: 10
+test_freq: 0
+checkpoint_frequency: 50
+topology: {preset: sandblaster, n_servers: 2, workers_per_group: 2}
+"""
+
+
+def job(d: Path, *more: str) -> config.JobConfig:
+    return load_job(d, JOB, "fault.max_failures=20", *more)
+
+
+def run_under_chaos(
+    d: Path, seed: int, kills: int, aimed: int, gap: tuple[float, float], *more, **nodes
+):
+    want = DistributedTrainer(job(d / "straight", *more), log=None).fit().params
+    t = DistributedTrainer(job(d / "chaos", *more), log=None)
+    lines: list[str] = []
+    chaos = Chaos(t, seed, kills, gap, aimed, lines.append, **nodes)
+    with chaos:
+        res = t.fit()
+    for k, a in want.items():
+        assert res.params[k].tobytes() == a.tobytes(), (k, lines)
+    return chaos, lines
+
+
+def test_five_kills_one_in_a_recovery_are_survived_bit_exact(ray_session, tmp_path):
+    chaos, lines = run_under_chaos(tmp_path, 3, 5, 1, (0.3, 1.0))
+    assert len(chaos.done) == 5, lines
+    assert any(k.state in RECOVERY_STATES for k in chaos.done), lines
+    assert chaos.failures, lines
+    report = chaos.report()
+    assert report["seed"] == 3 and len(report["kills"]) == 5
+
+
+@pytest.mark.slow
+def test_twelve_kills_three_in_recoveries_are_survived_bit_exact(ray_session, tmp_path):
+    chaos, lines = run_under_chaos(
+        tmp_path, 11, 12, 3, (0.2, 1.5), "train_steps=10000", "fault.max_failures=40"
+    )
+    assert len(chaos.done) == 12, lines
+    assert sum(k.aimed == "recovery" for k in chaos.done) == 3, lines
+    assert any(k.state in RECOVERY_STATES for k in chaos.done), lines
+
+
+@pytest.mark.cluster
+def test_kills_that_remove_whole_nodes_are_survived_bit_exact(tmp_path):
+    """A head with no CPUs and two 2-CPU nodes; half the kills remove the chosen role's node
+    (a node of the same size then joins)."""
+    with local_cluster(2, 2) as (cluster, _):
+        chaos, lines = run_under_chaos(
+            tmp_path, 4, 4, 1, (0.3, 1.0), cluster=cluster, node_share=0.5
+        )
+    assert len(chaos.done) == 4, lines
+    assert any(k.role == "node" for k in chaos.done), lines
+
+
+def test_kills_aimed_at_recoveries_must_follow_another():
+    with pytest.raises(ValueError, match="cannot be aimed"):
+        Chaos(None, seed=0, kills=1, in_recovery=1)
