@@ -14,7 +14,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -24,7 +24,6 @@ from raysinga.kernels.cpu_memory import retain_freed_memory
 from raysinga.nn.model import ModelSpec, Net
 from raysinga.optim.grads import sum_into
 from raysinga.optim.optimizers import make_optimizer
-from raysinga.run.finite import check_finite_state
 
 from . import server_shard
 from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, UpdateGuard, with_seq
@@ -230,7 +229,7 @@ class ParamServer(Abortable):
         if self.gpu is not None:  # slots copied down on a stream of their own
             st = {**st}
             st["slots"], on_device = self.gpu.snapshot_slots(st["slots"])
-        live = self._shard(_by_slice(st["slots"]))
+        live = self._shard(server_shard.by_slice(st["slots"]))
         self.snaps.start(
             lambda copied: self._write_snapshot(live, tmp, shard, compression, copied, on_device)
         )
@@ -264,7 +263,9 @@ class ParamServer(Abortable):
             copied.set()  # updates may go on (after a failure too: it is reported at the end)
         pace = self.snaps.pace
         return self.snaps.behind(
-            lambda: _check_and_write(tensors, version, tmp, shard, compression, image, pace)
+            lambda: server_shard.check_and_write(
+                tensors, version, tmp, shard, compression, image, pace
+            )
         )
 
     def _shard(self, slots: dict[str, dict[str, np.ndarray]]) -> server_shard.Tensors:
@@ -392,27 +393,3 @@ class SumViews:
 def _mine(views: dict[str, np.ndarray], slices: list[Any]) -> dict[str, np.ndarray]:
     """A server's slices (by slice name) of full-parameter arrays ``views``."""
     return {s.name: views[s.param].reshape(-1)[s.start : s.stop] for s in slices}
-
-
-def _check_and_write(
-    tensors: server_shard.Tensors,
-    version: int,
-    tmp: Any,
-    shard: int,
-    compression: str | None,
-    image: Any,
-    pace: Callable[[], None],
-) -> dict[str, Any]:
-    """Check a snapshot's copy and write it as its shard: on the copy, off the training path
-    (a non-finite state is never committed), ``pace()`` before each piece."""
-    check_finite_state(((i.name, a) for i, a in tensors), version, pace)
-    return server_shard.write_shard(tmp, shard, tensors, compression, image, pace)
-
-
-def _by_slice(slots: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
-    """An optimizer's slots (keyed ``"<slice>/<slot>"``) by slice name, then slot name."""
-    out: dict[str, dict[str, np.ndarray]] = {}
-    for key, a in slots.items():
-        name, _, slot = key.rpartition("/")
-        out.setdefault(name, {})[slot] = np.asarray(a)
-    return out

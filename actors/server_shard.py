@@ -1,14 +1,16 @@
-"""What a parameter server needs of the checkpoint format, and no more.
+"""A parameter server's shard of a checkpoint: what the server needs of the checkpoint
+format, and no more.
 
-A server saves its slices and their optimizer slots as one shard of a checkpoint, and loads its
-slices back from any checkpoint whatever slicing wrote it. How tensors are named and described,
+A server saves its slices and their optimizer slots as one shard of a checkpoint (checked for
+non-finite values on the copy, off the training path), and loads its slices back from any
+checkpoint whatever slicing wrote it. How tensors are named and described,
 where the optimizer's description sits in the manifest and how a shard file is laid out stay the
 checkpoint code's business; the server sees only the functions below.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -17,12 +19,15 @@ from raysinga.checkpoint import Checkpoint, CheckpointError
 from raysinga.checkpoint.format import TensorInfo
 from raysinga.checkpoint.writer import ShardImage, copy_in_chunks, write_shard
 from raysinga.run import state as run_state
+from raysinga.run.finite import check_finite_state
 
 __all__ = [
     "CheckpointSource",
     "ShardImage",
     "SliceLike",
     "Tensors",
+    "by_slice",
+    "check_and_write",
     "copy_in_chunks",
     "load_slices",
     "shard_tensors",
@@ -126,3 +131,27 @@ def verify(source: CheckpointSource, files: list[str]) -> str | None:
     except CheckpointError as e:
         return str(e)
     return None
+
+
+def check_and_write(
+    tensors: Tensors,
+    version: int,
+    tmp: Any,
+    shard: int,
+    compression: str | None,
+    image: Any,
+    pace: Callable[[], None],
+) -> dict[str, Any]:
+    """Check a snapshot's copy and write it as its shard: on the copy, off the training path
+    (a non-finite state is never committed), ``pace()`` before each piece."""
+    check_finite_state(((i.name, a) for i, a in tensors), version, pace)
+    return write_shard(tmp, shard, tensors, compression, image, pace)
+
+
+def by_slice(slots: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+    """An optimizer's slots (keyed ``"<slice>/<slot>"``) by slice name, then slot name."""
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for key, a in slots.items():
+        name, _, slot = key.rpartition("/")
+        out.setdefault(name, {})[slot] = np.asarray(a)
+    return out

@@ -21,25 +21,26 @@ import numpy as np
 from raysinga.kernels.cpu_memory import retain_freed_memory
 from raysinga.optim.grads import chunks, clip_grad_norm, on_threads, sum_into
 
+from .bells import GroupBells, step_record
 from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
-from .doorbell import Doorbell, Message
 from .errors import ActorLost, get_all, lost_server, reports_role
 from .protocol import (
-    Go,
-    ServerDone,
     StepStats,
     StubSpec,
     SummedGrads,
-    WorkerDone,
     node_id,
     server_layouts,
     server_slices,
 )
 from .replay import ReplayLog
-from .stub_bells import GroupBells, step_record
 
 
-class Stub(GroupBells):
+class Stub:
+    """Runs its group's steps. Where the whole synchronous group shares this node, the
+    per-step control goes through the group's doorbells (:class:`GroupBells`), else through
+    Ray calls; where the servers can sum the gradients themselves, the roles ring one another
+    and the stub only starts and watches each chunk."""
+
     role = "stub"
 
     def __init__(
@@ -76,9 +77,8 @@ class Stub(GroupBells):
         self.refs = [s.get("ref") for s in server_infos]
         self.server_infos = server_infos
         self.server_remote = [s["node"] != self.node for s in server_infos]
-        self.bells: dict[str, Any] = {}
-        self._ended_since: float | None = None  # when a serve call was first seen ended
-        self._chunk = 0  # serve calls started
+        self.bells: GroupBells | None = None
+        self.chunks = 0  # chunks served through doorbells: numbers each chunk's go messages
         # each step's summed gradient, and the servers' copies: what a lost server is rebuilt from
         self.log = ReplayLog(
             self.count,
@@ -105,25 +105,18 @@ class Stub(GroupBells):
             [s["handle"] if s["node"] == w["node"] else None for s in self.server_infos]
             for w in worker_infos
         ]
-        self._close_bells()
+        if self.bells is not None:
+            self.bells.close()
+            self.bells = None
         same_node = all(w["node"] == self.node for w in worker_infos) and not any(
             self.server_remote
         )
         if self.n_groups == 1 and same_node:
-            base = self.avg.path
-
-            def bell(suffix: str, message: type[Message]) -> Doorbell[Message]:
-                return Doorbell(Doorbell.create(f"{base}-{suffix}"), message)
-
-            self.bells = {
-                "go_w": [bell(f"go-w{i}", Go) for i in range(len(workers))],
-                "go_s": [bell(f"go-s{k}", Go) for k in range(len(self.servers))],
-                "done_w": bell("done-w", WorkerDone),
-                "done_s": bell("done-s", ServerDone),
-            }
+            handles = [s["handle"] for s in self.server_infos]
+            self.bells = GroupBells(self.avg.path, self.group, workers, self.servers, handles)
         # The servers sum the workers' gradients in their update, into the log's row (CPU
         # servers, nothing to clip, the log in shared memory): the stub's pass is saved.
-        self.summing = bool(self.bells) and not self.clip_norm and self.log.shared
+        self.summing = self.bells is not None and not self.clip_norm and self.log.shared
         self.summing &= not any(s.get("gpu") for s in self.server_infos)
 
     @reports_role
@@ -184,13 +177,24 @@ class Stub(GroupBells):
     @reports_role
     def run(self, start: int, stop: int) -> list[StepStats]:
         """Run steps ``start .. stop-1`` of this group: each step's loss and timings."""
-        if self.summing:
-            return self._run_alone(start, stop)
+        bells = self.bells
+        serving = []
+        if bells is not None:
+            self.chunks += 1
+            if self.summing:
+                self.log.drop_unfinished()  # none writes now: a failed chunk's mark is stale
+            serving = bells.start_serving(
+                self.chunks, start, stop, self.summing, self._server_grads()
+            )
+            if self.summing:
+                return bells.run_alone(start, serving, self._seal)
         records = []
-        serving = self._start_serving(start, stop) if self.bells else []
         for step in range(start, stop):
             t0 = time.time()  # (wall clock: the workers' own times are compared with it)
-            outs = self._ring_workers(step, serving) if serving else self._call_workers(step)
+            if bells is not None:
+                outs = [(st, None) for st in bells.ring_workers(step, serving)]
+            else:
+                outs = self._call_workers(step)
             t1 = time.time()
             grads = [self._grad_flat(i, snap) for i, (_, snap) in enumerate(outs)]
             on_threads(self.pool, functools.partial(self._sum, self.avg_flat, grads), self.ranges)
@@ -199,15 +203,31 @@ class Stub(GroupBells):
             # logged while the servers read the same sum (before the next step overwrites it)
             logged = self.pool.submit(self.log.record, step, self.avg_flat)
             try:
-                seconds = self._ring_servers(step, serving) if serving else self._call_servers(step)
+                if bells is not None:
+                    seconds = bells.ring_servers(step, serving)
+                else:
+                    seconds = self._call_servers(step)
             finally:
                 logged.result()
             stats = [st for st, _ in outs]
             records.append(step_record(step, stats, t0, t1, t2, time.time(), seconds, norm))
-        if serving:  # every serve call returns once its last step is done
-            get_all(serving[: len(self.workers)], "worker", self.group)
-            get_all(serving[len(self.workers) :], "server")
+        if bells is not None:
+            bells.finish(serving)
         return records
+
+    def _seal(self) -> None:
+        """Sum again the log row of a step a server began and did not finish (the workers
+        wait for every server before the next step, so their buffers still hold it): the lost
+        server is rebuilt through that step. If this fails, the row stays unlogged (a restart
+        then)."""
+        step = self.log.unfinished()
+        if step is None:
+            return
+        with contextlib.suppress(Exception):
+            grads = [self._grad_flat(i, None) for i in range(len(self.workers))]
+            row = self.log.begin(step)
+            on_threads(self.pool, functools.partial(self._sum, row, grads), self.ranges)
+            self.log.commit(step)
 
     # -- per-step control through Ray calls (any placement)
     def _call_workers(self, step: int) -> list[tuple[dict, np.ndarray | None]]:
@@ -275,7 +295,8 @@ class Stub(GroupBells):
 
     def shutdown(self) -> None:
         self.log.close()
-        self._close_bells()
+        if self.bells is not None:
+            self.bells.close()
         self.pool.shutdown(wait=False)
         self._att.close()
         self.avg.close()

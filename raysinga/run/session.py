@@ -197,9 +197,7 @@ class RunSession:
         try:
             self.pruning.close(self.log if exc is not None else None)
             if isinstance(exc, Diverged):
-                stored = self.cfg.checkpoint.object_store
-                key = run_registry.key(self.cfg.name, self.root) if stored else None
-                set_aside_diverged(self.root, key, exc)
+                self._set_aside_diverged(exc)
             run_registry.wait_adopted(self.adopting, self.log)
             self.keep_record()
         finally:
@@ -409,27 +407,29 @@ class RunSession:
         self.pruning.start(prune_older)
         self.keep_record()
 
-
-def set_aside_diverged(root: Location, run_key: str | None, e: Diverged) -> None:
-    """Checkpoints newer than ``e.safe`` hold states from after the divergence began: moved
-    aside (``step-N.diverged-<id>``), and dropped from the object store (``run_key``, where the
-    run keeps copies there), so that the newest checkpoint from before it is the run's latest.
-    ``e`` is told which that is."""
-    after = [s for s in steps(root) if s > e.safe]
-    try:
-        for s in after:
-            set_aside(root, f"step-{s}", "diverged")
-        if after and run_key is not None:
-            run_registry.drop(run_key, after)
-    except Exception as x:  # noqa: BLE001 - the divergence is what the user must hear of
-        e.kept = f"but step(s) {after} from after it could not all be set aside ({x})"
-        return
-    there = steps(root)
-    aside = f" ({len(after)} newer set aside as step-N.diverged-*)" if after else ""
-    if there:
-        e.kept = f"its latest checkpoint is step-{there[0]}, from before the divergence{aside}"
-    else:
-        e.kept = f"no checkpoint of it is from before the divergence{aside}"
+    def _set_aside_diverged(self, e: Diverged) -> None:
+        """Checkpoints newer than ``e.safe`` hold states from after the divergence began: moved
+        aside (``step-N.diverged-<id>``), and dropped from the object store where the run keeps
+        copies there, so that the newest checkpoint from before it is the run's latest. ``e`` is
+        told which that is."""
+        root = self.root
+        stored = self.cfg.checkpoint.object_store
+        run_key = run_registry.key(self.cfg.name, root) if stored else None
+        after = [s for s in steps(root) if s > e.safe]
+        try:
+            for s in after:
+                set_aside(root, f"step-{s}", "diverged")
+            if after and run_key is not None:
+                run_registry.drop(run_key, after)
+        except Exception as x:  # noqa: BLE001 - the divergence is what the user must hear of
+            e.kept = f"but step(s) {after} from after it could not all be set aside ({x})"
+            return
+        there = steps(root)
+        aside = f" ({len(after)} newer set aside as step-N.diverged-*)" if after else ""
+        if there:
+            e.kept = f"its latest checkpoint is step-{there[0]}, from before the divergence{aside}"
+        else:
+            e.kept = f"no checkpoint of it is from before the divergence{aside}"
 
 
 def _in_ray_worker() -> bool:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from raysinga.actors import server as server_module
+from raysinga.actors.bells import step_stats
 from raysinga.actors.doorbell import (
     Abortable,
     Doorbell,
@@ -38,7 +39,6 @@ from raysinga.actors.protocol import (
 )
 from raysinga.actors.server import ParamServer
 from raysinga.actors.slicing import plan_slices
-from raysinga.actors.stub_bells import step_stats
 from raysinga.checkpoint import Checkpoint, CheckpointError, writer
 from raysinga.nn.model import ModelSpec, Net
 from raysinga.run import state as run_state
