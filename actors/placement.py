@@ -8,7 +8,7 @@ pass in failing or slow variants.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from raysinga.config.topology import Resources, Topology
@@ -147,7 +147,7 @@ def shrunk(topo: Topology, min_groups: int, min_workers: int) -> list[Topology]:
     """The topology and its smaller forms down to the given bounds, largest first: fewer
     workers per group before fewer groups."""
     return [
-        replace(topo, n_groups=g, workers_per_group=w)
+        topo.resized(g, w)
         for g in range(topo.n_groups, min_groups - 1, -1)
         for w in range(topo.workers_per_group, min_workers - 1, -1)
     ]

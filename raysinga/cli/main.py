@@ -7,7 +7,6 @@ exit with status 2; nothing else of the library imports this module.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
 import signal
 import sys
@@ -17,7 +16,6 @@ from pathlib import Path
 from raysinga import config as config_mod
 from raysinga.checkpoint.format import MANIFEST, CheckpointError
 from raysinga.checkpoint.storage import redact_text
-from raysinga.config.init import init_section
 
 from .parser import build_parser
 
@@ -96,7 +94,7 @@ def _with_init_names(cfg: config_mod.JobConfig, args: argparse.Namespace) -> con
     strip = args.strip_prefix or cfg.init.strip_prefix
     section = {"rename": rename, "strip_prefix": strip}
     raw = {**cfg.raw, "init": section}  # the job as run, kept in its record and checkpoints
-    return dataclasses.replace(cfg, init=init_section(section), raw=raw)
+    return config_mod.from_dict(raw)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -176,9 +174,7 @@ def _train(args: argparse.Namespace) -> int:
             _ignore_late_sigterm()
     final = result.final_eval
     if final is not None and "test_bits" in final:
-        from raysinga.data.text import final_line  # noqa: PLC0415
-
-        print(final_line(cfg.data.source, final["test_bits"]))
+        print(_final_bits(cfg.data.source, final["test_bits"]))
     elif final is not None and "test_accuracy" in final:
         print(f"final test accuracy: {final['test_accuracy']:.4f}")
     if result.best is not None:
@@ -186,6 +182,21 @@ def _train(args: argparse.Namespace) -> int:
         where = redact_text(b["path"])
         print(f"best checkpoint by {b['metric']} ({b['value']:.4f}): step {b['step']}, {where}")
     return 0
+
+
+def _final_bits(source: dict, got: float) -> str:
+    """A language model's final validation loss in bits, beside what the characters' own
+    frequencies give (the text corpus only: its tokens are characters)."""
+    if source.get("kind") != "text":
+        return f"final validation loss: {got:.3f} bits per token"
+    from raysinga.data import load_dataset  # noqa: PLC0415
+    from raysinga.data.text import unigram_bits  # noqa: PLC0415
+
+    base = unigram_bits(load_dataset(source, "train"), load_dataset(source, "test"))
+    return (
+        f"final validation loss: {got:.3f} bits per character; unigram baseline "
+        f"{base:.3f} ({got / base:.2f}x)"
+    )
 
 
 def _ignore_late_sigterm() -> None:

@@ -1,189 +1,372 @@
-"""Job configuration: a YAML file in the spirit of SINGA's job.conf, validated when it is read.
-
-Every error names the key path (``updater.momentum``) and what was expected, so a typo fails at
-once rather than a hundred steps into a run. ``--set key.path=value`` overrides go through the same
-checks.
-"""
+"""The job's schema: every key of a job file, with its type, default, bounds and meaning, stated
+once, here (the ``topology`` section's in :mod:`.topology`, a data source's in
+:mod:`raysinga.data.kinds`, a layer's in :mod:`raysinga.nn`, an optimizer's in
+:mod:`raysinga.optim`). ``docs/concepts.md``'s key tables are drawn from these models."""
 
 from __future__ import annotations
 
 import copy
-import re
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-import yaml
+from pydantic import PlainValidator, PrivateAttr, ValidationError, field_validator, model_validator
 
 from raysinga.data.check import DEFAULT_SCAN_BYTES
 from raysinga.nn.model import ModelSpec
 
-from .checkpoint import CheckpointConfig, checkpoint_section
-from .checks import ConfigError, check_elastic, check_sizes, check_source, storable
-from .checks import choice as _choice
-from .checks import flag as _flag
-from .checks import integer as _int
-from .checks import mapping as _mapping
-from .checks import section as _section
-from .divergence import DivergenceConfig, divergence_section
-from .init import InitConfig, init_section
-from .topology import Topology, TopologyError
+from . import rules
+from .section import ConfigError, Section, explain, key
+from .topology import Topology
+
+# Metrics an evaluation records (raysinga.run.trainer.evaluate), by split: higher is better only
+# for accuracy.
+METRICS = ("loss", "accuracy", "bits")
+EVAL_SPLITS = ("valid", "test")
+BEST = tuple(f"{s}_{m}" for s in EVAL_SPLITS for m in METRICS)
 
 
-class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads ``1e-3`` as a string; learning rates are written that way, so accept it.
-    A key given twice in one mapping is refused: plain YAML lets the second silently win."""
+class HoldOut(Section):
+    """``data.validation``: a fraction of the training split held out (``0.1``, or
+    ``{fraction: 0.1, seed: 0}``)."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        first: dict[Any, yaml.Mark] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(
-                key_node, yaml.ScalarNode
-            ):
-                continue  # `<<: *defaults` may be overridden, as YAML intends
-            key = self.construct_object(key_node)
-            if key in first:
-                raise yaml.constructor.ConstructorError(
-                    None,
-                    None,
-                    f"duplicate key {key!r} (first at {first[key].line + 1}:"
-                    f"{first[key].column + 1})",
-                    key_node.start_mark,
+    fraction: float = key(
+        gt=0,
+        lt=1,
+        description="the share of the training split held out",
+        expected="a fraction of the training split (0 < f < 1)",
+    )
+    seed: int = key(0, ge=0, description="the seed of the rows chosen")
+
+
+class DataConfig(Section):
+    source: dict[str, Any] = key(
+        description="a data set, by `kind`; its held-out split is the test set "
+        "(`docs/data.md` lists the kinds and their keys)"
+    )
+    batch_size: int = key(
+        64,
+        ge=1,
+        description="the batch of one step; in a distributed run, the group's batch, split over "
+        "its workers (at least one sample each)",
+    )
+    shuffle: bool = key(
+        True, description="a new sample order every epoch; `false`: the stored order"
+    )
+    eval_batch_size: int = key(1024, ge=1, description="batch size of evaluation")
+    validation: HoldOut | None = key(
+        None,
+        shown="none",
+        description="hold out this fraction of the training split (`0.1`, or `{fraction: 0.1, "
+        "seed: 0}`) as the validation split: never trained on, evaluated beside the test split "
+        "as `valid_loss`, `valid_accuracy`",
+    )
+    scan_bytes: int = key(
+        DEFAULT_SCAN_BYTES,
+        ge=0,
+        description="the data check scans every row of a split up to this many bytes (128 MiB; "
+        "about a second from the page cache for Parquet, less for .npy and Arrow), an even sample "
+        "of rows beyond, and logs that it sampled",
+    )
+
+    @field_validator("validation", mode="before")
+    @classmethod
+    def _fraction_alone(cls, v: Any) -> Any:
+        return v if v is None or isinstance(v, dict) else {"fraction": v}
+
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, spec: dict[str, Any]) -> dict[str, Any]:
+        rules.check_source(spec)
+        return spec
+
+    def held_out(self) -> dict[str, Any] | None:
+        """``validation`` as the data splits take it."""
+        return None if self.validation is None else self.validation.model_dump()
+
+
+class CheckpointConfig(Section):
+    dir: str | None = key(
+        None,
+        min_length=1,
+        shown="`<run_dir>/checkpoints`",
+        description="a path or a pyarrow URI (`s3://`, `gs://`, `hdfs://`, `file://`)",
+        expected="a path or URI",
+    )
+    keep_last: int = key(3, ge=1, description="keep the newest N checkpoints")
+    keep_every: int | None = key(
+        None,
+        ge=1,
+        shown="none",
+        description="also keep every checkpoint whose step is a multiple of N",
+    )
+    keep_best: Literal[BEST] | None = key(
+        None,
+        shown="none",
+        description="also keep the best checkpoint by an evaluation metric: `valid_loss`, "
+        "`valid_accuracy`, `valid_bits` or the same of `test` (accuracy: highest; loss, bits: "
+        "lowest; ties: the earliest step)",
+        expected=f"an evaluation metric ({', '.join(BEST)})",
+    )
+    object_store: bool = key(
+        False, description="also hold each kept checkpoint in Ray's object store"
+    )
+    compression: Literal["zstd", "lz4"] | None = key(
+        None,
+        description="`null`, `zstd` or `lz4` (Arrow IPC buffer compression)",
+        expected="one of null, zstd, lz4",
+    )
+    final: bool = key(
+        True, description="checkpoint at the end, and on SIGTERM or Ctrl-C before stopping"
+    )
+
+    @property
+    def best_is_max(self) -> bool:
+        """Whether a higher ``keep_best`` value is better (accuracy) or a lower (loss, bits)."""
+        return bool(self.keep_best) and self.keep_best.endswith("_accuracy")
+
+    @property
+    def best_split(self) -> str | None:
+        """The split ``keep_best`` is measured on: "valid" or "test"."""
+        return self.keep_best.partition("_")[0] if self.keep_best else None
+
+
+class FaultConfig(Section):
+    max_failures: int = key(
+        3,
+        ge=0,
+        description="recover from at most N lost roles or nodes, then stop with a summary (`0`: "
+        "the first loss ends the run)",
+    )
+    window_s: float = key(
+        0.0,
+        ge=0,
+        description="count only the failures of the last this many seconds (`0`: the whole run)",
+        expected="a number of seconds >= 0",
+    )
+    min_workers: int | None = key(
+        None,
+        ge=1,
+        shown="`topology.workers_per_group`",
+        description="after a loss, go on with as few as this many workers per group where no "
+        "more fit (by default never fewer)",
+    )
+    min_groups: int | None = key(
+        None,
+        ge=1,
+        shown="`topology.n_groups`",
+        description="after a loss, go on with as few as this many groups where no more fit",
+    )
+    grow_check_s: float = key(
+        30.0,
+        ge=0,
+        description="while running smaller than configured, look this often for room to grow back",
+        expected="a number of seconds >= 0",
+    )
+    recovery: Literal["replace", "restart"] = key(
+        "replace",
+        description="`replace`: a lost worker or stub is replaced alone and its group redoes the "
+        "interrupted step, a lost server rebuilt from its copy; `restart`: every loss restarts "
+        "every role from the newest checkpoint",
+    )
+    spares: bool = key(
+        True,
+        description="with `recovery: replace`, an idle spare worker, stub and server wait on "
+        "each group's node and take a lost one's place at once",
+    )
+    replay_steps: int = key(
+        20,
+        ge=0,
+        description="with `recovery: replace`, log this many steps' summed gradients and keep a "
+        "copy of each server every half of them, to rebuild a lost server (`0`: restart instead)",
+    )
+    replay_mb: int = key(
+        256, ge=1, description="at most this many MiB of logged gradients per group"
+    )
+
+
+class InitConfig(Section):
+    rename: dict[str, str] = key(
+        {},
+        description="checkpoint name -> this model's name, for `--init-from` (a name ending in "
+        "`/` renames every name it starts)",
+        expected="a mapping of names (text) to names",
+    )
+    strip_prefix: str | None = key(
+        None,
+        min_length=1,
+        description="removed from the front of each checkpoint name first, for `--init-from`",
+        expected="a name prefix (text)",
+    )
+
+    @field_validator("rename")
+    @classmethod
+    def _names(cls, rename: dict[str, str]) -> dict[str, str]:
+        for old, new in rename.items():
+            if not new or not old:
+                raise ValueError(f"expected names (text) on both sides, got {old!r}: {new!r}")
+            if old.endswith("/") != new.endswith("/"):
+                raise ValueError(
+                    f"{old!r} -> {new!r}: a prefix (ending in '/') renames to a prefix"
                 )
-            first[key] = key_node.start_mark
-        return super().construct_mapping(node, deep=deep)
+        return rename
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-        |\.[0-9_]+(?:[eE][-+][0-9]+)?
-        |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""",
-        re.X,
-    ),
-    list("-+0123456789."),
-)
+class DivergenceConfig(Section):
+    factor: float | None = key(
+        2.0,
+        gt=1,
+        description="stop when the mean loss of the newest `window` samples is over this many "
+        "times the early level; `null`: only NaN or infinite values stop the run",
+        expected="a number > 1 or null",
+    )
+    early_steps: int = key(
+        3,
+        ge=1,
+        description="the early level is the mean loss of the run's first N steps (every "
+        "group's), and for a classifier at least the loss of a uniform guess, ln(classes)",
+    )
+    window: int = key(
+        256,
+        ge=1,
+        description="samples whose mean loss is checked: the newest step losses (of any group) "
+        "holding at least this many",
+    )
+
+
+def _model(v: Any) -> ModelSpec:
+    if isinstance(v, ModelSpec):
+        return v
+    try:
+        return ModelSpec.from_dict(v)
+    except ValueError as e:  # ModelSpec names the key path
+        raise ConfigError(str(e)) from None
+
+
+def _updater(d: Any) -> dict[str, Any]:
+    """The optimizer's spec, checked by building it: its hyperparameters are the optimizer's
+    to state (:mod:`raysinga.optim`); ``clip_norm`` and ``async_lr`` apply around it."""
+    from raysinga.optim.optimizers import make_optimizer  # noqa: PLC0415
+    from raysinga.optim.schedules import make_schedule  # noqa: PLC0415
+
+    if not isinstance(d, dict):
+        raise ConfigError(f"updater: expected a mapping, got {type(d).__name__} {d!r}")
+    d = dict(d)
+    clip = d.pop("clip_norm", None)
+    if clip is not None and (
+        isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0
+    ):
+        raise ConfigError(f"updater.clip_norm: expected a positive number, got {clip!r}")
+    rule = d.pop("async_lr", None)
+    if rule is not None and rule not in ASYNC_LR:
+        raise ConfigError(f"updater.async_lr: expected one of {', '.join(ASYNC_LR)}, got {rule!r}")
+    if "lr" in d:
+        try:
+            make_schedule(d["lr"])
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"updater.lr: {e}") from None
+    try:
+        make_optimizer(d)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"updater: {e}") from None
+    extra = {k: v for k, v in (("clip_norm", clip), ("async_lr", rule)) if v is not None}
+    return {**d, **extra}
 
 
 ASYNC_LR = ("groups", "none")  # updater.async_lr: how the rate follows asynchronous groups
 
 
-def parse_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+class JobConfig(Section):
+    """A whole job: what :func:`from_dict` and :func:`load` return."""
 
+    name: str = key(
+        "run",
+        min_length=1,
+        pattern=r"^[^/]*$",
+        description="the run's name, in the default run directory and the object-store key; no `/`",
+        expected="a non-empty string without '/'",
+    )
+    seed: int = key(
+        0,
+        ge=0,
+        le=2**64 - 1,
+        description="initialisation, data order and dropout masks are pure functions of it; a "
+        "resume keeps the checkpoint's",
+    )
+    dtype: Literal["float32", "float64"] = key("float32", description="`float32` or `float64`")
+    device: Literal["auto", "cpu", "gpu"] = key(
+        "auto", description="`auto`, `cpu` or `gpu` (see `docs/devices.md`)"
+    )
+    model: Annotated[ModelSpec, PlainValidator(_model)] = key(
+        description="the net: its input shape, layers and loss (below)"
+    )
+    data: DataConfig = key(description="the data set and batch size (below)")
+    updater: Annotated[dict[str, Any], PlainValidator(_updater)] = key(
+        description="the optimizer and learning rate (below)"
+    )
+    train_steps: int = key(
+        ge=1, description="steps to train; in a distributed run, steps per group"
+    )
+    test_freq: int = key(
+        0,
+        ge=0,
+        description="evaluate the test and validation splits every N steps; `0`: only at the "
+        "end (and at checkpoints, with `checkpoint.keep_best`)",
+    )
+    disp_freq: int = key(100, ge=1, description="log and record training metrics every N steps")
+    run_dir: str | None = key(
+        None,
+        min_length=1,
+        shown="`runs/<name>`",
+        description="where `metrics.jsonl` goes; a local path",
+        expected="a path",
+    )
+    tensorboard: bool = key(
+        False,
+        description="also write the metrics as TensorBoard event files in `<run_dir>/tensorboard`",
+    )
+    topology: Topology | None = key(
+        None,
+        shown="absent",
+        description="servers, groups, workers and their resources (below); absent or `null`: "
+        "one process, no Ray",
+    )
+    checkpoint_after: int = key(0, ge=0, description="no periodic checkpoint before this step")
+    checkpoint_frequency: int = key(
+        0, ge=0, description="checkpoint every N steps from `checkpoint_after` (`0`: none)"
+    )
+    checkpoint_every_seconds: float = key(
+        0.0,
+        ge=0,
+        description="also checkpoint when this many seconds have passed (`0`: never)",
+        expected="a number of seconds >= 0",
+    )
+    checkpoint: CheckpointConfig = key(
+        CheckpointConfig, shown="", description="where and how checkpoints are kept (below)"
+    )
+    fault: FaultConfig = key(
+        FaultConfig, shown="", description="recovery from lost roles and nodes (below)"
+    )
+    init: InitConfig = key(
+        InitConfig, shown="", description="how `--init-from`'s checkpoint names map onto this model"
+    )
+    divergence: DivergenceConfig = key(
+        DivergenceConfig, shown="", description="when a rising loss stops the run (below)"
+    )
 
-def _yaml_problem(e: yaml.YAMLError) -> str:
-    """What the parser found, on one line."""
-    what = [str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x]
-    return "; ".join(what) or str(e).splitlines()[0]
+    # The job as given (YAML's values, before defaults), kept in checkpoints and the run record.
+    _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
 
+    @model_validator(mode="after")
+    def _across_sections(self) -> JobConfig:
+        rules.check_job(self)
+        return self
 
-TOP_KEYS = {
-    "name": "a name for the run (used for the run directory)",
-    "seed": "integer seed of initialisation, data order and dropout",
-    "dtype": "float32 | float64",
-    "device": "auto | cpu | gpu",
-    "model": "the net: input_shape, layers, loss",
-    "data": "source (a data set; its held-out split is the test set) and batch_size",
-    "updater": "optimizer name, lr (number or schedule), its options, clip_norm, async_lr",
-    "train_steps": "number of training steps",
-    "test_freq": "evaluate on the test (and validation) split every N steps (0: only at the end)",
-    "disp_freq": "print training metrics every N steps",
-    "run_dir": "where metrics.jsonl is written (default: runs/<name>)",
-    "tensorboard": "also write the metrics as TensorBoard event files in <run_dir>/tensorboard "
-    "(default false)",
-    "topology": "servers, groups, workers per group, resources (absent: one process, no Ray)",
-    "checkpoint_after": "no periodic checkpoint before this step (SINGA's checkpoint_after)",
-    "checkpoint_frequency": "checkpoint every N steps from checkpoint_after (0: none)",
-    "checkpoint_every_seconds": "also checkpoint when this many seconds have passed (0: never)",
-    "checkpoint": "dir (a path or URI), keep_last, keep_every, keep_best, object_store, "
-    "compression, final",
-    "init": "rename, strip_prefix: how --init-from's checkpoint names map onto this model",
-    "divergence": "factor, early_steps, window: when a rising loss stops the run",
-    "fault": "max_failures, window_s, min_workers, min_groups, grow_check_s, recovery, spares, "
-    "replay_steps, replay_mb: how a distributed run recovers from lost roles and nodes",
-}
-FAULT_KEYS = {
-    "max_failures": "recover from at most N lost roles or nodes, then stop with a summary "
-    "(default 3; 0: the first loss ends the run)",
-    "window_s": "count only the failures of the last this many seconds (default 0: the whole run)",
-    "min_workers": "after a loss, go on with as few as this many workers per group where no more "
-    "fit (default: topology.workers_per_group, i.e. never fewer)",
-    "min_groups": "after a loss, go on with as few as this many groups where no more fit "
-    "(default: topology.n_groups)",
-    "grow_check_s": "while running smaller than configured, look this often for room to grow "
-    "back (default 30)",
-    "recovery": "replace (default): a lost worker or stub is replaced alone and its group redoes "
-    "the interrupted step; restart: every loss restarts every role from the newest checkpoint",
-    "spares": "with recovery: replace, keep an idle spare worker, stub and server on each "
-    "group's node, which take over a lost one's place at once (default true)",
-    "replay_steps": "with recovery: replace, log this many steps' summed gradients and keep a copy "
-    "of each server every half of them, to rebuild a lost server (default 20; 0: restart)",
-    "replay_mb": "at most this many MiB of logged gradients per group (default 256)",
-}
-DATA_KEYS = {
-    "source": "a data set, by kind; its held-out split is the test set",
-    "batch_size": "the batch of one step (default 64)",
-    "shuffle": "a new sample order every epoch (default true)",
-    "eval_batch_size": "batch size of evaluation (default 1024)",
-    "validation": "hold out this fraction of the training split (0 < f < 1; rows chosen by a "
-    "fixed seed, or {fraction: f, seed: n}) as the validation split, evaluated as valid_*",
-    "scan_bytes": "the data check scans every row of a split up to this many bytes, an even "
-    "sample of rows beyond (default 134217728: 128 MiB)",
-}
+    @property
+    def raw(self) -> dict[str, Any]:
+        return self._raw
 
-
-@dataclass(frozen=True)
-class DataConfig:
-    source: dict[
-        str, Any
-    ]  # a data set spec (raysinga.data.load_dataset); "test" is its held-out split
-    batch_size: int = 64
-    shuffle: bool = True
-    eval_batch_size: int = 1024
-    scan_bytes: int = DEFAULT_SCAN_BYTES
-    validation: dict[str, Any] | None = None  # {"fraction": f, "seed": n}: held out of "train"
-
-
-@dataclass(frozen=True)
-class FaultConfig:
-    max_failures: int = 3
-    window_s: float = 0.0
-    min_workers: int | None = None  # None: topology.workers_per_group
-    min_groups: int | None = None  # None: topology.n_groups
-    grow_check_s: float = 30.0
-    recovery: str = "replace"  # "restart": every loss restarts every role (for comparison)
-    spares: bool = True  # replace: idle spare roles wait on each group's node
-    replay_steps: int = 20  # replace: the steps logged to rebuild a lost server (0: restart)
-    replay_mb: int = 256  # replace: the bound of that log, per group
-
-
-@dataclass(frozen=True)
-class JobConfig:
-    model: ModelSpec
-    data: DataConfig
-    updater: dict[str, Any]
-    train_steps: int
-    name: str = "run"
-    seed: int = 0
-    dtype: str = "float32"
-    device: str = "auto"
-    test_freq: int = 0
-    disp_freq: int = 100
-    run_dir: str | None = None
-    tensorboard: bool = False
-    topology: Topology | None = None
-    checkpoint_after: int = 0
-    checkpoint_frequency: int = 0
-    checkpoint_every_seconds: float = 0.0
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    fault: FaultConfig = field(default_factory=FaultConfig)
-    init: InitConfig = field(default_factory=InitConfig)
-    divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    def with_raw(self, raw: dict[str, Any]) -> JobConfig:
+        self._raw = copy.deepcopy(raw)
+        return self
 
     @property
     def clip_norm(self) -> float | None:
@@ -234,199 +417,18 @@ class JobConfig:
         return a + ((step - a) // f + 1) * f
 
 
-def _optional_int(path: str, v: Any, minimum: int) -> int | None:
-    return None if v is None else _int(path, v, minimum)
-
-
-def _data(d: Any) -> DataConfig:
-    d = _mapping("data", d)
-    unknown = set(d) - set(DATA_KEYS)
-    if unknown:
-        raise ConfigError(f"data: unknown key(s) {sorted(unknown)}; allowed: {sorted(DATA_KEYS)}")
-    if "source" not in d:
-        raise ConfigError("data.source: missing (a data set, e.g. {kind: digits})")
-    shuffle = _flag("data.shuffle", d.get("shuffle", True))
-    return DataConfig(
-        source=check_source(_mapping("data.source", d["source"])),
-        batch_size=_int("data.batch_size", d.get("batch_size", 64), 1),
-        shuffle=shuffle,
-        eval_batch_size=_int("data.eval_batch_size", d.get("eval_batch_size", 1024), 1),
-        scan_bytes=_int("data.scan_bytes", d.get("scan_bytes", DEFAULT_SCAN_BYTES), 0),
-        validation=_validation(d.get("validation")),
-    )
-
-
-def _validation(v: Any) -> dict[str, Any] | None:
-    if v is None:
-        return None
-    d = v if isinstance(v, dict) else {"fraction": v}
-    d = _section("data.validation", d, {"fraction": "", "seed": ""})
-    f = d.get("fraction")
-    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < 1:
-        raise ConfigError(
-            f"data.validation: expected a fraction of the training split (0 < f < 1), got {f!r}"
-        )
-    return {"fraction": float(f), "seed": _int("data.validation.seed", d.get("seed", 0), 0)}
-
-
-def _fault(d: Any) -> FaultConfig:
-    d = _section("fault", d, FAULT_KEYS)
-    return FaultConfig(
-        max_failures=_int("fault.max_failures", d.get("max_failures", 3), 0),
-        window_s=_seconds("fault.window_s", d.get("window_s", 0)),
-        min_workers=_optional_int("fault.min_workers", d.get("min_workers"), 1),
-        min_groups=_optional_int("fault.min_groups", d.get("min_groups"), 1),
-        grow_check_s=_seconds("fault.grow_check_s", d.get("grow_check_s", 30)),
-        recovery=_choice("fault.recovery", d.get("recovery", "replace"), ("replace", "restart")),
-        spares=_flag("fault.spares", d.get("spares", True)),
-        replay_steps=_int("fault.replay_steps", d.get("replay_steps", 20), 0),
-        replay_mb=_int("fault.replay_mb", d.get("replay_mb", 256), 1),
-    )
-
-
-def _seconds(path: str, v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-        raise ConfigError(f"{path}: expected a number of seconds >= 0, got {v!r}")
-    return float(v)
-
-
-def _updater(d: Any) -> dict[str, Any]:
-    from raysinga.optim.optimizers import make_optimizer  # noqa: PLC0415 - keeps config importable on its own
-
-    d = dict(_mapping("updater", d))
-    clip = d.pop("clip_norm", None)
-    if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
-        raise ConfigError(f"updater.clip_norm: expected a positive number, got {clip!r}")
-    rule = d.pop("async_lr", None)
-    rule = rule if rule is None else _choice("updater.async_lr", rule, ASYNC_LR)
-    if "lr" in d:
-        from raysinga.optim.schedules import make_schedule  # noqa: PLC0415
-
-        try:
-            make_schedule(d["lr"])
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"updater.lr: {e}") from None
-    try:
-        make_optimizer(d)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"updater: {e}") from None
-    extra = {k: v for k, v in (("clip_norm", clip), ("async_lr", rule)) if v is not None}
-    return {**d, **extra}
+# What the job's sections are, by key, for their docs and messages.
+DATA_KEYS = {name: info.description for name, info in DataConfig.model_fields.items()}
 
 
 def from_dict(d: Any) -> JobConfig:
-    d = _mapping("(top level)", d)
-    storable("", d)
-    unknown = set(d) - set(TOP_KEYS)
-    if unknown:
-        raise ConfigError(f"{sorted(unknown)[0]}: unknown key; allowed: {', '.join(TOP_KEYS)}")
-    for key in ("model", "data", "updater", "train_steps"):
-        if key not in d:
-            raise ConfigError(f"{key}: missing ({TOP_KEYS[key]})")
+    """A job from a mapping of the job file's keys, validated; a refusal is a
+    :class:`ConfigError` naming the key path."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"(top level): expected a mapping, got {type(d).__name__} {d!r}")
+    rules.storable("", d)
     try:
-        model = ModelSpec.from_dict(d["model"])
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    name = d.get("name", "run")
-    if not isinstance(name, str) or not name or "/" in name:
-        raise ConfigError(f"name: expected a non-empty string without '/', got {name!r}")
-    topology = None
-    if d.get("topology") is not None:
-        try:
-            topology = Topology.from_dict(_mapping("topology", d["topology"]))
-        except (TopologyError, TypeError) as e:
-            raise ConfigError(
-                str(e) if str(e).startswith("topology") else f"topology: {e}"
-            ) from None
-    data = _data(d["data"])
-    if topology is not None and data.batch_size < topology.workers_per_group:
-        raise ConfigError(
-            f"data.batch_size: {data.batch_size} is smaller than "
-            f"topology.workers_per_group ({topology.workers_per_group}): every "
-            "worker needs at least one sample"
-        )
-    checkpoint = checkpoint_section(d.get("checkpoint"))
-    if checkpoint.best_split == "valid" and data.validation is None:
-        raise ConfigError(
-            f"checkpoint.keep_best: {checkpoint.keep_best} needs a validation split "
-            "(data.validation: a fraction of the training split, e.g. 0.1)"
-        )
-    device = _choice("device", d.get("device", "auto"), ("auto", "cpu", "gpu"))
-    if device == "gpu" and topology is not None and not topology.worker.gpus:
-        raise ConfigError(
-            "device: gpu in a distributed run needs GPUs for the workers "
-            "(topology.worker.gpus, e.g. 1 or 0.5)"
-        )
-    tensorboard = _flag("tensorboard", d.get("tensorboard", False))
-    fault = _fault(d.get("fault"))
-    check_elastic(fault, topology)
-    dtype = _choice("dtype", d.get("dtype", "float32"), ("float32", "float64"))
-    check_sizes(model, data, dtype, topology)
-    run_dir = d.get("run_dir")
-    if run_dir is not None and (not isinstance(run_dir, str) or not run_dir):
-        raise ConfigError(f"run_dir: expected a path, got {run_dir!r}")
-    return JobConfig(
-        model=model,
-        data=data,
-        updater=_updater(d["updater"]),
-        train_steps=_int("train_steps", d["train_steps"], 1),
-        name=name,
-        seed=_int("seed", d.get("seed", 0), 0, 2**64 - 1),
-        dtype=dtype,
-        device=device,
-        test_freq=_int("test_freq", d.get("test_freq", 0), 0),
-        disp_freq=_int("disp_freq", d.get("disp_freq", 100), 1),
-        run_dir=run_dir,
-        tensorboard=tensorboard,
-        topology=topology,
-        checkpoint_after=_int("checkpoint_after", d.get("checkpoint_after", 0), 0),
-        checkpoint_frequency=_int("checkpoint_frequency", d.get("checkpoint_frequency", 0), 0),
-        checkpoint_every_seconds=_seconds(
-            "checkpoint_every_seconds", d.get("checkpoint_every_seconds", 0)
-        ),
-        checkpoint=checkpoint,
-        fault=fault,
-        init=init_section(d.get("init")),
-        divergence=divergence_section(d.get("divergence")),
-        raw=copy.deepcopy(d),
-    )
-
-
-def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """``["updater.lr=0.05", "train_steps=10"]`` applied to a copy of ``d``; values are YAML."""
-    d = copy.deepcopy(d)
-    for item in overrides:
-        path, sep, text = item.partition("=")
-        if not sep or not path:
-            raise ConfigError(f"--set {item!r}: expected key.path=value")
-        keys = path.split(".")
-        node = d
-        for i, k in enumerate(keys[:-1]):
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{'.'.join(keys[: i + 1])}: is not a mapping, cannot set {path}")
-        try:
-            node[keys[-1]] = parse_yaml(text)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--set {item!r}: not a YAML value: {_yaml_problem(e)}") from None
-    return d
-
-
-def load(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
-    """Read and validate a YAML job file."""
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"{path}: a directory, not a job file")
-    if not p.is_file():
-        raise ConfigError(f"{path}: no such job file")
-    try:
-        d = parse_yaml(p.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the job file: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
-    except yaml.YAMLError as e:  # one line: where, and what the parser found
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        raise ConfigError(f"{where}: not valid YAML: {_yaml_problem(e)}") from None
-    return from_dict(apply_overrides(d or {}, overrides or []))
+        cfg = JobConfig.model_validate(d)
+    except ValidationError as e:
+        raise ConfigError(explain(e, JobConfig, d)) from None
+    return cfg.with_raw(d)

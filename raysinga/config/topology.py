@@ -12,8 +12,11 @@ SINGA's cluster presets map onto it:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar, Literal
+
+from pydantic import ValidationError, field_validator, model_validator
+
+from .section import Refusal, Section, explain, key
 
 PRESETS = ("sandblaster", "downpour", "hogwild", "allreduce")
 
@@ -22,13 +25,25 @@ class TopologyError(ValueError):
     """Impossible topology numbers; the message names the key."""
 
 
-@dataclass(frozen=True)
-class Resources:
-    """Ray resources of one actor. ``memory`` is in bytes (0: not reserved)."""
+class Resources(Section):
+    """Ray resources of one role."""
 
-    cpus: float = 1.0
-    gpus: float = 0.0
-    memory: int = 0
+    expected: ClassVar[str] = "a mapping of cpus, gpus, memory"
+
+    cpus: float = key(1.0, ge=0, description="CPUs", expected="a number >= 0")
+    gpus: float = key(
+        0.0, ge=0, description="GPUs (a fraction shares one)", expected="a number >= 0"
+    )
+    memory: float = key(
+        0, ge=0, description="bytes of memory (0: not reserved)", expected="a number >= 0"
+    )
+
+    @field_validator("gpus")
+    @classmethod
+    def _whole_above_one(cls, v: float) -> float:
+        if v > 1 and v % 1:
+            raise ValueError(f"a GPU count above 1 must be whole, got {v!r}")
+        return v
 
     @property
     def empty(self) -> bool:
@@ -43,70 +58,88 @@ class Resources:
         return b
 
 
-@dataclass(frozen=True)
-class Topology:
-    preset: str = "sandblaster"
-    n_servers: int = 1
-    n_groups: int = 1
-    workers_per_group: int = 1
-    staleness: int | None = None  # max steps a group may run ahead of the slowest (None: any)
-    slice_bytes: int = 4 << 20  # a parameter larger than this is cut into slices over servers
-    worker: Resources = field(default_factory=Resources)
-    # Servers and stubs work in short bursts between the workers' compute phases, so by default
-    # they reserve nothing and ride in a worker's bundle (on its node): two workers and a server
-    # fit a two-core machine. Give them CPUs of their own on bigger nodes.
-    server: Resources = field(default_factory=lambda: Resources(cpus=0.0))
-    stub: Resources = field(default_factory=lambda: Resources(cpus=0.0))
+def _helper(value: Any) -> Any:
+    """Servers and stubs work in short bursts between the workers' compute phases, so by
+    default they reserve nothing and ride in a worker's bundle (on its node): two workers and a
+    server fit a two-core machine. What a mapping for one leaves out keeps that default (a
+    server given only GPUs reserves no CPU)."""
+    return {"cpus": 0.0, **value} if isinstance(value, dict) else value
 
-    def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            raise TopologyError(
-                f"topology.preset: expected one of {', '.join(PRESETS)}, got {self.preset!r}"
+
+class Topology(Section):
+    """Servers, groups, workers and their resources; absent or ``null`` in a job: one process,
+    no Ray."""
+
+    preset: Literal[PRESETS] = key(
+        "sandblaster",
+        description="`sandblaster`, `downpour`, `hogwild` or `allreduce` (next section)",
+    )
+    n_servers: int = key(
+        1, ge=1, description="parameter servers (`allreduce`: `workers_per_group`)"
+    )
+    n_groups: int = key(
+        1, ge=1, description="worker groups; more than 1 only for `downpour` and `hogwild`"
+    )
+    workers_per_group: int = key(
+        1, ge=1, description="workers in each group (`hogwild`: exactly 1)"
+    )
+    staleness: int | None = key(
+        None,
+        ge=0,
+        description="`downpour` only: how many steps a group may run ahead of the slowest; "
+        "`null`: no bound",
+        expected="an integer >= 0 or null",
+    )
+    slice_bytes: int = key(
+        4 << 20, ge=1, description="a parameter larger than this is cut over the servers"
+    )
+    worker: Resources = key(
+        Resources, description="Ray resources of each worker; must reserve some CPUs or GPUs"
+    )
+    server: Resources = key(
+        Resources, description="of each server", shown="`{cpus: 0, gpus: 0, memory: 0}`"
+    )
+    stub: Resources = key(
+        Resources, description="of each stub", shown="`{cpus: 0, gpus: 0, memory: 0}`"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = {**data}
+        for role in ("server", "stub"):
+            data[role] = _helper(data.get(role, {}))
+        if data.get("preset") == "allreduce" and "n_servers" not in data:
+            data["n_servers"] = data.get("workers_per_group", 1)
+        return data
+
+    @model_validator(mode="after")
+    def _preset_rules(self) -> Topology:
+        p = self.preset
+        if self.staleness is not None and p != "downpour":
+            what = "one synchronous group" if p != "hogwild" else "no bound"
+            raise Refusal(
+                "staleness",
+                f"only the downpour preset bounds staleness ({p}: {what}), got {self.staleness!r}",
             )
-        for key in ("n_servers", "n_groups", "workers_per_group", "slice_bytes"):
-            v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise TopologyError(f"topology.{key}: expected an integer >= 1, got {v!r}")
-        if self.staleness is not None and (
-            not isinstance(self.staleness, int) or self.staleness < 0
-        ):
-            raise TopologyError(
-                f"topology.staleness: expected an integer >= 0 or null, got {self.staleness!r}"
+        if p in ("sandblaster", "allreduce") and self.n_groups != 1:
+            raise Refusal("n_groups", f"the {p} preset has exactly one group, got {self.n_groups}")
+        if p == "hogwild" and self.workers_per_group != 1:
+            raise Refusal(
+                "workers_per_group",
+                f"the hogwild preset has one worker per group, got {self.workers_per_group}",
             )
-        if self.staleness is not None and self.preset != "downpour":
-            raise TopologyError(
-                f"topology.staleness: only the downpour preset bounds staleness ({self.preset}: "
-                f"{'one synchronous group' if self.preset != 'hogwild' else 'no bound'}), "
-                f"got {self.staleness!r}"
-            )
-        if self.preset in ("sandblaster", "allreduce") and self.n_groups != 1:
-            raise TopologyError(
-                f"topology.n_groups: the {self.preset} preset has exactly one "
-                f"group, got {self.n_groups}"
-            )
-        if self.preset == "hogwild" and self.workers_per_group != 1:
-            raise TopologyError(
-                "topology.workers_per_group: the hogwild preset has one worker "
-                f"per group, got {self.workers_per_group}"
-            )
-        if self.preset == "allreduce" and self.n_servers != self.workers_per_group:
-            raise TopologyError(
-                "topology.n_servers: the allreduce preset places one server "
-                f"with each worker, so it must equal workers_per_group "
-                f"({self.workers_per_group}), got {self.n_servers}"
+        if p == "allreduce" and self.n_servers != self.workers_per_group:
+            raise Refusal(
+                "n_servers",
+                "the allreduce preset places one server with each worker, so it must equal "
+                f"workers_per_group ({self.workers_per_group}), got {self.n_servers}",
             )
         if self.worker.empty:
-            raise TopologyError("topology.worker: a worker must reserve some CPUs or GPUs")
-        for role in ("worker", "server", "stub"):
-            r = getattr(self, role)
-            for key in ("cpus", "gpus", "memory"):
-                v = getattr(r, key)
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                    raise TopologyError(f"topology.{role}.{key}: expected a number >= 0, got {v!r}")
-            if r.gpus > 1 and r.gpus % 1:
-                raise TopologyError(
-                    f"topology.{role}.gpus: a GPU count above 1 must be whole, got {r.gpus!r}"
-                )
+            raise Refusal("worker", "a worker must reserve some CPUs or GPUs")
+        return self
 
     @property
     def n_workers(self) -> int:
@@ -128,30 +161,19 @@ class Topology:
                 out[k] = out.get(k, 0.0) + v * count
         return out
 
+    def resized(self, n_groups: int, workers_per_group: int) -> Topology:
+        """This topology with other counts (an elastic run's smaller or larger form)."""
+        return Topology(
+            **{**self.to_dict(), "n_groups": n_groups, "workers_per_group": workers_per_group}
+        )
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return self.model_dump()
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> Topology:
         """From a job file's ``topology`` section; a preset fills in what is not given."""
-        d = dict(d or {})
-        allowed = {f for f in cls.__dataclass_fields__}
-        unknown = set(d) - allowed
-        if unknown:
-            raise TopologyError(
-                f"topology: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}"
-            )
-        kw: dict[str, Any] = {}
-        for role in ("worker", "server", "stub"):
-            if role in d:
-                r = d.pop(role)
-                if not isinstance(r, dict) or set(r) - {"cpus", "gpus", "memory"}:
-                    raise TopologyError(
-                        f"topology.{role}: expected a mapping of cpus, gpus, memory, got {r!r}"
-                    )
-                # what the mapping leaves out keeps the role's default (a server given
-                # only GPUs reserves no CPU, as a server given nothing)
-                kw[role] = replace(cls.__dataclass_fields__[role].default_factory(), **r)
-        if d.get("preset") == "allreduce" and "n_servers" not in d:
-            d["n_servers"] = d.get("workers_per_group", 1)
-        return cls(**d, **kw)
+        try:
+            return cls.model_validate(d or {})
+        except ValidationError as e:
+            raise TopologyError(explain(e, cls, d or {}, at=("topology",))) from None

@@ -24,9 +24,7 @@ import os
 import shutil
 import sysconfig
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -163,15 +161,14 @@ class Vocabulary:
         return "".join(self.chars[int(i)] for i in np.asarray(ids).reshape(-1))
 
 
-def open_split(source: Mapping[str, Any], split: str) -> TextDataset:
-    """A split of the corpus a ``text`` data spec names, built first where not cached."""
-    corpus = source.get("corpus", "stdlib")
+def open_split(
+    split: str, *, corpus: str, context: int, valid_every: int, max_chars: int
+) -> TextDataset:
+    """A split of a corpus (a ``text`` data spec's keys), built first where not cached."""
     if corpus not in CORPORA:
         raise ValueError(f"text corpus must be one of {list(CORPORA)}, got {corpus!r}")
-    where = build_corpus(
-        valid_every=int(source.get("valid_every", 20)), max_chars=int(source.get("max_chars", 0))
-    )
-    return TextDataset(where, split, source.get("context", 128))
+    where = build_corpus(valid_every=valid_every, max_chars=max_chars)
+    return TextDataset(where, split, context)
 
 
 def unigram_bits(train: TextDataset, valid: TextDataset) -> float:
@@ -180,15 +177,3 @@ def unigram_bits(train: TextDataset, valid: TextDataset) -> float:
     p = (train.counts() + 1.0) / (train.counts().sum() + len(train.vocab))
     c = valid.counts()
     return float(-(c * np.log2(p)).sum() / c.sum())
-
-
-def final_line(source: Mapping[str, Any], got: float) -> str:
-    """A language model's final validation loss in bits, beside what the characters' own
-    frequencies give (the text corpus only: its tokens are characters)."""
-    if source.get("kind") != "text":
-        return f"final validation loss: {got:.3f} bits per token"
-    base = unigram_bits(open_split(source, "train"), open_split(source, "test"))
-    return (
-        f"final validation loss: {got:.3f} bits per character; unigram baseline "
-        f"{base:.3f} ({got / base:.2f}x)"
-    )

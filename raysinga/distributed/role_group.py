@@ -142,7 +142,7 @@ class RoleGroup:
             self.tag,
             plan.worker_device,
             compute_threads(topo.worker.cpus),
-            cfg.data.validation,
+            cfg.data.held_out(),
         )
 
     def describe(self) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from raysinga.config.divergence import DivergenceConfig
+from raysinga.config.job import DivergenceConfig
 from raysinga.nn.losses import CLASSIFYING
 from raysinga.obs.events import Event
 

@@ -255,7 +255,7 @@ def open_data(cfg: JobConfig, net: Net, log: Callable[[str], None]) -> Splits:
     before step 0: a mistake in the data is refused now, not after minutes of training (or at
     the final evaluation). Splits too large to scan whole are sampled, and the log says so."""
     source = cfg.data.source
-    splits = open_splits(source, cfg.data.validation)
+    splits = open_splits(source, cfg.data.held_out())
     notes = check_splits(
         splits.train,
         splits.test,

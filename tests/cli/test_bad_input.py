@@ -386,6 +386,16 @@ def test_bad_set_overrides(case, where):
     cli_error("train", _job(where), "--set", item, named=named, status=2)
 
 
+@pytest.mark.parametrize("text", ["- 1\n- 2\n", "just some words\n", "42\n"])
+def test_set_into_a_job_file_that_is_not_a_mapping(text, where):
+    """--set needs a mapping of keys to set a key in: a list, a word or a number at the top
+    of the file is named as such, in one line."""
+    line = cli_error(
+        "train", _job(where, text=text), "--set", "train_steps=3", named=["(top level)"], status=2
+    )
+    assert "expected a mapping" in line and "--set train_steps=3" in line, line
+
+
 # -- flags of `raysinga train` -----------------------------------------------------------------
 
 FLAGS = {  # id -> (arguments after the job file, what the error line names)

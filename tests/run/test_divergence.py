@@ -12,11 +12,10 @@ import pytest
 
 from raysinga import config
 from raysinga.checkpoint import latest, prune, save, steps
-from raysinga.config import ConfigError
+from raysinga.config import ConfigError, DivergenceConfig
 from raysinga.run import Trainer
 from raysinga.run.divergence import (
     Diverged,
-    DivergenceConfig,
     EarlyLevel,
     Guard,
     chance_loss,
@@ -112,9 +111,11 @@ def test_the_divergence_section_is_checked():
         "model: {input_shape: [4], layers: [{kind: dense, name: out, units: 2}]}\n"
         "data: {source: {kind: digits}}\nupdater: {name: sgd, lr: 0.1}\ntrain_steps: 5\n"
     )
-    assert config.from_dict(base).divergence == DivergenceConfig(2.0, 3, 256)
+    assert config.from_dict(base).divergence == DivergenceConfig(
+        factor=2.0, early_steps=3, window=256
+    )
     got = config.from_dict({**base, "divergence": {"factor": None, "window": 64}}).divergence
-    assert got == DivergenceConfig(None, 3, 64)
+    assert got == DivergenceConfig(factor=None, early_steps=3, window=64)
     for bad, says in [
         ({"factor": 1}, "divergence.factor: expected a number > 1 or null, got 1"),
         ({"factor": "big"}, "divergence.factor: expected a number > 1 or null"),
