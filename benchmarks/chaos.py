@@ -6,6 +6,8 @@ then the same job uninterrupted, and the two runs' final parameters compared bit
     python benchmarks/chaos.py examples/digits_mlp.yaml --kills 5 --steps 2000 --address auto
     python benchmarks/chaos.py --nodes 2 --node-share 0.25
 
+``--json FILE`` writes the figures (kill to next step, kills survived, bit-identical or not).
+
 Prints the seed, every kill (when, whom, what the driver was doing), every failure record (the
 path taken, steps redone and rolled back, seconds to recover), the seconds from each kill to
 the next step the run reported (median, min, max), and whether the runs ended bit-identical.
@@ -26,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from report import Figure, Report, add_json_option
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -41,6 +45,7 @@ def main() -> int:
     ap.add_argument("--address", default=None, help="a Ray cluster to attach to")
     ap.add_argument("--nodes", type=int, default=0, help="instead: a local cluster of N nodes")
     ap.add_argument("--node-share", type=float, default=0.0, help="kills that remove a node")
+    add_json_option(ap)
     args = ap.parse_args()
 
     import ray
@@ -118,6 +123,21 @@ def main() -> int:
     same = want.keys() == got.keys() and all(want[k].tobytes() == got[k].tobytes() for k in want)
     print(f"final parameters bit-identical to an uninterrupted run: {'yes' if same else 'NO'}")
     print(f"wall time: under chaos {chaos_s:.1f} s, uninterrupted {straight_s:.1f} s")
+    alone = [f for f in report["failures"] if f["recovery"] != "restarted"]
+    settings = {**vars(args), "job": Path(args.job).name}
+    figures = Report("chaos", settings)
+    if times:
+        figures.figures.append(Figure("kill to next step", times, " s"))
+    for name, count, goal in (
+        ("kills survived", survived, args.kills),
+        ("final parameters bit-identical (1: yes)", int(same), 1),
+        ("failures recovered without restarting every role", len(alone), None),
+        ("steps redone in all", redone, None),
+    ):
+        figures.figures.append(Figure(name, [count], goal=goal, better="higher"))
+    figures.figures.append(Figure("wall time under chaos", [chaos_s], " s"))
+    figures.figures.append(Figure("wall time uninterrupted", [straight_s], " s"))
+    figures.write(args.json)
     ok = same and survived == len(report["kills"]) == args.kills
     return 0 if ok else 1
 

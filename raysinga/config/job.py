@@ -188,7 +188,7 @@ class InitConfig(Section):
         {},
         description="checkpoint name -> this model's name, for `--init-from` (a name ending in "
         "`/` renames every name it starts)",
-        expected="a mapping of names (text) to names",
+        expected="names (text) on both sides",
     )
     strip_prefix: str | None = key(
         None,

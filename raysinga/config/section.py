@@ -106,7 +106,15 @@ def explain(e: ValidationError, root: type[BaseModel], data: Any, at: tuple = ()
         return f"{path(at + loc + named)}: {error}"
     if error is not None:
         return f"{where}: {error}"
-    return f"{where}: expected {_expectation(root, loc, kind)}, got {err['input']!r}"
+    # A value inside a key's list or mapping is named by the key, with the key's whole value.
+    field = _field_loc(root, loc)
+    value = err["input"]
+    if field != loc:
+        try:
+            where, value = path(at + field), _at(data, field)
+        except (KeyError, IndexError, TypeError):
+            pass
+    return f"{where}: expected {_expectation(root, field, kind)}, got {value!r}"
 
 
 def path(loc: tuple) -> str:
@@ -128,6 +136,21 @@ def _models(annotation: Any) -> list[Any]:
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         return [a for a in typing.get_args(annotation) if a is not type(None)]
     return [annotation]
+
+
+def _field_loc(root: type[BaseModel], loc: tuple) -> tuple:
+    """The part of ``loc`` that names a key of a section: ``("init", "rename", "a")`` ->
+    ``("init", "rename")``, ``rename`` being a mapping, not a section."""
+    model: Any = root
+    for i, part in enumerate(loc):
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return loc[:i]
+        info = model.model_fields.get(str(part))
+        if info is None:
+            return loc[:i]
+        inner = [m for m in _models(info.annotation) if isinstance(m, type)]
+        model = next((m for m in inner if issubclass(m, BaseModel)), None)
+    return loc
 
 
 def _field_at(root: type[BaseModel], loc: tuple) -> FieldInfo | None:

@@ -100,14 +100,27 @@ class Columns(FileSource):
     byte range through the node's block cache (:mod:`.cache`)."""
 
     path: str = _file(description="the file: a local path or a pyarrow URI")
-    x: str = _file("x", description="the samples' column")
+    x: str | list[Annotated[str, Field(min_length=1)]] = Field(
+        "x",
+        min_length=1,
+        description="the samples' column, or several scalar columns gathered into a vector",
+        json_schema_extra={"expected": "a column name, or a list of them"},
+    )
     y: str = _file("y", description="the labels' column")
     cache_chunks: int | None = Field(None, ge=1, description="record batches kept decoded")
     cache_dir: str | None = Field(
         None, min_length=1, description="the node's block cache (~/.cache/raysinga/data)"
     )
-    cache_bytes: int = Field(DEFAULT_CACHE_BYTES, description="the block cache's bound, in bytes")
-    block_bytes: int = Field(DEFAULT_BLOCK_BYTES, description="its block size, in bytes")
+    cache_bytes: int = Field(
+        DEFAULT_CACHE_BYTES,
+        description="the block cache's bound, in bytes",
+        json_schema_extra={"expected": "an integer number of bytes"},
+    )
+    block_bytes: int = Field(
+        DEFAULT_BLOCK_BYTES,
+        description="its block size, in bytes",
+        json_schema_extra={"expected": "an integer number of bytes"},
+    )
 
     @model_validator(mode="after")
     def _cache_fits(self) -> Columns:
@@ -179,8 +192,17 @@ class Text(SourceSpec):
     """Characters of the Python standard library's own source files."""
 
     kind: Literal["text"]
-    corpus: Literal[CORPORA] = Field("stdlib", description="the corpus")
-    context: int = Field(128, ge=1, description="characters of a sample")
+    corpus: Literal[CORPORA] = Field(
+        "stdlib",
+        description="the corpus",
+        json_schema_extra={"expected": f"one of {list(CORPORA)}"},
+    )
+    context: int = Field(
+        128,
+        ge=1,
+        description="characters of a sample",
+        json_schema_extra={"expected": "a positive integer"},
+    )
     valid_every: int = Field(20, ge=2, description="every N-th file is validation text")
     max_chars: int = Field(0, ge=0, description="the corpus's first N characters (0: all)")
 
@@ -278,8 +300,14 @@ def spec_problem(e: ValidationError, kind: str, where: str) -> str:
         return f"{where}: unknown key(s) {unknown} for kind {kind!r}; allowed: {allowed}"
     x = errors[0]
     error = (x.get("ctx") or {}).get("error")
-    key = error.key if isinstance(error, SpecError) else ".".join(map(str, x["loc"]))
-    return f"{where}: {key}: {x['msg'].removeprefix('Value error, ')}, got {x['input']!r}"
+    if isinstance(error, SpecError):
+        return f"{where}: {error.key}: {error}"
+    key = ".".join(map(str, x["loc"]))
+    info = SOURCES[kind].model_fields.get(str(x["loc"][0])) if x["loc"] else None
+    extra = info.json_schema_extra if info is not None else None
+    if isinstance(extra, dict) and "expected" in extra:
+        return f"{where}: {kind} {key} must be {extra['expected']}, got {x['input']!r}"
+    return f"{where}: {kind} {key}: {x['msg']}, got {x['input']!r}"
 
 
 def _shape(shape: list[int] | None) -> tuple[int, ...] | None:
