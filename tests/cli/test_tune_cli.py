@@ -162,6 +162,7 @@ def _raysinga(*args: str) -> tuple[int, str]:
     return code, out.getvalue()
 
 
+@pytest.mark.slow
 def test_a_pbt_search_prints_its_trials_and_a_trial_replays_bit_for_bit(ray_session, job, tmp_path):
     storage = tmp_path / "tune"
     code, out = _raysinga(
@@ -207,6 +208,7 @@ def test_a_pbt_search_prints_its_trials_and_a_trial_replays_bit_for_bit(ray_sess
     assert re.search(r"replayed to step 40: .*test_loss (\S+)", out), out
 
 
+@pytest.mark.slow
 def test_a_pb2_search_exploits_through_the_object_store_and_replays_bit_for_bit(
     ray_session, job, tmp_path
 ):

@@ -265,7 +265,10 @@ def _downpour(tmp_path: Path, groups: int, rule: str, *more: str) -> config.JobC
     )
 
 
-@pytest.mark.parametrize("groups", [2, 4, 8, 16])
+@pytest.mark.parametrize(
+    "groups",
+    [2, 4, pytest.param(8, marks=pytest.mark.slow), pytest.param(16, marks=pytest.mark.slow)],
+)
 def test_downpour_groups_converge_where_the_learning_rate_follows_them(
     ray_session, tmp_path, groups
 ):
@@ -281,6 +284,7 @@ def test_downpour_groups_converge_where_the_learning_rate_follows_them(
     assert res.final_eval["test_accuracy"] >= 0.95
 
 
+@pytest.mark.slow
 def test_eight_groups_at_the_full_rate_are_stopped_before_their_checkpoints_diverge(
     ray_session, tmp_path
 ):
@@ -321,6 +325,7 @@ def test_eight_groups_at_the_full_rate_are_stopped_before_their_checkpoints_dive
     assert res.final_eval["test_accuracy"] >= 0.95
 
 
+@pytest.mark.slow
 def test_eight_groups_with_adagrad_converge(ray_session, tmp_path):
     """Adagrad, the optimizer of the Downpour paper, with the example's schedule divided by
     the eight groups (the default rule applies to every optimizer)."""

@@ -49,6 +49,7 @@ def run_under_chaos(
     return chaos, lines
 
 
+@pytest.mark.slow
 def test_five_kills_one_in_a_recovery_are_survived_bit_exact(ray_session, tmp_path):
     chaos, lines = run_under_chaos(tmp_path, 3, 5, 1, (0.3, 1.0))
     assert len(chaos.done) == 5, lines

@@ -58,6 +58,7 @@ def test_bad_arguments_are_refused_before_any_trial(tmp_path):
         rtune.read_pointer(tmp_path)
 
 
+@pytest.mark.slow
 def test_pbt_hands_checkpoints_over_in_memory_and_a_lineage_replays_bit_exact(
     ray_session, tmp_path
 ):
@@ -156,6 +157,7 @@ def test_tune_storage_handover_forks_from_the_directory_tune_persisted(ray_sessi
         np.testing.assert_array_equal(got.params[name], want.params[name])
 
 
+@pytest.mark.slow
 def test_a_distributed_trial_hands_its_checkpoint_to_servers_through_the_object_store(
     ray_session, tmp_path
 ):
@@ -178,6 +180,7 @@ def test_a_distributed_trial_hands_its_checkpoint_to_servers_through_the_object_
     rtune.release("pbt-dist")
 
 
+@pytest.mark.slow
 def test_asha_stops_trials_and_their_checkpoints_leave_the_object_store(ray_session, tmp_path):
     from ray.tune.schedulers import ASHAScheduler  # noqa: PLC0415
 
