@@ -113,8 +113,8 @@ class Trial:
 
         from raysinga.obs.events import CheckpointCommitted, TrainStep
         from raysinga.run import Trainer
-        from raysinga.tune import _Reporter, tune_checkpoint
         from raysinga.tune.lineage import segment
+        from raysinga.tune.trials import _Reporter, tune_checkpoint
 
         out: dict = {}
         lineage = [segment(name, {"updater.lr": 0.01}, 0, None)]
@@ -146,7 +146,7 @@ class Trial:
 
         from raysinga.obs.events import TrainStep
         from raysinga.run import Trainer
-        from raysinga.tune import start_from
+        from raysinga.tune.trials import start_from
 
         out: dict = {"start": time.time()}
         with contextlib.ExitStack() as stack:
@@ -174,7 +174,7 @@ def settle() -> None:
 
 def one_exploit(donor, receiver, mode: str, r: int, work: Path) -> dict[str, float]:
     from raysinga.checkpoint import objstore
-    from raysinga.tune import _keeper
+    from raysinga.tune.trials import _keeper
 
     settle()
     name = f"r{r}-{mode}"

@@ -3,6 +3,6 @@
 
 from __future__ import annotations
 
-from .main import main, program
+from .commands import main, program
 
 __all__ = ["main", "program"]

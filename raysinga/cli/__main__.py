@@ -1,5 +1,5 @@
 """``python -m raysinga.cli``: the ``raysinga`` command."""
 
-from .main import program
+from .commands import program
 
 program()

@@ -6,7 +6,7 @@ trial, which replays bit-exact (:mod:`.lineage`). Needs Ray Tune (``pip install
 from __future__ import annotations
 
 from .lineage import read_pointer, replay
-from .trainable import ReleaseStopped, TrialSpec, fetch, fetch_newest, release, trainable
+from .trials import ReleaseStopped, TrialSpec, fetch, fetch_newest, release, trainable
 
 __all__ = [
     "ReleaseStopped",

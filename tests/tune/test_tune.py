@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from raysinga.checkpoint import Checkpoint, CheckpointError
-from raysinga.tune import trainable as rtune
+from raysinga.tune import trials as rtune
 
 tune = pytest.importorskip("ray.tune")
 
