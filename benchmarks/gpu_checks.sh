@@ -9,9 +9,10 @@
 # distributed run with GPU workers and one with a GPU server too. Each part runs under its own
 # time limit (SECONDS, default 150; the tests get twice that) so one that hangs does not take
 # the others' time. Without a usable GPU it stops at once, saying why. Each part's output goes
-# to OUT (default gpu-results/) as NAME.log, with the benchmarks' figures as NAME.json;
-# OUT/summary.txt lists every part's exit status and seconds. The script exits non-zero when
-# any part failed.
+# to OUT (default gpu-results/) as NAME.log, with the benchmarks' figures as JSON files named as
+# benchmarks/results/ names them (copy them there and run `python benchmarks/report.py docs
+# docs/benchmarks.md` to show them); OUT/summary.txt lists every part's exit status and
+# seconds. The script exits non-zero when any part failed.
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-gpu-results}
@@ -48,10 +49,10 @@ if ! "$py" -c 'import sys; from raysinga.kernels import gpu_available; sys.exit(
 fi
 
 part gpu-tests $((2 * limit)) "$py" -m pytest -q -m gpu -p no:cacheprovider --junitxml="$out/gpu-tests.xml"
-part bench-kernels "$limit" "$py" benchmarks/bench_kernels.py --json "$out/bench-kernels.json"
+part bench-kernels "$limit" "$py" benchmarks/bench_kernels.py --json "$out/bench_kernels.json"
 for model in mlp cnn charlm; do
   part "bench-step-$model" "$limit" "$py" benchmarks/bench_step.py --model "$model" \
-    --device gpu --rounds 3 --json "$out/bench-step-$model.json"
+    --device gpu --rounds 3 --json "$out/bench_step_${model}_gpu.json"
 done
 runs=$(mktemp -d)
 job=examples/digits_mlp.yaml
