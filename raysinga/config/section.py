@@ -86,7 +86,10 @@ def explain(e: ValidationError, root: type[BaseModel], data: Any, at: tuple = ()
         allowed = ", ".join(model.model_fields) if model is not None else ""
         expected = getattr(model, "expected", "a mapping")
         if expected != "a mapping":
-            return f"{where}: expected {expected}, got {_at(data, parent)!r}"
+            try:
+                return f"{where}: expected {expected}, got {_at(data, parent)!r}"
+            except (KeyError, IndexError, TypeError):
+                return f"{where}: expected {expected}, not the unknown key(s) {unknown}"
         if not at and not parent:
             return f"{unknown[0]}: unknown key; allowed: {allowed}"
         return f"{where}: unknown key(s) {unknown}; allowed: {allowed}"
@@ -107,7 +110,7 @@ def explain(e: ValidationError, root: type[BaseModel], data: Any, at: tuple = ()
     if error is not None:
         return f"{where}: {error}"
     # A value inside a key's list or mapping is named by the key, with the key's whole value.
-    field = _field_loc(root, loc)
+    field, _ = _walk(root, loc)
     value = err["input"]
     if field != loc:
         try:
@@ -138,53 +141,35 @@ def _models(annotation: Any) -> list[Any]:
     return [annotation]
 
 
-def _field_loc(root: type[BaseModel], loc: tuple) -> tuple:
-    """The part of ``loc`` that names a key of a section: ``("init", "rename", "a")`` ->
-    ``("init", "rename")``, ``rename`` being a mapping, not a section."""
-    model: Any = root
+def _section_of(info: FieldInfo) -> type[BaseModel] | None:
+    """The model a field holds, where it holds one (``checkpoint``: a section)."""
+    found = [m for m in _models(info.annotation) if isinstance(m, type)]
+    return next((m for m in found if issubclass(m, BaseModel)), None)
+
+
+def _walk(root: type[BaseModel], loc: tuple) -> tuple[tuple, FieldInfo | None]:
+    """The longest part of ``loc`` that names a key of a section, and that key's field:
+    ``("init", "rename", "a")`` -> ``("init", "rename")``, ``rename`` being a mapping."""
+    model: type[BaseModel] | None = root
+    info = None
     for i, part in enumerate(loc):
-        if not (isinstance(model, type) and issubclass(model, BaseModel)):
-            return loc[:i]
-        info = model.model_fields.get(str(part))
-        if info is None:
-            return loc[:i]
-        inner = [m for m in _models(info.annotation) if isinstance(m, type)]
-        model = next((m for m in inner if issubclass(m, BaseModel)), None)
-    return loc
+        found = model.model_fields.get(str(part)) if model is not None else None
+        if found is None:
+            return loc[:i], info
+        info, model = found, _section_of(found)
+    return loc, info
 
 
 def _field_at(root: type[BaseModel], loc: tuple) -> FieldInfo | None:
-    model: Any = root
-    info = None
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        if not (isinstance(model, type) and issubclass(model, BaseModel)):
-            return None
-        info = model.model_fields.get(str(part))
-        if info is None:
-            return None
-        model = next(
-            (
-                m
-                for m in _models(info.annotation)
-                if isinstance(m, type) and issubclass(m, BaseModel)
-            ),
-            None,
-        )
-    return info
+    named, info = _walk(root, loc)
+    return info if named == loc else None
 
 
-def _model_at(root: type[BaseModel], loc: tuple) -> Any:
+def _model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     if not loc:
         return root
     info = _field_at(root, loc)
-    if info is None:
-        return None
-    found = [
-        m for m in _models(info.annotation) if isinstance(m, type) and issubclass(m, BaseModel)
-    ]
-    return found[0] if found else None
+    return _section_of(info) if info is not None else None
 
 
 def _expectation(root: type[BaseModel], loc: tuple, kind: str) -> str:
