@@ -22,7 +22,7 @@ from raysinga.kernels.cpu_sched import batch_scheduling
 from raysinga.kernels.cpu_threads import blas_threads
 from raysinga.nn.layers import StepContext
 from raysinga.nn.model import ModelSpec, Net
-from raysinga.run.trainer import evaluate_splits
+from raysinga.run.evaluate import evaluate_splits
 
 from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, stable_copy
 from .device import WorkerDevice

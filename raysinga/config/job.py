@@ -17,7 +17,7 @@ from . import rules
 from .section import ConfigError, Section, explain, key
 from .topology import Topology
 
-# Metrics an evaluation records (raysinga.run.trainer.evaluate), by split: higher is better only
+# Metrics an evaluation records (raysinga.run.evaluate), by split: higher is better only
 # for accuracy.
 METRICS = ("loss", "accuracy", "bits")
 EVAL_SPLITS = ("valid", "test")

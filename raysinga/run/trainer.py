@@ -7,7 +7,6 @@ on wall-clock time or on arrival order, so two runs with one config give the sam
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -34,44 +33,9 @@ from raysinga.optim.optimizers import make_optimizer
 
 from . import local_checkpoint
 from .divergence import Guard, chance_loss, describe_topology
+from .evaluate import evaluate_splits
 from .session import RunSession, Start, check_start_options
 from .sources import verify_all
-
-
-def evaluate(
-    net: Net,
-    params: dict,
-    state: dict,
-    data: Dataset,
-    batch_size: int,
-    xp: Any,
-    split: str = "test",
-) -> dict[str, float]:
-    """Mean loss and accuracy over a whole data set, in inference mode, named for ``split``
-    (``test_loss``, ``valid_accuracy``, ...)."""
-    total_loss, correct, n = 0.0, 0.0, len(data)
-    for start in range(0, n, batch_size):
-        idx = np.arange(start, min(start + batch_size, n))
-        x, y = data.get(idx)
-        loss, acc = net.evaluate(params, state, net.prepare_input(x, xp), xp.asarray(y))
-        total_loss += loss * len(idx)
-        correct += (acc or 0.0) * len(idx)
-    out = {f"{split}_loss": total_loss / n}
-    if net.spec.loss in CLASSIFYING:
-        out[f"{split}_accuracy"] = correct / n
-    if net.spec.loss == "sequence_cross_entropy":
-        out[f"{split}_bits"] = out[f"{split}_loss"] / math.log(2)  # per token
-    return out
-
-
-def evaluate_splits(
-    net: Net, params: dict, state: dict, splits: Splits, batch_size: int, xp: Any
-) -> dict[str, float]:
-    """:func:`evaluate` on each held-out split (validation, test), in one mapping."""
-    out: dict[str, float] = {}
-    for name, data in splits.held_out().items():
-        out.update(evaluate(net, params, state, data, batch_size, xp, name))
-    return out
 
 
 class Trainer:
