@@ -21,6 +21,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+# Imported with this module, not when the nodes are probed: in a Ray job, that lazy import, made
+# after the driver had joined the cluster, now and then failed to find the module in the job's
+# working directory (tests/examples/test_cluster_job.py; the cause inside Ray is not known).
+from . import node_probe
+
 SUFFIXES = (".py", ".cu")
 PROBE_S = 120.0  # a node's first Python worker may wait for its runtime environment
 
@@ -105,7 +110,6 @@ def check_nodes(timeout_s: float = PROBE_S) -> None:
     from ray.exceptions import GetTimeoutError, RayError  # noqa: PLC0415
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
 
-    from . import node_probe  # noqa: PLC0415
 
     cloudpickle.register_pickle_by_value(node_probe)  # the node need not import it to run it
     task = ray.remote(num_cpus=0, max_retries=0)(node_probe.probe)
