@@ -475,6 +475,7 @@ class _Dying(pafs.FileSystemHandler):
         raise NotImplementedError
 
 
+@pytest.mark.slow
 def test_a_replace_killed_at_every_change_is_recovered(s3):
     """The writer dies before each change a replace makes to the bucket in turn (writing the
     staged manifest, uncommitting, every copy, every delete): ``recover`` then finds step 4

@@ -323,6 +323,7 @@ def test_training_from_s3_is_bit_identical_to_the_local_file(s3, tmp_path, kind)
             assert s not in text, f"{s!r} in {where}"
 
 
+@pytest.mark.slow
 def test_a_distributed_run_reads_s3_in_each_worker_as_it_reads_the_local_file(
     s3, tmp_path, ray_session
 ):

@@ -267,7 +267,7 @@ def _downpour(tmp_path: Path, groups: int, rule: str, *more: str) -> config.JobC
 
 @pytest.mark.parametrize(
     "groups",
-    [2, 4, pytest.param(8, marks=pytest.mark.slow), pytest.param(16, marks=pytest.mark.slow)],
+    [2, *(pytest.param(g, marks=pytest.mark.slow) for g in (4, 8, 16))],
 )
 def test_downpour_groups_converge_where_the_learning_rate_follows_them(
     ray_session, tmp_path, groups

@@ -136,6 +136,7 @@ def test_two_runs_of_one_topology_are_bit_identical(ray_session, tmp_path):
         np.testing.assert_array_equal(a[k], b[k])
 
 
+@pytest.mark.slow
 def test_downpour_with_two_groups_reaches_95_percent(ray_session, tmp_path):
     cfg = config.load(
         EXAMPLES / "digits_mlp.yaml",

@@ -457,6 +457,7 @@ def test_a_lost_registry_is_replaced_and_the_object_store_copies_go_on(straight,
     assert ev["restored_from"] in (20, 30) and ev["source"].startswith("object store"), ev
 
 
+@pytest.mark.slow
 def test_more_failures_than_allowed_stop_the_run_with_a_summary(ray_session, tmp_path):
     t = DistributedTrainer(job(tmp_path, "fault.max_failures=0"), log=None)
     # after step 20's checkpoint began, step 10's is committed (a write in flight may not be)

@@ -132,6 +132,7 @@ def _straight(job: dict, tmp_path, trainer):
     return trainer(cfg, log=lambda line: None).fit()
 
 
+@pytest.mark.slow
 def test_tune_storage_handover_forks_from_the_directory_tune_persisted(ray_session, tmp_path):
     """handover="tune_storage" (what benchmarks/bench_tune.py times against): the checkpoint
     directory is the Tune checkpoint, in storage_path, no object is made, and a trial that
