@@ -15,7 +15,8 @@ update) too::
 Prints, per rule and group count, the final test accuracy and the samples/s of all groups
 together (the median of the display windows after the first, which holds the start), each as
 the median with the minimum and maximum of ``--rounds`` rounds (default 1: a round of all five
-counts takes minutes). Goal: a final test accuracy of at least 0.95 for every group count with
+counts takes minutes). A run the divergence guard stops (``none`` at many groups) is reported
+as the step it stopped at. Goal: a final test accuracy of at least 0.95 for every group count with
 ``async_lr: groups`` (``none`` is measured for reference). Saves ``async_loss_<rule>.png`` in
 ``--out`` (default the working directory): the training loss of the first round against the
 samples seen by all groups (group 0's step x groups x batch), one line per group count.
@@ -39,9 +40,11 @@ DISP = 10  # steps between training records: the points of the loss curves
 
 
 def run(n_groups: int, steps: int, worker_cpus: float, rule: str) -> dict:
-    """One Downpour run: its final test accuracy, samples/s and (samples seen, loss) points."""
+    """One Downpour run: its final test accuracy, samples/s and (samples seen, loss) points;
+    or, where the divergence guard stopped it, the step it stopped at."""
     from raysinga import config
     from raysinga.distributed import DistributedTrainer
+    from raysinga.run import Diverged
 
     with tempfile.TemporaryDirectory() as d:
         topology = (
@@ -60,7 +63,10 @@ def run(n_groups: int, steps: int, worker_cpus: float, rule: str) -> dict:
             ],
         )
         t0 = time.perf_counter()
-        res = DistributedTrainer(cfg, log=lambda line: None).fit()
+        try:
+            res = DistributedTrainer(cfg, log=lambda line: None).fit()
+        except Diverged as e:
+            return {"diverged": e.step, "wall_s": time.perf_counter() - t0}
         wall = time.perf_counter() - t0
     train = [r for r in res.history if r["kind"] == "train"]
     batch = cfg.data.batch_size
@@ -125,8 +131,19 @@ def main() -> None:
     for rule in rules:
         goal = GOAL_ACCURACY if rule == "groups" else None
         for g in args.groups:
-            rs = runs[rule, g]
             name = f"async_lr {rule}, {g:2d} group{'s' if g != 1 else ''}"
+            stopped = [r["diverged"] for r in runs[rule, g] if "diverged" in r]
+            if stopped:  # the guard stopped them: no accuracy to give
+                report.add(Figure(f"{name}, stopped as diverged at step", stopped), ".0f")
+                if goal is not None:  # which fails the goal
+                    n = len(runs[rule, g])
+                    ended = Figure(
+                        f"{name}, runs ended", [n - len(stopped)], goal=n, better="higher"
+                    )
+                    report.add(ended, ".0f")
+            rs = [r for r in runs[rule, g] if "diverged" not in r]
+            if not rs:
+                continue
             acc = [r["accuracy"] for r in rs]
             report.add(Figure(f"{name}, final test accuracy", acc, goal=goal, better="higher"))
             sps = [r["samples_per_s"] for r in rs]
@@ -134,7 +151,7 @@ def main() -> None:
             report.add(
                 Figure(f"{name}, wall time of the run", [r["wall_s"] for r in rs], " s"), ".1f"
             )
-        curves = {g: runs[rule, g][0]["curve"] for g in args.groups}
+        curves = {g: runs[rule, g][0]["curve"] for g in args.groups if "curve" in runs[rule, g][0]}
         print(f"  loss against samples seen: {plot(curves, rule, args.steps, args.out)}")
     accs = [f for f in report.figures if f.goal is not None]
     if accs:
