@@ -35,7 +35,7 @@ done
 bench bench_distributed bench_distributed.py --rounds 3
 bench bench_distributed_spares bench_distributed.py --spares-rounds 3 --warmup 80 --steps 100
 bench bench_distributed_replay bench_distributed.py --replay-rounds 3 --warmup 80 --steps 100
-bench bench_checkpoint bench_checkpoint.py --rounds 3
+bench bench_checkpoint bench_checkpoint.py --rounds 5
 bench bench_checkpoint_async bench_checkpoint_async.py
 bench bench_async bench_async.py --also-none --out "$(mktemp -d)"
 bench bench_recovery bench_recovery.py
