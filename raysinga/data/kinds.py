@@ -126,9 +126,8 @@ class Columns(FileSource):
     def _cache_fits(self) -> Columns:
         try:
             self.cache()
-        except ValueError as e:
-            key = "block_bytes" if str(e).startswith("block_bytes") else "cache_bytes"
-            raise SpecError(key, str(e)) from None
+        except ValueError as e:  # its message starts with the key it refuses
+            raise SpecError(str(e).split()[0], str(e)) from None
         return self
 
     def cache(self) -> CacheSpec:
