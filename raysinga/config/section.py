@@ -60,7 +60,7 @@ def key(
     extra = {k: v for k, v in (("shown", shown), ("expected", expected)) if v is not None}
     if isinstance(default, type) and issubclass(default, BaseModel):  # a section: its defaults
         rules["default_factory"] = default
-    else:
+    elif "default_factory" not in rules:
         rules["default"] = default
     return Field(description=description, json_schema_extra=extra or None, **rules)
 

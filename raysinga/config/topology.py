@@ -58,12 +58,15 @@ class Resources(Section):
         return b
 
 
-def _helper(value: Any) -> Any:
-    """Servers and stubs work in short bursts between the workers' compute phases, so by
-    default they reserve nothing and ride in a worker's bundle (on its node): two workers and a
-    server fit a two-core machine. What a mapping for one leaves out keeps that default (a
-    server given only GPUs reserves no CPU)."""
-    return {"cpus": 0.0, **value} if isinstance(value, dict) else value
+# Servers and stubs work in short bursts between the workers' compute phases, so by default
+# they reserve nothing and ride in a worker's bundle (on its node): two workers and a server fit
+# a two-core machine. What a mapping for one leaves out keeps that default (a server given only
+# GPUs reserves no CPU).
+HELPER_CPUS = 0.0
+
+
+def _helper() -> Resources:
+    return Resources(cpus=HELPER_CPUS)
 
 
 class Topology(Section):
@@ -96,12 +99,8 @@ class Topology(Section):
     worker: Resources = key(
         Resources, description="Ray resources of each worker; must reserve some CPUs or GPUs"
     )
-    server: Resources = key(
-        Resources, description="of each server", shown="`{cpus: 0, gpus: 0, memory: 0}`"
-    )
-    stub: Resources = key(
-        Resources, description="of each stub", shown="`{cpus: 0, gpus: 0, memory: 0}`"
-    )
+    server: Resources = key(default_factory=_helper, description="of each server")
+    stub: Resources = key(default_factory=_helper, description="of each stub")
 
     @model_validator(mode="before")
     @classmethod
@@ -110,7 +109,8 @@ class Topology(Section):
             return data
         data = {**data}
         for role in ("server", "stub"):
-            data[role] = _helper(data.get(role, {}))
+            if isinstance(data.get(role), dict):
+                data[role] = {"cpus": HELPER_CPUS, **data[role]}
         if data.get("preset") == "allreduce" and "n_servers" not in data:
             data["n_servers"] = data.get("workers_per_group", 1)
         return data
