@@ -52,23 +52,23 @@ def check_source(spec: dict[str, Any], where: tuple = ("data", "source")) -> Non
         allowed = ", ".join(sorted(kinds.SOURCES))
         raise ConfigError(f"{path((*where, 'kind'))}: {what}; allowed: {allowed}")
     model = kinds.SOURCES[kind]
-    forms = [(spec, where)]
+    _check_form(model, kind, spec, where)
     if issubclass(model, kinds.FileSource) and spec.get("test") is not None:
-        test = spec["test"]
-        if not isinstance(test, dict):
-            raise ConfigError(f"{path((*where, 'test'))}: expected a mapping, got {test!r}")
-        # checked after the spec itself, so what fails here is what its test keys change
-        forms.append((kinds.held_out_keys(spec), (*where, "test")))
-    for form, at in forms:
-        try:
-            model.model_validate(form)
-        except ValidationError as e:
-            missing = [x["loc"][0] for x in e.errors() if x["type"] == "missing"]
-            if missing:
-                raise ConfigError(
-                    f"{path(at)}: kind {kind!r} needs key(s) {missing}; got {sorted(form)}"
-                ) from None
-            raise ConfigError(explain(e, model, form, at=at)) from None
+        # after the spec itself (which checked that ``test`` is a mapping), so what fails here
+        # is what its test keys change
+        _check_form(model, kind, kinds.held_out_keys(spec), (*where, "test"))
+
+
+def _check_form(model: Any, kind: str, form: dict[str, Any], at: tuple) -> None:
+    try:
+        model.model_validate(form)
+    except ValidationError as e:
+        missing = [x["loc"][0] for x in e.errors() if x["type"] == "missing"]
+        if missing:
+            raise ConfigError(
+                f"{path(at)}: kind {kind!r} needs key(s) {missing}; got {sorted(form)}"
+            ) from None
+        raise ConfigError(explain(e, model, form, at=at)) from None
 
 
 def storable(path: str, v: Any) -> None:
