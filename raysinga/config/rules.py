@@ -71,23 +71,23 @@ def _check_form(model: Any, kind: str, form: dict[str, Any], at: tuple) -> None:
         raise ConfigError(explain(e, model, form, at=at)) from None
 
 
-def storable(path: str, v: Any) -> None:
+def storable(where: str, v: Any) -> None:
     """The job is stored in every checkpoint (msgpack): refuse at once what could not be stored
     there a run later, such as YAML's dates and integers beyond 64 bits."""
     if isinstance(v, dict):
         for k, x in v.items():
             if not isinstance(k, str):
-                raise ConfigError(f"{path or '(top level)'}: key {k!r} is not a name; quote it")
-            storable(f"{path}.{k}" if path else k, x)
+                raise ConfigError(f"{where or '(top level)'}: key {k!r} is not a name; quote it")
+            storable(f"{where}.{k}" if where else k, x)
     elif isinstance(v, (list, tuple)):
         for i, x in enumerate(v):
-            storable(f"{path}[{i}]", x)
+            storable(f"{where}[{i}]", x)
     elif isinstance(v, int) and not isinstance(v, bool):
         if not -(2**63) <= v <= 2**64 - 1:
-            raise ConfigError(f"{path}: {v} does not fit in 64 bits")
+            raise ConfigError(f"{where}: {v} does not fit in 64 bits")
     elif v is not None and not isinstance(v, (bool, float, str)):
         raise ConfigError(
-            f"{path}: YAML read {v} as a {type(v).__name__}, which a job file cannot hold; "
+            f"{where}: YAML read {v} as a {type(v).__name__}, which a job file cannot hold; "
             "quote it if you mean text"
         )
 
