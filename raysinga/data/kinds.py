@@ -260,7 +260,9 @@ def held_out_keys(spec: Mapping[str, Any]) -> dict[str, Any]:
 def has_split(spec: Mapping[str, Any], split: str) -> bool:
     """Whether ``load_dataset(spec, split)`` has data: built-in sets always do; files need a
     ``"test"`` entry for the test split."""
-    return split == "train" or spec.get("kind") in ("digits", "teacher", "text") or "test" in spec
+    kind = SOURCES.get(spec.get("kind"))
+    built_in = kind is not None and not issubclass(kind, FileSource)
+    return split == "train" or built_in or "test" in spec
 
 
 def load_dataset(spec: Mapping[str, Any], split: str = "train") -> Dataset:
@@ -269,8 +271,6 @@ def load_dataset(spec: Mapping[str, Any], split: str = "train") -> Dataset:
     The kinds and their keys are the spec models above (``docs/data.md`` lists them). Errors
     name the offending kind or key and what is allowed, because specs come from YAML.
     """
-    if not isinstance(spec, Mapping):
-        raise ValueError(f"a data set spec is a mapping, got {type(spec).__name__}")
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     where = "data set spec" if split == "train" else "data set spec with its 'test' entry"
