@@ -110,7 +110,6 @@ def check_nodes(timeout_s: float = PROBE_S) -> None:
     from ray.exceptions import GetTimeoutError, RayError  # noqa: PLC0415
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
 
-
     cloudpickle.register_pickle_by_value(node_probe)  # the node need not import it to run it
     task = ray.remote(num_cpus=0, max_retries=0)(node_probe.probe)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
