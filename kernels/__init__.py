@@ -29,6 +29,7 @@ OPS = (
     "activation_backward",
     "bias_act_forward",
     "bias_act_backward",
+    "matmul",
     "dense_forward",
     "dense_backward",
     "softmax_xent_forward",
@@ -90,6 +91,7 @@ activation_forward = _dispatch("activation_forward")
 activation_backward = _dispatch("activation_backward")
 bias_act_forward = _dispatch("bias_act_forward")
 bias_act_backward = _dispatch("bias_act_backward")
+matmul = _dispatch("matmul")
 dense_forward = _dispatch("dense_forward")
 dense_backward = _dispatch("dense_backward")
 softmax_xent_forward = _dispatch("softmax_xent_forward")

@@ -47,6 +47,17 @@ def check_dense(x, w, b) -> None:
     check_same_dtype(x=x, w=w, b=b)
 
 
+def readable(a) -> bool:
+    """Whether ``a``'s values may be read back to check them: not while a CUDA graph of a step
+    is being recorded (a read would end the capture). A graph's inputs are checked on the host
+    before they are staged (raysinga.run.graph_step)."""
+    if not type(a).__module__.startswith("cupy"):
+        return True
+    import cupy  # noqa: PLC0415 - only for CuPy arrays
+
+    return not cupy.cuda.get_current_stream().is_capturing()
+
+
 def check_labels(logits, labels) -> None:
     check_float("logits", logits)
     if logits.ndim != 2:
@@ -55,7 +66,11 @@ def check_labels(logits, labels) -> None:
         raise ValueError(f"labels of shape {labels.shape} do not match logits {logits.shape}")
     if labels.dtype.kind not in "iu":
         raise TypeError(f"labels must be integers, got {labels.dtype}")
-    if labels.size and (int(labels.min()) < 0 or int(labels.max()) >= logits.shape[1]):
+    if (
+        labels.size
+        and readable(labels)
+        and (int(labels.min()) < 0 or int(labels.max()) >= logits.shape[1])
+    ):
         raise ValueError(
             f"labels must lie in [0, {logits.shape[1]}), got range "
             f"[{int(labels.min())}, {int(labels.max())}]"
@@ -159,6 +174,15 @@ def check_token_ids(idx, vocab: int) -> None:
     """Integer ids in ``[0, vocab)``: a kernel would read outside the table otherwise."""
     if idx.dtype.kind not in "iu":
         raise ValueError(f"token indices must be integers, got {idx.dtype}")
-    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= vocab):
+    if idx.size and readable(idx) and (int(idx.min()) < 0 or int(idx.max()) >= vocab):
         bad = idx[(idx < 0) | (idx >= vocab)][0]
         raise ValueError(f"token index {int(bad)} is outside the vocabulary [0, {vocab})")
+
+
+def adam_step_values(
+    lr: float, t: int, betas: tuple[float, float], weight_decay: float
+) -> tuple[float, float, float]:
+    """Adam's scalars of step ``t`` in double: ``(decay, neg_step, bc2)``, the kernel's
+    arguments before they are rounded to the parameters' dtype."""
+    beta1, beta2 = betas
+    return 1 - lr * weight_decay, -(lr / (1 - beta1**t)), (1 - beta2**t) ** 0.5

@@ -79,6 +79,11 @@ def _bias_act_grads(dy: np.ndarray, y: np.ndarray, act: str) -> tuple[np.ndarray
     return bias_act_backward(dy, y, act)
 
 
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``a @ b`` (NumPy's matmul rules), written into ``out`` (any strides) where given."""
+    return np.matmul(a, b, out=out)
+
+
 def dense_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, act: str) -> np.ndarray:
     common.check_dense(x, w, b)
     common.check_activation(act)
@@ -244,13 +249,18 @@ def avgpool_backward(dy: np.ndarray, x_shape: tuple, k: int, stride: int, pad: i
 # ---------------------------------------------------------------- dropout (counter-based)
 
 
-def dropout_mask(x: np.ndarray, rate: float, key: int, sample_offset: int) -> np.ndarray:
+def dropout_mask(
+    x: np.ndarray, rate: float, key: int, sample_offset: int, key_offset: None = None
+) -> np.ndarray:
     """The scaled keep-mask for ``x``, whose first row is global sample ``sample_offset``.
 
     Element ``j`` of global sample ``s`` is kept iff the top 24 bits of
     ``mix64(key + (s * per_sample + j) * GOLDEN)`` are at least ``round(rate * 2**24)``; kept
     elements are scaled by ``1 / (1 - rate)``. ``key`` comes from :func:`common.dropout_key`.
+    ``key_offset`` is the GPU's (a device copy of the key and offset for a CUDA graph).
     """
+    if key_offset is not None:
+        raise ValueError("dropout_mask: key_offset (a device copy of the key) is for the GPU")
     check_float("x", x)
     thresh = dropout_threshold(rate)
     n = x.shape[0]

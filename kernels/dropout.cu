@@ -9,9 +9,17 @@ __device__ __forceinline__ unsigned long long mix64(unsigned long long z) {  // 
 
 // Element e has counter base + e (base = first sample's global index * elements per sample); it is
 // kept, with value scale, iff the top 24 bits of mix64(key + counter * golden) are >= thresh.
+// With key_offset (device memory: the key and the first sample's global index), those are read
+// there and base = key_offset[1] * per: a replayed CUDA graph draws the step's own mask.
 template <typename T>
 __device__ void dropout_mask(T* __restrict__ out, long long n, unsigned long long key,
-                             unsigned long long base, unsigned long long thresh, T scale) {
+                             unsigned long long base, unsigned long long thresh, T scale,
+                             const unsigned long long* __restrict__ key_offset,
+                             unsigned long long per) {
+  if (key_offset != nullptr) {
+    key = key_offset[0];
+    base = key_offset[1] * per;
+  }
   for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n;
        e += (long long)gridDim.x * blockDim.x) {
     const unsigned long long ctr = base + (unsigned long long)e;
@@ -21,10 +29,11 @@ __device__ void dropout_mask(T* __restrict__ out, long long n, unsigned long lon
 }
 
 #define ENTRY_POINTS(T, SUF)                                                                 \
-  extern "C" __global__ void dropout_mask_##SUF(T* out, long long n, unsigned long long key,  \
-                                                unsigned long long base,                     \
-                                                unsigned long long thresh, T scale) {        \
-    dropout_mask<T>(out, n, key, base, thresh, scale);                                       \
+  extern "C" __global__ void dropout_mask_##SUF(                                             \
+      T* out, long long n, unsigned long long key, unsigned long long base,                  \
+      unsigned long long thresh, T scale, const unsigned long long* key_offset,              \
+      unsigned long long per) {                                                              \
+    dropout_mask<T>(out, n, key, base, thresh, scale, key_offset, per);                      \
   }
 
 ENTRY_POINTS(float, f32)

@@ -18,7 +18,7 @@ import math
 import cupy
 import numpy as np
 
-from . import common
+from . import common, gpu_blas
 from .common import check_float, check_same_dtype, conv_out_size, dropout_threshold
 
 # The redundant aliases re-export: callers that know only this module keep finding the kernel
@@ -110,9 +110,23 @@ def bias_act_backward(
     return dz, _col_sum(dz)
 
 
+def matmul(a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray | None = None) -> cupy.ndarray:
+    """``a @ b`` (NumPy's matmul rules), written into ``out`` (any strides) where given: through
+    raysinga's own cuBLAS handle where CUDA graphs are on (``gpu_blas``: a graph can capture
+    it), else through CuPy's."""
+    if gpu_blas.active():
+        return gpu_blas.matmul(a, b, out)
+    if out is None:
+        return cupy.matmul(a, b)
+    if out.flags.c_contiguous:
+        return cupy.matmul(a, b, out=out)
+    out[...] = cupy.matmul(a, b)
+    return out
+
+
 def dense_forward(x: cupy.ndarray, w: cupy.ndarray, b: cupy.ndarray, act: str) -> cupy.ndarray:
     common.check_dense(x, w, b)
-    return bias_act_forward(x @ w, b, act)
+    return bias_act_forward(matmul(x, w), b, act)
 
 
 def dense_backward(
@@ -127,7 +141,7 @@ def dense_backward(
     """``(dx, dw, db)`` for ``y = act(x @ w + b)``; ``dx`` is None unless ``need_dx`` (a net's
     first layer skips a whole GEMM that way). ``dw`` is written into ``dw_out`` where given."""
     dz, db = bias_act_backward(dy, y, act)
-    return (dz @ w.T if need_dx else None), cupy.matmul(x.T, dz, out=dw_out), db
+    return (matmul(dz, w.T) if need_dx else None), matmul(x.T, dz, dw_out), db
 
 
 # ---------------------------------------------------------------- losses
@@ -144,8 +158,10 @@ def softmax_xent_forward(
     per_row = cupy.empty((n, 1), logits.dtype)
     kernel = get_kernel("softmax_xent.cu", "xent_fwd", logits.dtype)
     launch_blocks(kernel, n, logits, labels, probs, per_row, n, c)
-    loss = _col_sum(per_row)[0] / cupy.asarray(denom, dtype=logits.dtype)
-    return cupy.asarray(loss, dtype=logits.dtype), probs
+    # denom as a scalar of the logits' dtype (a kernel argument, not an upload a graph cannot
+    # capture): the division rounds as it did against a 0-d array of that dtype.
+    loss = _col_sum(per_row)[0] / logits.dtype.type(denom)
+    return loss.astype(logits.dtype, copy=False), probs
 
 
 def softmax_xent_backward(probs: cupy.ndarray, labels: cupy.ndarray, denom: float) -> cupy.ndarray:
@@ -208,7 +224,7 @@ def conv2d_forward(
     o, _, kh, kw = w.shape
     oh, ow = conv_out_size(h, kh, stride, pad), conv_out_size(wd, kw, stride, pad)
     cols = im2col(x, kh, kw, stride, pad)
-    z = bias_act_forward(cols @ w.reshape(o, -1).T, b, act)  # (n*oh*ow, o)
+    z = bias_act_forward(matmul(cols, w.reshape(o, -1).T), b, act)  # (n*oh*ow, o)
     return cupy.ascontiguousarray(z.reshape(n, oh, ow, o).transpose(0, 3, 1, 2)), cols
 
 
@@ -228,10 +244,10 @@ def conv2d_backward(
     y2 = y.transpose(0, 2, 3, 1).reshape(-1, o)
     dy2 = dy.transpose(0, 2, 3, 1).reshape(-1, o)
     dz, db = bias_act_backward(dy2, y2, act)
-    dw = (dz.T @ cols).reshape(w.shape)
+    dw = matmul(dz.T, cols).reshape(w.shape)
     if not need_dx:
         return None, dw, db
-    dx = col2im(dz @ w.reshape(o, -1), x_shape, kh, kw, stride, pad)
+    dx = col2im(matmul(dz, w.reshape(o, -1)), x_shape, kh, kw, stride, pad)
     return dx, dw, db
 
 
@@ -298,8 +314,12 @@ def avgpool_backward(
 # ---------------------------------------------------------------- dropout (counter-based)
 
 
-def dropout_mask(x: cupy.ndarray, rate: float, key: int, sample_offset: int) -> cupy.ndarray:
-    """The scaled keep-mask for ``x``, bit-identical to :func:`cpu.dropout_mask`."""
+def dropout_mask(
+    x: cupy.ndarray, rate: float, key: int, sample_offset: int, key_offset=None
+) -> cupy.ndarray:
+    """The scaled keep-mask for ``x``, bit-identical to :func:`cpu.dropout_mask`.
+    ``key_offset``: two uint64 in device memory, the key and the sample offset, read by the
+    kernel in place of ``key`` and ``sample_offset`` (a replayed CUDA graph's step)."""
     check_float("x", x)
     thresh = dropout_threshold(rate)
     n = x.shape[0]
@@ -308,7 +328,15 @@ def dropout_mask(x: cupy.ndarray, rate: float, key: int, sample_offset: int) -> 
     scale = x.dtype.type(1.0 / (1.0 - rate))  # rounded from float64, as cpu.py does
     counter0 = np.uint64(sample_offset * per)
     kernel = get_kernel("dropout.cu", "dropout_mask", x.dtype)
-    launch(kernel, out.size, out, out.size, np.uint64(key), counter0, np.uint64(thresh), scale)
+    if key_offset is not None and (
+        key_offset.dtype != np.uint64 or key_offset.size < 2 or not key_offset.flags.c_contiguous
+    ):
+        raise ValueError("key_offset must be 2 contiguous uint64 values on the device")
+    dev = 0 if key_offset is None else key_offset
+    launch(
+        kernel, out.size, out, out.size, np.uint64(key), counter0, np.uint64(thresh), scale,
+        dev, np.uint64(per),
+    )  # fmt: skip
     return out
 
 
@@ -353,7 +381,7 @@ def batchnorm_forward_infer(
         contiguous(mean, x.dtype),
         contiguous(var, x.dtype),
     )
-    inv_std = 1 / cupy.sqrt(var + cupy.asarray(eps, dtype=x.dtype))
+    inv_std = 1 / cupy.sqrt(var + x.dtype.type(eps))
     scale = contiguous(gamma * inv_std, x.dtype)
     y = cupy.empty_like(x)
     apply = get_kernel("batchnorm.cu", "bn_apply", x.dtype)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from .common import check_float
+from .common import adam_step_values, check_float
 from .gpu_launch import contiguous, get_kernel, launch
 
 
@@ -29,14 +29,26 @@ def _check_flat(name: str, a, **others) -> None:
             )
 
 
-def sgd_update(param, grad, buf, lr: float, momentum: float, weight_decay: float, nesterov: bool):
-    """One SGD step on ``param`` (and its momentum ``buf``, or None) in place, in one launch."""
+def sgd_update(
+    param,
+    grad,
+    buf,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    nesterov: bool,
+    step=None,
+):
+    """One SGD step on ``param`` (and its momentum ``buf``, or None) in place, in one launch.
+    ``step``: a float64 device array whose element 0 is the rate, read by the kernel in place of
+    ``lr`` (what a replayed CUDA graph needs: the rate of the step it runs)."""
     grad = contiguous(grad, param.dtype)
     _check_flat("param", param, grad=grad, **({} if buf is None else {"buf": buf}))
     t = param.dtype.type
     k = get_kernel("optim.cu", "sgd_update", param.dtype)
     args = (param, grad, 0 if buf is None else buf, param.size, t(lr), t(momentum))
-    launch(k, param.size, *args, t(weight_decay), int(buf is not None), int(nesterov))
+    flags = (int(buf is not None), int(nesterov))
+    launch(k, param.size, *args, t(weight_decay), *flags, _step_values(step, 1))
 
 
 def adam_update(
@@ -50,15 +62,18 @@ def adam_update(
     eps: float,
     weight_decay: float,
     decoupled: bool,
+    step=None,
 ) -> None:
     """One Adam (``decoupled``: AdamW) step ``t`` on ``param``, ``m`` and ``v`` in place, in one
-    launch. Scalars are computed in double and rounded to the dtype, as NumPy does."""
+    launch. Scalars are computed in double and rounded to the dtype, as NumPy does. ``step``: a
+    float64 device array holding what changes from step to step, :func:`adam_step_values`,
+    read by the kernel in place of ``lr`` and ``t`` (a replayed CUDA graph's step)."""
     grad = contiguous(grad, param.dtype)
     _check_flat("param", param, grad=grad, m=m, v=v)
     beta1, beta2 = betas
     T = param.dtype.type  # noqa: N806 - the kernel's T
     w = 1 - beta1
-    decay = 1 - lr * weight_decay
+    decay, neg_step, bc2 = adam_step_values(lr, t, betas, weight_decay)
     k = get_kernel("optim.cu", "adam_update", param.dtype)
     launch(
         k,
@@ -76,10 +91,20 @@ def adam_update(
         int(abs(w) >= 0.5),
         T(beta2),
         T(1 - beta2),
-        T(-(lr / (1 - beta1**t))),
-        T((1 - beta2**t) ** 0.5),
+        T(neg_step),
+        T(bc2),
         T(eps),
+        _step_values(step, 3),
     )
+
+
+def _step_values(step, n: int):
+    """A device array of at least ``n`` float64 values, or 0 (a null pointer) for None."""
+    if step is None:
+        return 0
+    if step.dtype != np.float64 or step.size < n or not step.flags.c_contiguous:
+        raise ValueError(f"step must be {n} contiguous float64 values on the device")
+    return step
 
 
 def weighted_sum(out, buffers: list, weights=None):

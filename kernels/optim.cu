@@ -10,11 +10,13 @@ __device__ __forceinline__ float k_sqrt(float x) { return sqrtf(x); }  // IEEE-r
 __device__ __forceinline__ double k_sqrt(double x) { return sqrt(x); }
 
 // SGD: g = grad (+ wd * p); buf = buf * momentum + g; g = nesterov ? g + momentum * buf : buf;
-// p = p - lr * g. has_buf = 0: no momentum slot (buf may be null).
+// p = p - lr * g. has_buf = 0: no momentum slot (buf may be null). With step (device memory),
+// lr = T(step[0]): the rate of the step a replayed CUDA graph runs, rounded as the argument is.
 template <typename T>
 __device__ void sgd_update(T* __restrict__ p, const T* __restrict__ grad, T* __restrict__ buf,
                            long long n, T lr, T momentum, T wd, long long has_buf,
-                           long long nesterov) {
+                           long long nesterov, const double* __restrict__ step) {
+  if (step != nullptr) lr = T(step[0]);
   for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n;
        e += (long long)gridDim.x * blockDim.x) {
     const T pe = p[e];
@@ -36,11 +38,17 @@ __device__ void sgd_update(T* __restrict__ p, const T* __restrict__ grad, T* __r
 //   m = lerp(m, g, w)                            (torch's two formulas, picked by lerp_hi)
 //   v = v * beta2 + ((1 - beta2) * g) * g
 //   p = p + (neg_step * m) / (sqrt(v) / bc2 + eps)
+// With step (device memory): decay, neg_step and bc2 = T(step[0]), T(step[1]), T(step[2]).
 template <typename T>
 __device__ void adam_update(T* __restrict__ p, const T* __restrict__ grad, T* __restrict__ m,
                             T* __restrict__ v, long long n, T decay, long long decoupled, T wd, T w,
                             T one_minus_w, long long lerp_hi, T beta2, T one_minus_beta2,
-                            T neg_step, T bc2, T eps) {
+                            T neg_step, T bc2, T eps, const double* __restrict__ step) {
+  if (step != nullptr) {
+    decay = T(step[0]);
+    neg_step = T(step[1]);
+    bc2 = T(step[2]);
+  }
   for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n;
        e += (long long)gridDim.x * blockDim.x) {
     T pe = p[e];
@@ -82,14 +90,15 @@ __device__ void weighted_sum(T* __restrict__ out, const unsigned long long* __re
 #define ENTRY_POINTS(T, SUF)                                                                       \
   extern "C" __global__ void sgd_update_##SUF(T* p, const T* grad, T* buf, long long n, T lr,      \
                                               T momentum, T wd, long long has_buf,                 \
-                                              long long nesterov) {                                \
-    sgd_update<T>(p, grad, buf, n, lr, momentum, wd, has_buf, nesterov);                           \
+                                              long long nesterov, const double* step) {            \
+    sgd_update<T>(p, grad, buf, n, lr, momentum, wd, has_buf, nesterov, step);                     \
   }                                                                                                \
   extern "C" __global__ void adam_update_##SUF(                                                    \
       T* p, const T* grad, T* m, T* v, long long n, T decay, long long decoupled, T wd, T w,       \
-      T one_minus_w, long long lerp_hi, T beta2, T one_minus_beta2, T neg_step, T bc2, T eps) {    \
+      T one_minus_w, long long lerp_hi, T beta2, T one_minus_beta2, T neg_step, T bc2, T eps,      \
+      const double* step) {                                                                        \
     adam_update<T>(p, grad, m, v, n, decay, decoupled, wd, w, one_minus_w, lerp_hi, beta2,         \
-                   one_minus_beta2, neg_step, bc2, eps);                                           \
+                   one_minus_beta2, neg_step, bc2, eps, step);                                     \
   }                                                                                                \
   extern "C" __global__ void weighted_sum_##SUF(T* out, const unsigned long long* ins,             \
                                                 const T* w, long long k, long long n) {            \

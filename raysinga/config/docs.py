@@ -15,7 +15,15 @@ from pydantic import BaseModel
 
 from raysinga.data import kinds
 
-from .job import CheckpointConfig, DataConfig, DivergenceConfig, FaultConfig, InitConfig, JobConfig
+from .job import (
+    CheckpointConfig,
+    DataConfig,
+    DivergenceConfig,
+    FaultConfig,
+    GpuConfig,
+    InitConfig,
+    JobConfig,
+)
 from .section import key_table, shown_default
 from .topology import Topology
 
@@ -27,6 +35,7 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "fault": FaultConfig,
     "divergence": DivergenceConfig,
     "init": InitConfig,
+    "gpu": GpuConfig,
 }
 
 BLOCK = re.compile(r"(<!-- keys: (?P<name>[\w.]+) -->\n)(?P<body>.*?)(<!-- /keys -->)", re.S)

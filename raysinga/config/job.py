@@ -232,6 +232,14 @@ class DivergenceConfig(Section):
     )
 
 
+class GpuConfig(Section):
+    graphs: bool = key(
+        False,
+        description="record each training step as a CUDA graph and replay it (the single-process "
+        "trainer on a GPU; `RAYSINGA_GPU_GRAPHS=1` or `0` overrides; see `docs/devices.md`)",
+    )
+
+
 def _model(v: Any) -> ModelSpec:
     if isinstance(v, ModelSpec):
         return v
@@ -295,6 +303,7 @@ class JobConfig(Section):
     device: Literal["auto", "cpu", "gpu"] = key(
         "auto", description="`auto`, `cpu` or `gpu` (see `docs/devices.md`)"
     )
+    gpu: GpuConfig = key(GpuConfig, shown="", description="how a GPU runs the steps (below)")
     model: Annotated[ModelSpec, PlainValidator(_model)] = key(
         description="the net: its input shape, layers and loss (below)"
     )

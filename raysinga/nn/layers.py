@@ -28,6 +28,9 @@ class StepContext:
     seed: int = 0
     step: int = 0
     sample_offset: int = 0  # index of the batch's first row within the global batch
+    # A step recorded as a CUDA graph (kernels.gpu_graph.StepValues): what depends on the step
+    # is read from device memory there, so that every replay uses its own step's values.
+    values: Any = None
 
 
 class Layer:
@@ -296,7 +299,16 @@ class Dropout(Layer):
             self._cache = (None,)
             return x
         key = K.dropout_key(ctx.seed, ctx.step, self.name)
-        mask = K.dropout_mask(x, float(self.opts["rate"]), key, ctx.sample_offset)
+        on_device = None
+        if ctx.values is not None:  # a replayed graph draws the mask of its own step
+            name = self.name
+            on_device = ctx.values.ints(
+                f"dropout/{name}",
+                2,
+                lambda _, c: (K.dropout_key(c.seed, c.step, name), c.sample_offset),
+            )
+        rate = float(self.opts["rate"])
+        mask = K.dropout_mask(x, rate, key, ctx.sample_offset, key_offset=on_device)
         self._cache = (mask,)
         return x * mask
 

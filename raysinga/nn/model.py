@@ -285,14 +285,16 @@ class Net:
         ctx: StepContext,
         denom: int | None = None,
         into: dict[str, Any] | None = None,
-    ) -> tuple[float, dict[str, Any], Any]:
+        on_device: bool = False,
+    ) -> tuple[Any, dict[str, Any], Any]:
         """``(loss, grads, output)``; the loss is summed over the batch and divided by ``denom``
         (default: the batch size). A worker of a group passes the group's batch size, so that the
         group's gradient is the plain sum of its workers' gradients. ``into``: see
-        :meth:`backward`."""
+        :meth:`backward`. The loss is a float, or with ``on_device`` the 0-d array where it was
+        computed (nothing waits for the GPU: a step recorded as a CUDA graph needs that)."""
         out = self.forward(params, state, x, ctx)
         loss, dout = self.loss_fn(out, y, len(x) if denom is None else denom)
-        return float(loss), self.backward(dout, into), out
+        return (loss if on_device else float(loss)), self.backward(dout, into), out
 
     def evaluate(self, params: dict, state: dict, x: Any, y: Any) -> tuple[float, float | None]:
         """``(mean loss, accuracy or None)`` on one batch in inference mode."""

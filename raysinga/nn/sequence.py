@@ -155,14 +155,6 @@ def _heads(proj: Any) -> tuple[Any, Any, Any]:
     return tuple(proj[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
 
 
-def _matmul_into(a: Any, b: Any, out: Any) -> None:
-    """``out[...] = a @ b``; NumPy's BLAS writes straight into a strided ``out``."""
-    if isinstance(out, np.ndarray):
-        np.matmul(a, b, out=out)
-    else:
-        out[...] = a @ b
-
-
 class Attention(Layer):
     """Multi-head causal self-attention over ``(T, dim)``: position ``t`` attends to positions
     ``0..t``. ``Wqkv`` (dim, 3 dim) projects to queries, keys and values (each split into
@@ -201,10 +193,10 @@ class Attention(Layer):
         # that the scores need no pass of their own; the backward pass scales dq the same way.
         qkv[:, :d] *= qkv.dtype.type(1.0 / math.sqrt(hd))
         q, k, v = _heads(qkv.reshape(n, t, 3, h, hd))
-        scores = xp.matmul(q, k.transpose(0, 1, 3, 2)).reshape(n * h, t, t)
+        scores = K.matmul(q, k.transpose(0, 1, 3, 2)).reshape(n * h, t, t)
         probs = K.causal_softmax_forward(scores, 1.0).reshape(n, h, t, t)
         merged = xp.empty((n, t, h, hd), x.dtype)
-        _matmul_into(probs, v, merged.transpose(0, 2, 1, 3))  # the heads side by side
+        K.matmul(probs, v, out=merged.transpose(0, 2, 1, 3))  # the heads side by side
         merged = merged.reshape(n * t, d)
         y = _dense(merged, p["Wo"], p["bo"])
         self._cache = (rows, qkv, q, k, v, probs, merged, y, p["Wqkv"], p["Wo"])
@@ -217,15 +209,15 @@ class Attention(Layer):
         d = h * hd
         dmerged, dwo, dbo = K.dense_backward(merged, wo, y, dy.reshape(n * t, d), "linear", True)
         dheads = dmerged.reshape(n, t, h, hd).transpose(0, 2, 1, 3)
-        dprobs = xp.matmul(dheads, v.transpose(0, 1, 3, 2))
+        dprobs = K.matmul(dheads, v.transpose(0, 1, 3, 2))
         dscores = K.causal_softmax_backward(
             dprobs.reshape(n * h, t, t), probs.reshape(n * h, t, t), 1.0
         ).reshape(n, h, t, t)
         dqkv = xp.empty((n, t, 3, h, hd), dy.dtype)  # laid out as the projection's output
         dq, dk, dv = _heads(dqkv)
-        _matmul_into(dscores, k, dq)
-        _matmul_into(dscores.transpose(0, 1, 3, 2), q, dk)  # q is scaled already
-        _matmul_into(probs.transpose(0, 1, 3, 2), dheads, dv)
+        K.matmul(dscores, k, out=dq)
+        K.matmul(dscores.transpose(0, 1, 3, 2), q, out=dk)  # q is scaled already
+        K.matmul(probs.transpose(0, 1, 3, 2), dheads, out=dv)
         dqkv = dqkv.reshape(n * t, 3 * d)
         dqkv[:, :d] *= dqkv.dtype.type(1.0 / math.sqrt(hd))
         dx, dwqkv, dbqkv = K.dense_backward(rows, wqkv, qkv, dqkv, "linear", self.need_dx)
@@ -314,7 +306,7 @@ class GRU(_Recurrent):
             dgx[:, step], dgh[:, step], direct = K.gru_cell_backward(
                 dh, xp.ascontiguousarray(saved[:, step]), xp.ascontiguousarray(hprev[:, step])
             )
-            dh = direct + xp.matmul(dgh[:, step], wh_t)
+            dh = direct + K.matmul(dgh[:, step], wh_t)
         return self._weights_backward(p, rows, gx, dgx, hprev, dgh)
 
 
@@ -356,7 +348,7 @@ class LSTM(_Recurrent):
                 xp.ascontiguousarray(cells[:, step]),
                 xp.ascontiguousarray(cells[:, step + 1]),
             )
-            dh = xp.matmul(dg[:, step], wh_t)
+            dh = K.matmul(dg[:, step], wh_t)
         return self._weights_backward(p, rows, gx, dg, hprev, dg)
 
 

@@ -68,3 +68,25 @@ def clip_grad_norm(grads: dict, max_norm: float) -> float:
         for name in sorted(grads):
             grads[name] *= coef
     return norm
+
+
+def clip_grad_norm_on_device(grads: dict, max_norm: float) -> Any:
+    """:func:`clip_grad_norm` without reading anything back to the host (a step recorded as a
+    CUDA graph cannot): the norm stays a 0-d float64 device array, and the factor, 1 where no
+    clipping is due (``x * 1`` is ``x``), multiplies every gradient. The squares are summed in
+    float64 in name order and the factor rounded to each gradient's dtype, as there."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm > 0:
+        raise ValueError(f"clip_grad_norm: max_norm must be a number > 0, got {max_norm!r}")
+    names = sorted(grads)
+    xp = get_array_module(*(grads[n] for n in names))
+    total = None
+    for name in names:
+        g64 = grads[name].astype(xp.float64, copy=False)
+        square = (g64 * g64).sum()
+        total = square if total is None else total + square
+    norm = xp.sqrt(total)
+    coef = max_norm / (norm + 1e-6)
+    coef = xp.where(coef < 1, coef, 1.0)  # a NaN norm clips nothing, as clip_grad_norm
+    for name in names:
+        grads[name] *= coef.astype(grads[name].dtype)
+    return norm

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from raysinga.kernels import get_array_module, to_numpy
+from raysinga.kernels.common import adam_step_values
 
 from .grads import BLOCK, chunks, on_threads, sum_into
 from .schedules import Schedule, make_schedule, schedule_from_state
@@ -95,10 +96,18 @@ class Optimizer:
     def _apply(self, xp: Any, param: Any, grad: Any, s: dict[str, Any], lr: float, t: int) -> None:
         raise NotImplementedError
 
-    def _fused(self, param: Any, grad: Any, s: dict[str, Any], lr: float, t: int) -> bool:
+    def _fused(
+        self, param: Any, grad: Any, s: dict[str, Any], lr: float, t: int, step: Any = None
+    ) -> bool:
         """Apply the update to a contiguous CuPy ``param`` in one fused kernel; False where this
-        optimizer has none (then ``_apply`` runs, as CuPy array operations)."""
+        optimizer has none (then ``_apply`` runs, as CuPy array operations). ``step``: the
+        values of :meth:`_step_values` in device memory, read in place of ``lr`` and ``t``."""
         return False
+
+    def _step_values(self, lr: float, t: int) -> tuple[float, ...]:
+        """What a fused kernel reads from device memory in a replayed CUDA graph: the values
+        that change from step to step (default: the rate)."""
+        return (lr,)
 
     # The factor on the schedule's rate, set by who runs the optimizer (a server of an
     # asynchronous topology: 1 / its groups, JobConfig.lr_scale); not part of the state.
@@ -108,12 +117,18 @@ class Optimizer:
         lr = self.schedule(step)
         return lr if self.lr_scale == 1.0 else lr * self.lr_scale
 
-    def update(self, step: int, name: str, param: Any, grad: Any, pool: Any = None) -> None:
+    def update(
+        self, step: int, name: str, param: Any, grad: Any, pool: Any = None, values: Any = None
+    ) -> None:
         """Update ``param`` in place; ``step`` is the global step (it picks the learning rate).
 
         With a thread pool (``concurrent.futures.Executor``), a large NumPy parameter is updated
         in contiguous chunks on several threads. Every optimizer here is element-wise, so the
         result is bit-identical to one pass; NumPy releases the GIL inside its loops.
+
+        ``values`` (a step recorded as a CUDA graph: ``kernels.gpu_graph.StepValues``): the rate
+        and what else changes from step to step are read from device memory, so that each
+        replay applies its own step's.
         """
         xp = get_array_module(param)
         _check_float(name, param)
@@ -125,8 +140,26 @@ class Optimizer:
         t = self.counts.get(name, 0) + 1
         slots, lr = self._slots.get(name, {}), self.lr(step)
         pieces = chunks(param.size, pool) if xp is np and param.flags.c_contiguous else []
-        if xp is not np and param.flags.c_contiguous and self._fused(param, grad, slots, lr, t):
+        on_device = None
+        if values is not None:
+            on_device = values.floats(
+                f"optimizer/{name}",
+                len(self._step_values(lr, t)),
+                lambda s, _: self._step_values(self.lr(s), self.counts.get(name, 0) + 1),
+            )
+        if (
+            xp is not np
+            and param.flags.c_contiguous
+            and self._fused(param, grad, slots, lr, t, on_device)
+        ):
             pass  # one fused kernel on the GPU, bit-identical to _apply
+        elif on_device is not None:  # CuPy array operations with the rate as a device value
+            if type(self)._step_values is not Optimizer._step_values:
+                raise RuntimeError(
+                    f"optimizer {self.name!r}: {name!r} (not contiguous) has no fused update "
+                    "that a CUDA graph can replay with each step's values"
+                )
+            self._apply(xp, param, grad, slots, on_device[:1].astype(param.dtype), t)
         elif len(pieces) > 1:
             p, g = param.reshape(-1), np.ascontiguousarray(grad).reshape(-1)
             flat = {k: v.reshape(-1) for k, v in slots.items()}
@@ -182,13 +215,22 @@ class Optimizer:
         if name not in self._ready:
             self._prepare(xp, name, param)
 
-    def update_all(self, step: int, params: dict, grads: dict, pool: Any = None) -> None:
+    def update_all(
+        self, step: int, params: dict, grads: dict, pool: Any = None, values: Any = None
+    ) -> None:
         """Update every parameter that has a gradient, in name order (deterministic)."""
         extra = sorted(set(grads) - set(params))
         if extra:
             raise KeyError(f"gradients for unknown parameter(s) {extra}")
         for name in sorted(grads):
-            self.update(step, name, params[name], grads[name], pool)
+            self.update(step, name, params[name], grads[name], pool, values)
+
+    def advance(self, names: Any) -> None:
+        """Count one update of each of ``names`` without computing it: a replayed CUDA graph
+        applied it (the host's step counts, which Adam's bias corrections and checkpoints
+        read, stay those of the updates done)."""
+        for name in names:
+            self.counts[name] = self.counts.get(name, 0) + 1
 
     def _initial_slot(self, xp: Any, slot: str, param: Any) -> Any:
         return xp.zeros_like(param)
@@ -292,12 +334,12 @@ class SGD(Optimizer):
             g = g + h["momentum"] * buf if h["nesterov"] else buf
         param -= lr * g
 
-    def _fused(self, param, grad, s, lr, t) -> bool:
+    def _fused(self, param, grad, s, lr, t, step=None) -> bool:
         from raysinga.kernels import gpu  # noqa: PLC0415 - CuPy, only for CuPy parameters
 
         h = self.hparams
         buf = s["momentum"] if h["momentum"] else None
-        gpu.sgd_update(param, grad, buf, lr, h["momentum"], h["weight_decay"], h["nesterov"])
+        gpu.sgd_update(param, grad, buf, lr, h["momentum"], h["weight_decay"], h["nesterov"], step)
         return True
 
 
@@ -407,7 +449,7 @@ class Adam(Optimizer):
         denom += h["eps"]
         param += -step_size * m / denom
 
-    def _fused(self, param, grad, s, lr, t) -> bool:
+    def _fused(self, param, grad, s, lr, t, step=None) -> bool:
         from raysinga.kernels import gpu  # noqa: PLC0415 - CuPy, only for CuPy parameters
 
         h = self.hparams
@@ -422,8 +464,13 @@ class Adam(Optimizer):
             h["eps"],
             h["weight_decay"],
             self.decoupled,
+            step,
         )
         return True
+
+    def _step_values(self, lr: float, t: int) -> tuple[float, ...]:
+        h = self.hparams
+        return adam_step_values(lr, t, h["betas"], h["weight_decay"])
 
 
 class AdamW(Adam):

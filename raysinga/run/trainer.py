@@ -34,6 +34,7 @@ from raysinga.optim.optimizers import make_optimizer
 from . import local_checkpoint
 from .divergence import Guard, chance_loss, describe_topology
 from .evaluate import evaluate_splits
+from .graph_step import GraphStep, graphs_mode
 from .session import RunSession, Start, check_start_options
 from .sources import verify_all
 
@@ -144,43 +145,68 @@ class Trainer:
             cfg.data.batch_size,
         )
         window_loss, window_steps, t0 = 0.0, 0, time.perf_counter()
+        graphs = self._graph_step(params, state)
+        grad_norm = None
+
+        def observe(done: list[tuple[int, float, float | None]]) -> None:
+            """The divergence guard and the display window take each step's loss in order."""
+            nonlocal window_loss, window_steps, grad_norm
+            for s, loss, norm in done:
+                level = guard.observe(s, loss, norm)
+                if level is not None:
+                    self.hub.emit(level)
+                window_loss, window_steps, grad_norm = window_loss + loss, window_steps + 1, norm
+
+        def settle() -> None:
+            """Every launched step observed and finished (before its values are read)."""
+            if graphs is not None:
+                observe(graphs.results(force=True))
+                graphs.synchronize()
+
         with recording(self.hub, self.run_dir, result, cfg.tensorboard):
             end = cfg.train_steps if self.until is None else self.until
             for step in range(first, end):
                 if session.stop_signal is not None:
+                    settle()
                     save(step, final=True)
                     raise session.preempted(step)
                 b = cursor.batch(step)
                 epoch, _ = self.plan.cursor(b)
                 x, y = self.train_data.get(self.plan.indices(b))
                 ctx = StepContext(train=True, seed=start.seed, step=b)
-                loss, grads, _ = self.net.loss_and_grads(
-                    params, state, self.net.prepare_input(x, xp), xp.asarray(y), ctx
-                )
-                grad_norm = clip_grad_norm(grads, cfg.clip_norm) if cfg.clip_norm else None
-                level = guard.observe(step, float(loss), grad_norm)
-                if level is not None:
-                    self.hub.emit(level)
                 lr = self.optimizer.lr(step)
-                self.optimizer.update_all(step, params, grads)
-                window_loss, window_steps = window_loss + loss, window_steps + 1
-
                 done = step + 1
-                if done % cfg.disp_freq == 0 or done == cfg.train_steps:
+                shown = done % cfg.disp_freq == 0 or done == cfg.train_steps
+                evaluated = cfg.evaluation_due(done) and self.splits.held_out()
+                if graphs is not None:
+                    graphs.step(step, ctx, x, y)
+                    if shown or evaluated or cfg.checkpoint_due(done) or done == end:
+                        settle()
+                    else:
+                        observe(graphs.results())
+                else:
+                    loss, grads, _ = self.net.loss_and_grads(
+                        params, state, self.net.prepare_input(x, xp), xp.asarray(y), ctx
+                    )
+                    norm = clip_grad_norm(grads, cfg.clip_norm) if cfg.clip_norm else None
+                    observe([(step, float(loss), norm)])
+                    self.optimizer.update_all(step, params, grads)
+
+                if shown:
                     dt = time.perf_counter() - t0
                     self.hub.emit(
                         TrainStep(
                             done,
                             cfg.train_steps,
                             epoch,
-                            window_loss / window_steps,
+                            window_loss / max(window_steps, 1),
                             lr,
                             window_steps * cfg.data.batch_size / max(dt, 1e-9),
                             grad_norm,
                         )
                     )
                     window_loss, window_steps, t0 = 0.0, 0, time.perf_counter()
-                if cfg.evaluation_due(done) and self.splits.held_out():
+                if evaluated:
                     metrics = evaluate_splits(
                         self.net, params, state, self.splits, cfg.data.eval_batch_size, xp
                     )
@@ -189,6 +215,7 @@ class Trainer:
                 if cfg.checkpoint_due(done):
                     save(done)
                     t0 = time.perf_counter()
+            settle()
             if end < cfg.train_steps:
                 save(end)  # stopped at `until`: a checkpoint to go on from
             else:
@@ -196,6 +223,28 @@ class Trainer:
         result.params = {k: K.to_numpy(v) for k, v in params.items()}
         result.state = {k: K.to_numpy(v) for k, v in state.items()}
         return result
+
+    def _graph_step(self, params: dict, state: dict) -> GraphStep | None:
+        """The GPU step as CUDA graphs where the job (``gpu.graphs``) or ``RAYSINGA_GPU_GRAPHS``
+        asks for them; None on the CPU (a notice says so where they were asked for). Kept as
+        ``self.graphs`` (its ``replays`` count the steps a graph ran)."""
+        mode = graphs_mode(self.cfg.gpu.graphs)
+        self.graphs = None
+        if mode == "off":
+            return None
+        if self.device != "gpu":
+            self.hub.notice("raysinga: gpu.graphs applies to GPU runs; this run is on the CPU")
+            return None
+        self.graphs = GraphStep(
+            self.net,
+            self.optimizer,
+            params,
+            state,
+            self.cfg.clip_norm,
+            self.hub.notice,
+            record=mode == "on",
+        )
+        return self.graphs
 
 
 def _resolve_device(want: str, notice: Callable[[str], None]) -> str:

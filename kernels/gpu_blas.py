@@ -1,0 +1,137 @@
+"""Matrix products through cuBLAS on a handle of raysinga's own, which a CUDA graph can capture.
+
+CuPy refuses every cuBLAS call while a stream captures (cupy/cupy#6290), although cuBLAS itself
+supports capture once the handle is bound to the capturing stream and given a workspace of its
+own (the cuBLAS documentation, "CUDA Graphs Support"). This module does exactly that through
+NVIDIA's nvmath-python bindings (``nvmath.bindings.cublas``): one handle per device, bound to the
+current stream before each call, with a fixed workspace allocated once and never freed, so that a
+captured product reads and writes the same memory at every replay. A product depends only on its
+shapes, the handle's settings and the workspace, so an uncaptured call and its captured replay
+give the same bits.
+
+:func:`matmul` takes what ``cupy.matmul`` takes in a training step: 2-d products, batches with
+broadcasting, operands that are transposed or strided views (read in place where cuBLAS can
+address them, copied otherwise), and an ``out`` that may itself be a strided view.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import cupy
+import numpy as np
+
+from .blas_plan import addressable, plan, writable
+
+# The workspace cuBLAS may use per call: 32 MiB is what its documentation recommends on Hopper
+# (4 MiB suffices before it); one per device, alive as long as the process.
+WORKSPACE_BYTES = 32 << 20
+
+_lock = threading.Lock()
+_handles: dict[int, _Handle] = {}
+_active = False
+
+
+def use(on: bool) -> None:
+    """Send the GPU ops' matrix products here (True) or to CuPy's (False, the default). A run
+    with CUDA graphs turns it on before its first step, so that the step it records and the
+    uncaptured steps before it compute the same products."""
+    global _active
+    _active = bool(on)
+
+
+def active() -> bool:
+    return _active
+
+
+def import_error() -> str | None:
+    """Why the bindings cannot be used here, or None."""
+    try:
+        from nvmath.bindings import cublas  # noqa: F401, PLC0415 - optional dependency
+    except Exception as e:  # ImportError, or a wheel that fails to load its libraries
+        return f"nvmath-python's cuBLAS bindings cannot be imported ({type(e).__name__}: {e})"
+    return None
+
+
+class _Handle:
+    """A cuBLAS handle of one device, its workspace and the stream it was last bound to."""
+
+    def __init__(self) -> None:
+        from nvmath.bindings import cublas  # noqa: PLC0415 - optional dependency
+
+        self.cublas = cublas
+        self.ptr = cublas.create()
+        self.workspace = cupy.empty(WORKSPACE_BYTES, dtype=cupy.uint8)
+        self.stream = None
+        # Host-pointer-mode scalars: read when a call is made (or captured), constant here.
+        self.one = {np.dtype(t): np.ones(1, t) for t in (np.float32, np.float64)}
+        self.zero = {np.dtype(t): np.zeros(1, t) for t in (np.float32, np.float64)}
+
+    def bind(self) -> None:
+        """Bind the handle to the current stream. cublasSetStream resets the workspace to the
+        library's pool, so the fixed one is set again after every change of stream."""
+        stream = cupy.cuda.get_current_stream().ptr
+        if stream != self.stream:
+            self.cublas.set_stream(self.ptr, stream)
+            self.cublas.set_workspace(self.ptr, self.workspace.data.ptr, WORKSPACE_BYTES)
+            self.stream = stream
+
+
+def _handle() -> _Handle:
+    dev = cupy.cuda.runtime.getDevice()
+    h = _handles.get(dev)
+    if h is None:
+        with _lock:
+            h = _handles.get(dev)
+            if h is None:
+                h = _handles[dev] = _Handle()
+    h.bind()
+    return h
+
+
+def matmul(a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray | None = None) -> cupy.ndarray:
+    """``a @ b`` (NumPy's matmul rules for arrays of at least two axes) through the capturable
+    handle; written into ``out`` where given (any strides), else into a new C-contiguous array.
+    float32 and float64. Operands cuBLAS cannot address as they lie are copied first (a copy a
+    graph captures like any kernel)."""
+    if a.ndim < 2 or b.ndim < 2:
+        raise ValueError(f"matmul needs operands of >= 2 axes, got {a.shape} and {b.shape}")
+    if a.dtype != b.dtype or a.dtype not in (np.float32, np.float64):
+        raise TypeError(f"matmul needs two float32 or two float64 arrays, got {a.dtype}, {b.dtype}")
+    m, k = a.shape[-2:]
+    if b.shape[-2] != k:
+        raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not align")
+    shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), m, b.shape[-1])
+    if out is None:
+        out = cupy.empty(shape, a.dtype)
+    elif out.shape != shape or out.dtype != a.dtype:
+        raise ValueError(f"matmul: out {out.shape} {out.dtype} is not {shape} {a.dtype}")
+    if out.size == 0:
+        return out
+    if k == 0:
+        out.fill(0)
+        return out
+    a = a if addressable(a) else cupy.ascontiguousarray(a)
+    b = b if addressable(b) else cupy.ascontiguousarray(b)
+    c = out if writable(out) else cupy.empty(shape, a.dtype)
+    h = _handle()
+    one, zero = h.one[a.dtype].ctypes.data, h.zero[a.dtype].ctypes.data
+    cb = h.cublas
+    single = cb.sgemm if a.dtype == np.float32 else cb.dgemm
+    batched = cb.sgemm_strided_batched if a.dtype == np.float32 else cb.dgemm_strided_batched
+    item = a.itemsize
+    for g in plan(a, b, c):
+        pa, pb, pc = (
+            x.data.ptr + off * item for x, off in ((a, g.a_off), (b, g.b_off), (c, g.c_off))
+        )
+        if g.batch == 1:
+            single(h.ptr, g.op_b, g.op_a, g.n, g.m, g.k, one, pb, g.ldb, pa, g.lda, zero, pc, g.ldc)
+        else:
+            batched(
+                h.ptr, g.op_b, g.op_a, g.n, g.m, g.k, one,
+                pb, g.ldb, g.b_stride, pa, g.lda, g.a_stride,
+                zero, pc, g.ldc, g.c_stride, g.batch,
+            )  # fmt: skip
+    if c is not out:
+        out[...] = c
+    return out
