@@ -23,6 +23,7 @@ from raysinga.kernels.cpu_threads import blas_threads
 from raysinga.nn.layers import StepContext
 from raysinga.nn.model import ModelSpec, Net
 from raysinga.run.evaluate import evaluate_splits
+from raysinga.run.graph_step import WorkerGraphStep
 
 from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, stable_copy
 from .device import WorkerDevice
@@ -115,9 +116,19 @@ class Worker(Abortable):
             self.node,
         )
         self.gpu: WorkerDevice | None = None  # device: "gpu" (a worker given GPUs)
+        self.graphs: WorkerGraphStep | None = None  # gpu.graphs: the step as a CUDA graph
         if spec.device == "gpu":
             self.gpu = WorkerDevice(shapes, spec.dtype, self.grads)
             self.state = {k: self.gpu.asarray(v) for k, v in self.state.items()}
+            if spec.graphs != "off":
+                self.graphs = WorkerGraphStep(
+                    self.net,
+                    self.state,
+                    self.gpu,
+                    spec.group_batch,
+                    lambda line: print(f"{self.label}: {line}", flush=True),
+                    spec.graphs,
+                )
         elif spec.device != "cpu":
             raise ValueError(f"device must be 'cpu' or 'gpu', got {spec.device!r}")
 
@@ -185,16 +196,31 @@ class Worker(Abortable):
         start = time.time()
         t0 = time.perf_counter()
         params = self.reader.read(sources)
-        if self.gpu is not None:
+        if self.gpu is not None and self.graphs is None:
             params = self.gpu.upload(params)
         t1 = time.perf_counter()
         b = self.batch_index(step)
         lo, _ = self.plan.slice_bounds(part, parts)
         x, y = self.train.get(self.plan.indices(b, part, parts))
+        ctx = StepContext(train=True, seed=self.seed, step=b, sample_offset=lo)
+        if self.graphs is not None:  # the upload is staged with the recorded step
+            loss = self.graphs.step(step, ctx, x, y, params)
+        else:
+            loss = self._eager(params, x, y, ctx)
+        t2 = time.perf_counter()
+        return {
+            "loss": loss,
+            "fetch": t1 - t0,
+            "compute": t2 - t1,
+            "start": start,
+            "end": time.time(),
+        }
+
+    def _eager(self, params: dict, x: Any, y: Any, ctx: StepContext) -> float:
+        """The step launched op by op; the gradients end in the shared buffer."""
         x = self.net.prepare_input(x)
         if self.gpu is not None:
             x, y = self.gpu.asarray(x), self.gpu.asarray(y)
-        ctx = StepContext(train=True, seed=self.seed, step=b, sample_offset=lo)
         into = None if self.gpu is not None else self.grads.arrays  # written in place there
         loss, grads, _ = self.net.loss_and_grads(
             params, self.state, x, y, ctx, self.group_batch, into
@@ -205,14 +231,7 @@ class Worker(Abortable):
             for k, g in grads.items():
                 if g is not self.grads.arrays[k]:
                     self.grads.arrays[k][...] = g
-        t2 = time.perf_counter()
-        return {
-            "loss": loss,
-            "fetch": t1 - t0,
-            "compute": t2 - t1,
-            "start": start,
-            "end": time.time(),
-        }
+        return loss
 
     @reports_role
     def evaluate(self, batch_size: int, *sources: ShmHandle | np.ndarray) -> dict[str, float]:

@@ -26,6 +26,7 @@ from raysinga.checkpoint import Checkpoint, CheckpointError
 from raysinga.data.cursor import DataCursor
 from raysinga.kernels.cpu_threads import compute_threads
 from raysinga.run import sources as run_sources
+from raysinga.run.graph_step import graphs_mode
 from raysinga.run.sources import Source
 from raysinga.run.state import worker_state
 
@@ -143,6 +144,7 @@ class RoleGroup:
             plan.worker_device,
             compute_threads(topo.worker.cpus),
             cfg.data.held_out(),
+            graphs_mode(cfg.gpu.graphs) if plan.worker_device == "gpu" else "off",
         )
 
     def describe(self) -> None:

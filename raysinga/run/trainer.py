@@ -242,7 +242,7 @@ class Trainer:
             state,
             self.cfg.clip_norm,
             self.hub.notice,
-            record=mode == "on",
+            mode,
         )
         return self.graphs
 

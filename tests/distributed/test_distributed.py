@@ -199,6 +199,22 @@ def test_gpu_workers_match_the_reference_and_repeat_bit_identically(
 
 
 @pytest.mark.gpu
+def test_gpu_workers_with_graphs_match_their_uncaptured_steps_bit_for_bit(
+    ray_session, tmp_path, monkeypatch
+):
+    """gpu.graphs in a distributed run: each GPU worker records its step and replays it; the
+    run ends with the bits of the same code run step by step (RAYSINGA_GPU_GRAPHS=uncaptured,
+    read by the driver and handed to the workers in their spec)."""
+    topo = "{workers_per_group: 2, worker: {cpus: 1, gpus: 0.25}, server: {cpus: 0, gpus: 0.25}}"
+    runs = {}
+    for mode in ("strict", "uncaptured"):
+        monkeypatch.setenv("RAYSINGA_GPU_GRAPHS", mode)
+        runs[mode] = DistributedTrainer(job(tmp_path / mode, topo), **QUIET).fit().params
+    for k, a in runs["strict"].items():
+        assert a.tobytes() == runs["uncaptured"][k].tobytes(), k
+
+
+@pytest.mark.gpu
 def test_a_gpu_server_matches_the_reference_and_resumes_bit_exact(ray_session, reference, tmp_path):
     """The server's optimizer on the GPU (fused kernels); a checkpoint copies its slots down
     asynchronously, and a run resumed from it ends with the same bits as an unbroken one."""
