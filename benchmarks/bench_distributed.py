@@ -25,6 +25,10 @@ servers' copies and the stub's replay log, which a lost server is rebuilt from
 
     python benchmarks/bench_distributed.py --spares-rounds 3 --warmup 80 --steps 100
     python benchmarks/bench_distributed.py --replay-rounds 3 --warmup 80 --steps 100
+
+``--device gpu`` compares one group of two GPU workers and a GPU server, sharing one GPU, with
+the single-process GPU run of the same job, both with CUDA graphs (``gpu.graphs``); goal: at
+least 0.85x the single process's samples/s.
 """
 
 from __future__ import annotations
@@ -70,11 +74,14 @@ def job(
     topology: dict | None,
     fault: dict | None = None,
     disp: int | None = None,
+    gpu: bool = False,
 ):
     from raysinga import config
 
+    on_gpu = {"device": "gpu", "gpu": {"graphs": True}} if gpu else {}
     return config.from_dict(
         {
+            **on_gpu,
             "fault": fault or {},
             "name": "bench",
             "seed": 0,
@@ -90,11 +97,23 @@ def job(
     )
 
 
-def bench_raysinga(xp, yp, steps, warmup, fault: dict | None = None, disp: int | None = None):
+# The GPU comparison's topology: two GPU workers and a GPU server sharing one device.
+GPU_TOPOLOGY = {
+    "workers_per_group": 2,
+    "n_servers": 1,
+    "worker": {"cpus": 1, "gpus": 0.25},
+    "server": {"cpus": 0, "gpus": 0.25},
+}
+
+
+def bench_raysinga(
+    xp, yp, steps, warmup, fault: dict | None = None, disp: int | None = None, gpu: bool = False
+):
     from raysinga.distributed import DistributedTrainer
 
-    topo = {"workers_per_group": 2, "n_servers": 1}
-    t = DistributedTrainer(job(xp, yp, steps, warmup, topo, fault, disp or 20), log=lambda s: None)
+    topo = GPU_TOPOLOGY if gpu else {"workers_per_group": 2, "n_servers": 1}
+    cfg = job(xp, yp, steps, warmup, topo, fault, disp or 20, gpu)
+    t = DistributedTrainer(cfg, log=lambda s: None)
     res = t.fit()
     # the warm-up's windows dropped (chunks end at display steps: with a short ``disp``, the
     # spares, spawned after the first chunk, have loaded before the timed steps)
@@ -104,11 +123,12 @@ def bench_raysinga(xp, yp, steps, warmup, fault: dict | None = None, disp: int |
     return {"samples_per_s": sps, "ms": ms}
 
 
-def bench_local(xp, yp, steps, warmup) -> dict:
+def bench_local(xp, yp, steps, warmup, gpu: bool = False) -> dict:
     from raysinga.run import Trainer
 
-    res = Trainer(job(xp, yp, steps, warmup, None), log=lambda s: None).fit()
-    timed = [r for r in res.history if r["kind"] == "train"][1:]
+    cfg = job(xp, yp, steps, warmup, None, disp=20 if gpu else None, gpu=gpu)
+    res = Trainer(cfg, log=lambda s: None).fit()
+    timed = [r for r in res.history if r["kind"] == "train" and r["step"] > warmup]
     return {"samples_per_s": np.mean([r["samples_per_s"] for r in timed])}
 
 
@@ -186,6 +206,13 @@ def main() -> None:
         "alternating, this many rounds each",
     )
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the three runs")
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="gpu: one group of two GPU workers and a GPU server sharing one GPU against the "
+        "single-process GPU run of the job, both with CUDA graphs (no Ray Train)",
+    )
     add_json_option(ap)
     args = ap.parse_args()
     import ray
@@ -205,6 +232,10 @@ def main() -> None:
             off, on = {"replay_steps": 0}, {"replay_steps": 20}
             what = "the servers' copies and the replay log"
             cost(*a, args.replay_rounds, what, off, on, report)
+            report.write(args.json)
+            return
+        if args.device == "gpu":
+            on_gpu(a, args.rounds, report)
             report.write(args.json)
             return
         runs: dict[str, list[dict]] = {"ours": [], "peer": [], "local": []}
@@ -249,6 +280,25 @@ def main() -> None:
         + ", ".join(f"{k} {statistics.median(m[k] for m in ms):.2f}" for k in ms[0])
     )
     report.write(args.json)
+
+
+def on_gpu(a: tuple, rounds: int, report: Report) -> None:
+    """The distributed run on one shared GPU against the single-process GPU run, round by
+    round. Goal: at least 0.85x the single process's samples/s."""
+    ours, local = [], []
+    for _ in range(rounds):
+        ours.append(bench_raysinga(*a, gpu=True)["samples_per_s"])
+        local.append(bench_local(*a, gpu=True)["samples_per_s"])
+    print(
+        f"MLP 784-1024-1024-10, global batch {BATCH}, on one GPU with CUDA graphs: 1 group x 2 "
+        f"GPU workers (0.25 GPU each) and a GPU server (0.25), against one process"
+    )
+    report.add(Figure("gpu: raysinga 1x2 workers + server, samples/s", ours, better="higher"))
+    report.add(Figure("gpu: raysinga single process, samples/s", local, better="higher"))
+    ratio = [x / y for x, y in zip(ours, local, strict=True)]
+    report.add(
+        Figure("gpu: ratio distributed / single process", ratio, "x", GOAL_VS_LOCAL, "higher")
+    )
 
 
 def cost(

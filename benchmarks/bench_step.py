@@ -18,6 +18,10 @@ noisy machine fall on both; it is printed with the lowest and highest of the rou
 ratios, and ``--json FILE`` writes every round. Goals: MLP at most 1.0x PyTorch's step time on
 the CPU and 0.9x on a GPU; CNN at most 1.2x on a GPU; charlm at most 1.2x on the CPU and on a
 GPU (PyTorch eager).
+
+On a GPU it then measures raysinga's step recorded as a CUDA graph (``gpu.graphs``) against
+PyTorch eager and ``torch.compile(mode="reduce-overhead")``, the three taking turns. Goals:
+MLP at most 0.35x eager and 0.5x compiled; CNN 0.35x and 0.7x; charlm 0.6x eager.
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ LR, MOMENTUM = 0.01, 0.9
 SETTLE_S = 0.5
 CNN_YAML = Path(__file__).resolve().parents[1] / "examples" / "digits_cnn.yaml"
 CHARLM_YAML = CNN_YAML.with_name("charlm.yaml")
+# The recorded GPU step's goals (gpu.graphs), against each GPU peer.
+GRAPH_GOALS = {
+    "mlp": {"eager": 0.35, "compiled": 0.5},
+    "cnn": {"eager": 0.35, "compiled": 0.7},
+    "charlm": {"eager": 0.6, "compiled": None},
+}
 
 
 def cnn_spec() -> tuple[dict, int]:
@@ -153,8 +163,34 @@ class Ours:
         return (time.perf_counter() - t0) / n
 
 
+class OursGraphs(Ours):
+    """raysinga's GPU step recorded as a CUDA graph and replayed (``gpu.graphs``): the batch is
+    staged from host memory at every step, as in a run (the peers' batches stay on the device),
+    and the losses are read back every few steps, as the trainer does."""
+
+    def __init__(self, device: str, data: list, spec: dict) -> None:
+        super().__init__(device, data, spec)
+        from raysinga.run.graph_step import GraphStep
+
+        self.host = data
+        self.graph = GraphStep(self.net, self.opt, self.params, self.state, None, print, "strict")
+
+    def steps(self, n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            x, y = self.host[self.t % len(self.host)]
+            self.graph.step(self.t, self.ctx, x, y)
+            self.t += 1
+        self.graph.results(force=True)
+        self.graph.synchronize()
+        return (time.perf_counter() - t0) / n
+
+
 class Torch:
-    def __init__(self, device: str, data: list, make) -> None:
+    """The PyTorch twin, eager; ``compiled``: under ``torch.compile(mode="reduce-overhead")``
+    (TorchInductor's kernels, replayed as CUDA graphs), the step compiled whole."""
+
+    def __init__(self, device: str, data: list, make, compiled: bool = False) -> None:
         import torch
 
         self.torch = torch
@@ -166,17 +202,24 @@ class Torch:
             (torch.from_numpy(x).to(self.dev), torch.from_numpy(y).to(self.dev)) for x, y in data
         ]
         self.t = 0
+        self._step = self._eager
+        if compiled:
+            self._step = torch.compile(self._eager, mode="reduce-overhead")
+
+    def _eager(self, x, y) -> None:
+        torch = self.torch
+        out = self.model(x)
+        loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
 
     def steps(self, n: int) -> float:
         torch = self.torch
         t0 = time.perf_counter()
         for _ in range(n):
             x, y = self.data[self.t % len(self.data)]
-            out = self.model(x)
-            loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            self.opt.step()
+            self._step(x, y)
             self.t += 1
         if self.dev.type == "cuda":
             torch.cuda.synchronize()
@@ -188,17 +231,40 @@ def compare(device: str, model: str, steps: int, rounds: int) -> tuple[list[floa
     spec_batch, shape, make = MODELS[model]
     spec, batch = spec_batch()
     data = batches(8, batch, shape, tokens=model == "charlm")
-    ours, peer = Ours(device, data, spec), Torch(device, data, make)
-    ours.steps(5), peer.steps(5)  # warm-up: allocations, kernel compilation, BLAS threads
-    t_ours, t_peer = [], []
+    sides = alternate([Ours(device, data, spec), Torch(device, data, make)], steps, rounds)
+    return sides[0], sides[1]
+
+
+def alternate(sides: list, steps: int, rounds: int, warm: int = 5) -> list[list[float]]:
+    """Seconds per step of each side in each round, the sides taking turns."""
+    for side in sides:
+        side.steps(warm)  # warm-up: allocations, kernel compilation, BLAS threads, graphs
+    times: list[list[float]] = [[] for _ in sides]
     for _ in range(rounds):
-        # Each side starts once the other's idle threads have stopped spinning (OpenBLAS's
-        # and OpenMP's spin for up to about 0.1 s after their last call): the cores are its own.
-        time.sleep(SETTLE_S)
-        t_ours.append(ours.steps(steps))
-        time.sleep(SETTLE_S)
-        t_peer.append(peer.steps(steps))
-    return t_ours, t_peer
+        for side, t in zip(sides, times, strict=True):
+            # Each side starts once the other's idle threads have stopped spinning (OpenBLAS's
+            # and OpenMP's spin for up to about 0.1 s after their last call): the cores are its
+            # own.
+            time.sleep(SETTLE_S)
+            t.append(side.steps(steps))
+    return times
+
+
+def compare_graphs(model: str, steps: int, rounds: int) -> dict[str, list[float]]:
+    """On the GPU: raysinga's recorded step against PyTorch eager and PyTorch compiled
+    (``None`` for compiled where torch.compile cannot run here), the rounds alternating."""
+    spec_batch, shape, make = MODELS[model]
+    spec, batch = spec_batch()
+    data = batches(8, batch, shape, tokens=model == "charlm")
+    sides = {"graphs": OursGraphs("gpu", data, spec), "eager": Torch("gpu", data, make)}
+    try:
+        compiled = Torch("gpu", data, make, compiled=True)
+        compiled.steps(3)  # compiles: minutes at most, once
+        sides["compiled"] = compiled
+    except Exception as e:  # no Triton, or a compiler error: say so, measure the rest
+        print(f"gpu: torch.compile not measured ({type(e).__name__}: {e})".splitlines()[0])
+    times = alternate(list(sides.values()), steps, rounds)
+    return dict(zip(sides, times, strict=True))
 
 
 def main() -> None:
@@ -268,6 +334,25 @@ def main() -> None:
                 value=statistics.median(ours) / statistics.median(peer),
             )
         )
+    if "gpu" in devices:
+        times = compare_graphs(a.model, a.steps, a.rounds)
+        ms = {k: [t * 1e3 for t in v] for k, v in times.items()}
+        report.add(Figure("gpu: raysinga step, CUDA graph", ms["graphs"], " ms"), ".3f")
+        if "compiled" in ms:
+            report.add(Figure("gpu: PyTorch step, torch.compile", ms["compiled"], " ms"), ".3f")
+        for peer, goal in GRAPH_GOALS[a.model].items():
+            if peer not in times:
+                continue
+            what = {"eager": "PyTorch eager", "compiled": "torch.compile reduce-overhead"}[peer]
+            report.add(
+                Figure(
+                    f"gpu: raysinga (graph) / {what} step time",
+                    [x / y for x, y in zip(times["graphs"], times[peer], strict=True)],
+                    "x",
+                    goal,
+                    value=statistics.median(times["graphs"]) / statistics.median(times[peer]),
+                )
+            )
     report.write(a.json)
 
 

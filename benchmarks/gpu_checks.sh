@@ -4,9 +4,11 @@
 #
 #     benchmarks/gpu_checks.sh [OUT] [SECONDS]
 #
-# In order of importance: the `gpu` tests, the kernel benchmark, the step benchmark's GPU side
-# (MLP, CNN, character model), then training with the GPU: the README's job on one process, a
-# distributed run with GPU workers and one with a GPU server too. Each part runs under its own
+# In order of importance: the CUDA graph tests, the `gpu` tests, the kernel benchmark, the step
+# benchmark's GPU side (MLP, CNN, character model; eager, recorded as CUDA graphs, and the
+# PyTorch peers eager and compiled), then training with the GPU: the README's job on one
+# process, a distributed run with GPU workers and one with a GPU server too, the job with
+# graphs, and the distributed benchmark on one shared GPU. Each part runs under its own
 # time limit (SECONDS, default 150; the tests get twice that) so one that hangs does not take
 # the others' time. Without a usable GPU it stops at once, saying why. Each part's output goes
 # to OUT (default gpu-results/) as NAME.log, with the benchmarks' figures as JSON files named as
@@ -48,6 +50,8 @@ if ! "$py" -c 'import sys; from raysinga.kernels import gpu_available; sys.exit(
   exit 1
 fi
 
+part graph-tests "$limit" "$py" -m pytest -q -m gpu -p no:cacheprovider \
+  tests/kernels/test_gpu_blas.py tests/run/test_graph_step.py --junitxml="$out/graph-tests.xml"
 part gpu-tests $((2 * limit)) "$py" -m pytest -q -m gpu -p no:cacheprovider --junitxml="$out/gpu-tests.xml"
 part bench-kernels "$limit" "$py" benchmarks/bench_kernels.py --json "$out/bench_kernels.json"
 for model in mlp cnn charlm; do
@@ -63,6 +67,10 @@ part train-gpu-workers "$limit" env RAYSINGA_DEVICE=gpu "$py" -m raysinga.cli tr
 part train-gpu-server "$limit" env RAYSINGA_DEVICE=gpu "$py" -m raysinga.cli train "$job" \
   --address local --set "run_dir=$runs/server" --set "topology.worker.gpus=0.25" \
   --set "topology.server.gpus=0.25"
+part train-local-graphs "$limit" env RAYSINGA_DEVICE=gpu RAYSINGA_GPU_GRAPHS=strict \
+  "$py" -m raysinga.cli train "$job" --local --set "run_dir=$runs/graphs"
+part bench-distributed-gpu "$limit" "$py" benchmarks/bench_distributed.py --device gpu \
+  --rounds 3 --json "$out/bench_distributed_gpu.json"
 rm -rf "$runs"
 echo "every part's log and figures: $out/ (summary: $out/summary.txt)"
 exit "$failed"

@@ -27,6 +27,8 @@ KERNELS = {
     "optim.cu": ("sgd_update", "adam_update", "weighted_sum"),
     "seq.cu": (
         "emb_fwd",
+        "emb_count",
+        "emb_order",
         "emb_bwd",
         "ln_fwd",
         "ln_bwd",

@@ -35,8 +35,13 @@ def embedding_backward(idx: cupy.ndarray, dy: cupy.ndarray, vocab: int) -> cupy.
     check_float("dy", dy)
     idx, dy = contiguous(idx, cupy.int64).reshape(-1), contiguous(dy)
     check_rows("dy", dy, dy.shape[1])
-    order = cupy.argsort(idx, kind="stable")  # each token's rows, in row order
-    starts = cupy.searchsorted(idx[order], cupy.arange(vocab + 1, dtype=cupy.int64))
+    # Each token's rows, in row order (a stable argsort by counting: a graph can record it).
+    counts = cupy.empty(vocab, cupy.int64)
+    launch(_kernel("emb_count", dy.dtype), vocab, idx, counts, idx.size, vocab)
+    starts = cupy.zeros(vocab + 1, cupy.int64)
+    cupy.cumsum(counts, out=starts[1:])
+    order = cupy.empty(idx.size, cupy.int64)
+    launch(_kernel("emb_order", dy.dtype), vocab, idx, starts, order, idx.size, vocab)
     dw = cupy.empty((vocab, dy.shape[1]), dy.dtype)
     launch(_kernel("emb_bwd", dy.dtype), dw.size, order, starts, dy, dw, vocab, dy.shape[1])
     return dw

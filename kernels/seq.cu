@@ -47,6 +47,30 @@ __device__ void emb_fwd(const long long* __restrict__ idx, const T* __restrict__
   GRID_STRIDE(i, m * d) { y[i] = w[idx[i / d] * d + i % d]; }
 }
 
+// counts[v] = the number of the m rows whose id is v (ids were checked to lie in [0, vocab)).
+// T is unused: every entry point of this file exists for both dtypes.
+template <typename T>
+__device__ void emb_count(const long long* __restrict__ idx, long long* __restrict__ counts,
+                          long long m, long long vocab) {
+  GRID_STRIDE(v, vocab) {
+    long long c = 0;
+    for (long long r = 0; r < m; ++r) c += idx[r] == v;
+    counts[v] = c;
+  }
+}
+
+// The rows grouped by id, each id's rows in row order from order[starts[v]] (a stable argsort,
+// without Thrust's sort, which synchronises the stream and so cannot be recorded in a graph).
+template <typename T>
+__device__ void emb_order(const long long* __restrict__ idx, const long long* __restrict__ starts,
+                          long long* __restrict__ order, long long m, long long vocab) {
+  GRID_STRIDE(v, vocab) {
+    long long o = starts[v];
+    for (long long r = 0; r < m; ++r)
+      if (idx[r] == v) order[o++] = r;
+  }
+}
+
 // dw[v, j] = sum of dy[order[k], j] for k in [starts[v], starts[v + 1]): order lists the rows
 // sorted by token, so each token's rows are summed by one thread, in row order.
 template <typename T>
@@ -262,6 +286,14 @@ __device__ void lstm_bwd(const T* __restrict__ dh_new, const T* __restrict__ dc_
   extern "C" __global__ void emb_bwd_##SUF(const long long* order, const long long* starts,     \
                                            const T* dy, T* dw, long long v, long long d) {      \
     emb_bwd<T>(order, starts, dy, dw, v, d);                                                    \
+  }                                                                                             \
+  extern "C" __global__ void emb_count_##SUF(const long long* idx, long long* counts,           \
+                                             long long m, long long vocab) {                      \
+    emb_count<T>(idx, counts, m, vocab);                                                        \
+  }                                                                                             \
+  extern "C" __global__ void emb_order_##SUF(const long long* idx, const long long* starts,      \
+                                             long long* order, long long m, long long vocab) {    \
+    emb_order<T>(idx, starts, order, m, vocab);                                                 \
   }                                                                                             \
   extern "C" __global__ void ln_fwd_##SUF(const T* x, const T* gamma, const T* beta, T* y,      \
                                           T* mean, T* rstd, long long m, long long f, T eps) {  \
