@@ -80,15 +80,75 @@ class StubSpec:
 @dataclass(frozen=True)
 class SummedGrads:
     """What a server on its stub's node sums its gradient from, in its own update: its
-    workers' gradient buffers (``parts``, in worker order, each laid out as the parameters),
-    and the stub's log rows (``rows``, :class:`~actors.replay.ReplayLog`), into whose row
-    ``step % n_rows`` it writes its slices of the sum, marking its share of the row in the same
-    file (the row is logged once every server's mark names the step). The stub's own pass over
-    the gradients, summing them, is saved."""
+    workers' gradient buffers (``parts``, in worker order, each laid out as the parameters and
+    then any state copies, :func:`worker_buffer_layout`), and the stub's log rows (``rows``,
+    :class:`~actors.replay.ReplayLog`), into whose row ``step % n_rows`` it writes its slices of
+    the sum, marking its share of the row in the same file (the row is logged once every
+    server's mark names the step). The stub's own pass over the gradients, summing them, is
+    saved."""
 
     parts: tuple[ShmHandle, ...]
     rows: ShmHandle
     n_rows: int
+
+
+# --------------------------------------------------------------------------- a worker's buffer
+
+STATE_TAGS = "~state/tags"
+
+
+def worker_buffer_layout(
+    shapes: dict[str, tuple[int, ...]], dtype: str, state_shapes: dict[str, tuple[int, ...]]
+) -> Layout:
+    """A worker's shared buffer: its gradient, laid out as the parameters (what the stub and
+    the servers sum: the first ``Layout.of(params).nbytes`` bytes), then, for a model with state
+    of its own (batch norm's running statistics), two copies of that state, each tagged with the
+    step whose start it is the state at (``STATE_TAGS``). They are written after each step in
+    turn, so the copy of the step before is whole while the next is written. A worker that
+    replaces a lost one takes the lost one's copy of the step its group redoes (from the stub,
+    which maps the buffer or keeps its latest snapshot); a live worker redoing a step takes its
+    own."""
+    arrays = {p: (s, dtype) for p, s in shapes.items()}
+    if state_shapes:
+        for slot in (0, 1):
+            arrays.update({_state_key(slot, n): (s, dtype) for n, s in state_shapes.items()})
+        arrays[STATE_TAGS] = ((2,), "int64")
+    return Layout.of(arrays)
+
+
+def gradient_layout(layout: Layout) -> Layout:
+    """A worker buffer's gradient part: ``layout`` without the state copies (the layout of the
+    parameters, as the stub's sum and its log's rows are laid out)."""
+    kept = [e for e in layout.entries if not e.name.startswith("~state")]
+    return Layout.of({e.name: (e.shape, e.dtype) for e in kept})
+
+
+def _state_key(slot: int, name: str) -> str:
+    return f"~state{slot}/{name}"
+
+
+def write_state_copy(views: dict[str, np.ndarray], state: dict[str, np.ndarray], at: int) -> None:
+    """Copy ``state`` into the slot of step ``at`` (the state at that step's start); the tag
+    says "being written" until the copy is whole."""
+    slot = at % 2
+    tags = views[STATE_TAGS]
+    tags[slot] = -1
+    for n, a in state.items():
+        views[_state_key(slot, n)][...] = a
+    tags[slot] = at
+
+
+def read_state_copy(views: dict[str, np.ndarray], names: Sequence[str], at: int) -> dict | None:
+    """The state copied for the start of step ``at``, or None where neither slot holds it."""
+    if STATE_TAGS not in views:
+        return None
+    tags = views[STATE_TAGS]
+    for slot in (0, 1):
+        if int(tags[slot]) == at:
+            out = {n: np.array(views[_state_key(slot, n)], copy=True) for n in names}
+            if int(tags[slot]) == at:  # not rewritten while it was read
+                return out
+    return None
 
 
 # --------------------------------------------------------------------------- doorbell messages

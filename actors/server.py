@@ -30,7 +30,7 @@ from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, UpdateGu
 from .device import ServerDevice
 from .doorbell import Abortable, Steps
 from .errors import reports_role
-from .protocol import ServerDone, ServerSpec, SummedGrads, Wiring, node_id
+from .protocol import ServerDone, ServerSpec, SummedGrads, Wiring, gradient_layout, node_id
 from .replay import CopyBuffer, ServerCopies
 from .snapshots import Snapshots
 
@@ -372,7 +372,7 @@ class SumViews:
         let go)."""
         self._maps.keep_only({h.path for h in src.parts})
         self._rows.keep_only({src.rows.path})
-        layout = src.parts[0].layout  # the parameters', as every part and row is laid out
+        layout = gradient_layout(src.parts[0].layout)  # as every part and row is laid out
         workers = [_mine(self._maps.views(h), slices) for h in src.parts]
         self.parts = {s.name: [w[s.name] for w in workers] for s in slices}
         log = self._rows.views(src.rows)

@@ -29,8 +29,10 @@ from .protocol import (
     StubSpec,
     SummedGrads,
     node_id,
+    read_state_copy,
     server_layouts,
     server_slices,
+    worker_buffer_layout,
 )
 from .replay import ReplayLog
 
@@ -80,6 +82,8 @@ class Stub:
         self.bells: GroupBells | None = None
         self.chunks = 0  # chunks served through doorbells: numbers each chunk's go messages
         # each step's summed gradient, and the servers' copies: what a lost server is rebuilt from
+        self.shapes, self.dtype = spec.shapes, dtype
+        self._snaps: dict[int, np.ndarray] = {}  # the latest snapshot of each remote worker
         self.log = ReplayLog(
             self.count,
             dtype,
@@ -98,6 +102,10 @@ class Stub:
         from, and (one synchronous group entirely on this node) the doorbells."""
         self.workers = workers
         self.worker_handles = [w["handle"] for w in worker_infos]
+        self.worker_state = [w.get("state", {}) for w in worker_infos]
+        for i, w in enumerate(worker_infos):  # mapped now: the map outlives a lost worker's file
+            if self.worker_state[i] and w["node"] == self.node:
+                self._att.flat(self.worker_handles[i])
         self.snapshot = [w["node"] != self.node for w in worker_infos]
         # For each worker and server: the server's shared buffer when they share a node, else
         # None, filled each step with the server's latest snapshot ref.
@@ -159,6 +167,24 @@ class Stub:
         return self.log.rebuild(k, server, target, self.avg.layout, self.slices, lay)
 
     @reports_role
+    def worker_state(self, i: int, at: int) -> dict[str, np.ndarray] | None:
+        """Worker ``i``'s copy of its state at the start of step ``at`` (batch norm's running
+        statistics), from its buffer (mapped here, and alive after its process) or, for a
+        worker on another node, its latest snapshot; None where there is none. Asked for
+        before the group is rewired, so ``i`` still names the lost worker."""
+        names = list(self.worker_state[i])
+        if not names:
+            return {}
+        if self.snapshot[i]:
+            raw = self._snaps.get(i)
+            if raw is None:
+                return None
+        else:
+            raw = self._att.flat(self.worker_handles[i])
+        layout = worker_buffer_layout(self.shapes, self.dtype, self.worker_state[i])
+        return read_state_copy(layout.views(raw), names, at)
+
+    @reports_role
     def replay_sizes(self) -> dict[str, int]:
         return self.log.sizes()
 
@@ -197,6 +223,7 @@ class Stub:
                 outs = self._call_workers(step)
             t1 = time.time()
             grads = [self._grad_flat(i, snap) for i, (_, snap) in enumerate(outs)]
+            self._snaps.update({i: snap for i, (_, snap) in enumerate(outs) if snap is not None})
             on_threads(self.pool, functools.partial(self._sum, self.avg_flat, grads), self.ranges)
             norm = clip_grad_norm(self.avg.arrays, self.clip_norm) if self.clip_norm else None
             t2 = time.time()

@@ -29,7 +29,16 @@ from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, stable_c
 from .device import WorkerDevice
 from .doorbell import Abortable, Steps
 from .errors import reports_role
-from .protocol import Wiring, WorkerDone, WorkerSpec, node_id, server_layouts
+from .protocol import (
+    Wiring,
+    WorkerDone,
+    WorkerSpec,
+    node_id,
+    read_state_copy,
+    server_layouts,
+    worker_buffer_layout,
+    write_state_copy,
+)
 from .slicing import Slice
 
 
@@ -110,11 +119,15 @@ class Worker(Abortable):
             shapes, spec.slices, spec.n_servers, spec.dtype, consistent=spec.n_groups > 1
         )
         self.node = node_id()
+        self.state_shapes = self.net.state_shapes()
         self.grads = SharedBuffer(
             f"{spec.tag}-g{spec.group}w{spec.index}",
-            Layout.of({p: (s, spec.dtype) for p, s in shapes.items()}),
+            worker_buffer_layout(shapes, spec.dtype, self.state_shapes),
             self.node,
         )
+        # The step whose start the state in memory is the state at: None where it is right for
+        # whatever step comes next (a fresh or restored worker), -1 where a step was cut short.
+        self.state_at: int | None = None
         self.gpu: WorkerDevice | None = None  # device: "gpu" (a worker given GPUs)
         self.graphs: WorkerGraphStep | None = None  # gpu.graphs: the step as a CUDA graph
         if spec.device == "gpu":
@@ -137,7 +150,7 @@ class Worker(Abortable):
 
     @reports_role
     def describe(self) -> dict[str, Any]:
-        return {"node": self.node, "handle": self.grads.handle()}
+        return {"node": self.node, "handle": self.grads.handle(), "state": self.state_shapes}
 
     def batch_index(self, step: int) -> int:
         """Groups take turns through one data order, so no two groups train on one batch."""
@@ -162,6 +175,7 @@ class Worker(Abortable):
                 raise ValueError(f"worker state {k!r} does not fit this model")
             self.state[k][...] = v if self.gpu is None else self.gpu.asarray(v)
         self.cursor = cursor
+        self.state_at = None
 
     @reports_role
     def compute(
@@ -195,6 +209,8 @@ class Worker(Abortable):
     def _compute(self, step: int, part: int, parts: int, sources: tuple) -> dict[str, float]:
         start = time.time()
         t0 = time.perf_counter()
+        if self.state_shapes:
+            self._state_for(step)
         params = self.reader.read(sources)
         if self.gpu is not None and self.graphs is None:
             params = self.gpu.upload(params)
@@ -207,6 +223,9 @@ class Worker(Abortable):
             loss = self.graphs.step(step, ctx, x, y, params)
         else:
             loss = self._eager(params, x, y, ctx)
+        if self.state_shapes:
+            write_state_copy(self.grads.arrays, self._host_state(), step + 1)
+            self.state_at = step + 1
         t2 = time.perf_counter()
         return {
             "loss": loss,
@@ -215,6 +234,28 @@ class Worker(Abortable):
             "start": start,
             "end": time.time(),
         }
+
+    def _state_for(self, step: int) -> None:
+        """The state at the start of ``step``: as it is, or (a step done again after a loss
+        in the group, or one cut short) the copy this worker made of it."""
+        if self.state_at is None:  # fresh or restored: what is in memory is this step's
+            write_state_copy(self.grads.arrays, self._host_state(), step)
+            self.state_at = step
+        if self.state_at == step:
+            self.state_at = -1  # until this step is done
+            return
+        copy = read_state_copy(self.grads.arrays, list(self.state_shapes), step)
+        if copy is None:
+            raise RuntimeError(
+                f"worker {self.label}: no copy of its state at step {step} (it stands at "
+                f"{self.state_at}): the step cannot be redone exactly"
+            )
+        for k, v in copy.items():
+            self.state[k][...] = v if self.gpu is None else self.gpu.asarray(v)
+        self.state_at = -1
+
+    def _host_state(self) -> dict[str, np.ndarray]:
+        return {k: to_numpy(v) for k, v in self.state.items()}
 
     def _eager(self, params: dict, x: Any, y: Any, ctx: StepContext) -> float:
         """The step launched op by op; the gradients end in the shared buffer."""

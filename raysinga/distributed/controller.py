@@ -281,13 +281,9 @@ class Controller:
     def _replaceable(self) -> bool:
         """Whether a lost worker or stub of this run can be replaced alone (and, in a
         synchronous run (one group) with CPU servers and ``fault.replay_steps``, a lost
-        server rebuilt): workers without state of their own (batch-norm statistics) on the
-        CPU, and ``fault.recovery: replace``."""
-        return (
-            self.cfg.fault.recovery == "replace"
-            and not self.plan.state_names
-            and self.plan.worker_device == "cpu"
-        )
+        server rebuilt): workers on the CPU (with or without state of their own, which each
+        copies after every step), and ``fault.recovery: replace``."""
+        return self.cfg.fault.recovery == "replace" and self.plan.worker_device == "cpu"
 
     def _replace(self, rec: dict[str, Any], t0: float) -> bool:
         """Replace a lost worker or stub alone, or rebuild a lost server from its copy and

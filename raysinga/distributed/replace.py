@@ -1,10 +1,13 @@
 """A lost worker, stub or server of a synchronous group, replaced alone while every other role
 keeps its process, buffers and state.
 
-Workers and stubs hold no training state: a worker's batch and randomness are functions of
-seed, step and part, and a stub's buffer holds one step's summed gradient. So the group needs
-only a new role in the lost one's place, and redoes the step it was interrupted in from the
-servers' update count. A server holds state: a new one is rebuilt from the copy of the lost
+A worker's batch and randomness are functions of seed, step and part, and a stub's buffer holds
+one step's summed gradient. A worker's own state (batch norm's running statistics) is copied
+into its shared buffer after every step, tagged with the step it is the state at the start of
+(:func:`actors.protocol.worker_buffer_layout`); the stub maps that buffer. So the group needs
+only a new role in the lost one's place, started from the lost worker's copy, and redoes the
+step it was interrupted in from the servers' update count (its live workers take their own
+copies of that step back). A server holds state: a new one is rebuilt from the copy of the lost
 one that the group's stub keeps, and the summed gradients the stub logged since
 (:mod:`actors.replay`). Starting a role costs a Python process, its imports and its copy of the
 data (about a second on two loaded cores), so each group keeps a spare worker, a spare stub and
@@ -122,10 +125,10 @@ class Replacer:
         roles.replaced = True  # the lost roles' shared files go at shutdown, by tag
         new_servers = {k: self._new_server(k) for k in lost_servers}  # they start meanwhile
         roles.spares += new_servers.values()  # stopped with the others, whatever comes next
+        new_workers = {}
         for i in lost:
             worker, info = self._take_worker(g, i, roles.worker_infos[g][i]["node"], timeout_s)
-            roles.workers[g][i], roles.worker_infos[g][i] = worker, info
-            get_all([worker.restore.remote({}, cursor)], "worker", g)
+            new_workers[i] = (worker, info)
         t2 = time.perf_counter()
         replayed = self._rebuild(g, new_servers, timeout_s) if new_servers else 0
         if replayed is None:
@@ -135,6 +138,20 @@ class Replacer:
         at = self._sync_position() if sync else self._async_position(g, done)
         if at is None:
             return None
+        # A new worker starts from the lost one's state at the step the group redoes (batch
+        # norm's running statistics, copied after every step into its buffer, which the stub
+        # maps); a stub lost too took that with it.
+        with_state = bool(roles.plan.state_names) and bool(lost)
+        if with_state and stub_lost:
+            return None
+        for i, (worker, info) in new_workers.items():
+            state = {}
+            if with_state:
+                state = get_all([roles.stubs[g].worker_state.remote(i, at)], "stub", g)[0]
+                if state is None:
+                    return None
+            get_all([worker.restore.remote(state, cursor)], "worker", g)
+            roles.workers[g][i], roles.worker_infos[g][i] = worker, info
         roles.publish_where_read()
         stub = self._take_stub(g, timeout_s) if stub_lost else roles.stubs[g]
         if stub_lost:

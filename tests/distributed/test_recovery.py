@@ -142,6 +142,47 @@ def test_a_killed_role_is_recovered_bit_exact(straight, tmp_path, role, recovery
         assert not list(Path("/dev/shm").glob(f"raysinga-{tag}-*")), tag
 
 
+BN_JOB = JOB.replace(
+    "    - {kind: dropout, name: drop, rate: 0.1}",
+    "    - {kind: batchnorm, name: bn}\n    - {kind: dropout, name: drop, rate: 0.1}",
+)
+
+
+@pytest.fixture(scope="module")
+def straight_bn(tmp_path_factory):
+    start_ray()
+    d = tmp_path_factory.mktemp("straight-bn")
+    return d, DistributedTrainer(load_job(d, BN_JOB), log=lambda line: None).fit()
+
+
+def final_state(run_dir: Path) -> dict[str, bytes]:
+    """Every worker's batch-norm statistics in the run's last checkpoint."""
+    ck = Checkpoint.open(run_dir / "checkpoints" / f"step-{steps(run_dir / 'checkpoints')[-1]}")
+    return {n: ck.array(n).tobytes() for n in ck.names("state")}
+
+
+@pytest.mark.parametrize("role", ["worker", "stub"])
+def test_a_role_of_a_group_with_batch_norm_is_replaced_alone_bit_exact(straight_bn, tmp_path, role):
+    """Workers with state of their own (batch norm's running statistics, and dropout): a
+    worker or the stub SIGKILLed at step 15 is replaced alone, nothing rolled back. The new
+    worker starts from the lost one's copy of its statistics at the step the group redoes,
+    the live worker takes its own copy of that step back, and the run ends with the
+    parameters and every worker's statistics of an uninterrupted run."""
+    ref_dir, ref = straight_bn
+    t = DistributedTrainer(load_job(tmp_path, BN_JOB), log=None)
+    hook, fired = kill_at(t, role, 15)
+    t.hub.subscribe(hook)
+    res = t.fit()
+    assert fired, "the kill never fired"
+    (ev,) = events(tmp_path)
+    assert (ev["role"], ev["recovery"], ev["rolled_back"]) == (role, "replaced", 0), ev
+    assert ev["steps_redone"] <= 1, ev
+    for k, a in ref.params.items():
+        assert res.params[k].tobytes() == a.tobytes(), k
+    want = final_state(ref_dir)
+    assert any("bn" in n for n in want) and final_state(tmp_path) == want
+
+
 class KilledInRecoveryServer(ParamServer):
     """Counts its incarnations in a file; the second (the relaunch after the first loss)
     SIGKILLs itself when first asked whether it is up, while the driver recovers."""
