@@ -25,6 +25,7 @@ KERNELS = {
     "dropout.cu": ("dropout_mask",),
     "batchnorm.cu": ("bn_stats", "bn_apply", "bn_bwd_reduce", "bn_bwd_dx"),
     "optim.cu": ("sgd_update", "adam_update", "weighted_sum"),
+    "precision.cu": ("to_bf16", "from_bf16"),
     "seq.cu": (
         "emb_fwd",
         "emb_count",
