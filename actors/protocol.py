@@ -60,6 +60,7 @@ class WorkerSpec:
     blas_threads: int = 1  # kernels.cpu_threads.compute_threads of the worker's CPUs
     validation: dict[str, Any] | None = None  # data.validation: held out of the training split
     graphs: str = "off"  # a GPU worker's steps as CUDA graphs: run.graph_step.graphs_mode
+    precision: str = "f32"  # the matrix products' precision.compute (kernels.precision)
 
 
 @dataclass(frozen=True)

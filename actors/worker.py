@@ -16,7 +16,7 @@ import numpy as np
 from raysinga.data import BatchPlan
 from raysinga.data.cursor import DataCursor
 from raysinga.data.splits import open_splits
-from raysinga.kernels import to_numpy
+from raysinga.kernels import precision, to_numpy
 from raysinga.kernels.cpu_memory import retain_freed_memory
 from raysinga.kernels.cpu_sched import batch_scheduling
 from raysinga.kernels.cpu_threads import blas_threads
@@ -30,6 +30,7 @@ from .device import WorkerDevice
 from .doorbell import Abortable, Steps
 from .errors import reports_role
 from .protocol import (
+    STATE_TAGS,
     Wiring,
     WorkerDone,
     WorkerSpec,
@@ -104,6 +105,7 @@ class Worker(Abortable):
     def __init__(self, spec: WorkerSpec) -> None:
         # For this process's life: the single-process run of the job uses the same count.
         self._blas = blas_threads(spec.blas_threads)
+        precision.use(spec.precision)  # for this process's life, as the BLAS threads
         retain_freed_memory()  # each step's temporaries reuse the last step's pages
         self.index, self.group, self.seed = spec.index, spec.group, spec.seed
         self.label = f"{spec.tag} g{spec.group}w{spec.index}"  # the run (name and id), the role
@@ -128,6 +130,8 @@ class Worker(Abortable):
         # The step whose start the state in memory is the state at: None where it is right for
         # whatever step comes next (a fresh or restored worker), -1 where a step was cut short.
         self.state_at: int | None = None
+        if self.state_shapes:  # no copy yet (a zero-filled tag would name step 0)
+            self.grads.arrays[STATE_TAGS][...] = -1
         self.gpu: WorkerDevice | None = None  # device: "gpu" (a worker given GPUs)
         self.graphs: WorkerGraphStep | None = None  # gpu.graphs: the step as a CUDA graph
         if spec.device == "gpu":

@@ -58,6 +58,8 @@ for model in mlp cnn charlm; do
   part "bench-step-$model" "$limit" "$py" benchmarks/bench_step.py --model "$model" \
     --device gpu --rounds 3 --json "$out/bench_step_${model}_gpu.json"
 done
+part bench-precision $((2 * limit)) "$py" benchmarks/bench_precision.py --rounds 3 \
+  --json "$out/bench_precision.json"
 runs=$(mktemp -d)
 job=examples/digits_mlp.yaml
 part train-local "$limit" env RAYSINGA_DEVICE=gpu "$py" -m raysinga.cli train "$job" --local \

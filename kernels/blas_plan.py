@@ -14,6 +14,16 @@ import numpy as np
 N, T = 0, 1  # cublasOperation_t
 
 
+def binding_error() -> str | None:
+    """Why NVIDIA's cuBLAS bindings (nvmath-python) cannot be used here, or None. Imports
+    neither CuPy nor a CUDA library beyond the bindings' module."""
+    try:
+        from nvmath.bindings import cublas  # noqa: F401, PLC0415 - optional dependency
+    except Exception as e:  # ImportError, or a wheel that fails to load its libraries
+        return f"nvmath-python's cuBLAS bindings cannot be imported ({type(e).__name__}: {e})"
+    return None
+
+
 @dataclass(frozen=True)
 class Gemm:
     """One cuBLAS call of a product: column-major ``C^T = op(B) op(A)`` (row-major ``C = A B``),

@@ -12,6 +12,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from . import common
 from .common import check_float, conv_out_size, dropout_threshold, mix64_array
+from .precision import operand
 
 # ---------------------------------------------------------------- activations and dense layers
 
@@ -80,14 +81,15 @@ def _bias_act_grads(dy: np.ndarray, y: np.ndarray, act: str) -> tuple[np.ndarray
 
 
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """``a @ b`` (NumPy's matmul rules), written into ``out`` (any strides) where given."""
-    return np.matmul(a, b, out=out)
+    """``a @ b`` (NumPy's matmul rules), written into ``out`` (any strides) where given; the
+    operands in this process's compute precision (:mod:`.precision`)."""
+    return np.matmul(operand(a), operand(b), out=out)
 
 
 def dense_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, act: str) -> np.ndarray:
     common.check_dense(x, w, b)
     common.check_activation(act)
-    return _bias_act_inplace(x @ w, b, act)
+    return _bias_act_inplace(matmul(x, w), b, act)
 
 
 def dense_backward(
@@ -103,7 +105,7 @@ def dense_backward(
     first layer skips a whole GEMM that way). ``dw`` is written into ``dw_out`` where given
     (the same product, so the same bits)."""
     dz, db = _bias_act_grads(dy, y, act)
-    return (dz @ w.T if need_dx else None), np.matmul(x.T, dz, out=dw_out), db
+    return (matmul(dz, w.T) if need_dx else None), matmul(x.T, dz, dw_out), db
 
 
 # ---------------------------------------------------------------- losses
@@ -164,7 +166,7 @@ def conv2d_forward(
     oh, ow = conv_out_size(h, kh, stride, pad), conv_out_size(wd, kw, stride, pad)
     cols = im2col(x, kh, kw, stride, pad)
     common.check_activation(act)
-    z = _bias_act_inplace(cols @ w.reshape(o, -1).T, b, act)  # (n*oh*ow, o)
+    z = _bias_act_inplace(matmul(cols, w.reshape(o, -1).T), b, act)  # (n*oh*ow, o)
     return np.ascontiguousarray(z.reshape(n, oh, ow, o).transpose(0, 3, 1, 2)), cols
 
 
@@ -184,10 +186,10 @@ def conv2d_backward(
     y2 = y.transpose(0, 2, 3, 1).reshape(-1, o)
     dy2 = dy.transpose(0, 2, 3, 1).reshape(-1, o)
     dz, db = _bias_act_grads(dy2, y2, act)
-    dw = (dz.T @ cols).reshape(w.shape)
+    dw = matmul(dz.T, cols).reshape(w.shape)
     if not need_dx:
         return None, dw, db
-    dx = col2im(dz @ w.reshape(o, -1), x_shape, kh, kw, stride, pad)
+    dx = col2im(matmul(dz, w.reshape(o, -1)), x_shape, kh, kw, stride, pad)
     return np.ascontiguousarray(dx), dw, db
 
 

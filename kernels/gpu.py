@@ -18,7 +18,7 @@ import math
 import cupy
 import numpy as np
 
-from . import common, gpu_blas
+from . import common, gpu_blas, precision
 from .common import check_float, check_same_dtype, conv_out_size, dropout_threshold
 
 # The redundant aliases re-export: callers that know only this module keep finding the kernel
@@ -113,8 +113,8 @@ def bias_act_backward(
 def matmul(a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray | None = None) -> cupy.ndarray:
     """``a @ b`` (NumPy's matmul rules), written into ``out`` (any strides) where given: through
     raysinga's own cuBLAS handle where CUDA graphs are on (``gpu_blas``: a graph can capture
-    it), else through CuPy's."""
-    if gpu_blas.active():
+    it) or the compute precision is TF32 or bf16 (:mod:`.precision`), else through CuPy's."""
+    if gpu_blas.active() or precision.compute() != "f32":
         return gpu_blas.matmul(a, b, out)
     if out is None:
         return cupy.matmul(a, b)

@@ -21,7 +21,10 @@ import threading
 import cupy
 import numpy as np
 
-from .blas_plan import addressable, plan, writable
+from . import precision
+from .blas_plan import addressable, binding_error, plan, writable
+
+import_error = binding_error  # why the bindings cannot be used here, or None
 
 # The workspace cuBLAS may use per call: 32 MiB is what its documentation recommends on Hopper
 # (4 MiB suffices before it); one per device, alive as long as the process.
@@ -42,15 +45,6 @@ def use(on: bool) -> None:
 
 def active() -> bool:
     return _active
-
-
-def import_error() -> str | None:
-    """Why the bindings cannot be used here, or None."""
-    try:
-        from nvmath.bindings import cublas  # noqa: F401, PLC0415 - optional dependency
-    except Exception as e:  # ImportError, or a wheel that fails to load its libraries
-        return f"nvmath-python's cuBLAS bindings cannot be imported ({type(e).__name__}: {e})"
-    return None
 
 
 class _Handle:
@@ -98,40 +92,85 @@ def matmul(a: cupy.ndarray, b: cupy.ndarray, out: cupy.ndarray | None = None) ->
         raise ValueError(f"matmul needs operands of >= 2 axes, got {a.shape} and {b.shape}")
     if a.dtype != b.dtype or a.dtype not in (np.float32, np.float64):
         raise TypeError(f"matmul needs two float32 or two float64 arrays, got {a.dtype}, {b.dtype}")
+    if out is not None and out.dtype != a.dtype:
+        raise ValueError(f"matmul: out is {out.dtype}, the operands {a.dtype}")
     m, k = a.shape[-2:]
     if b.shape[-2] != k:
         raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not align")
     shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), m, b.shape[-1])
     if out is None:
         out = cupy.empty(shape, a.dtype)
-    elif out.shape != shape or out.dtype != a.dtype:
-        raise ValueError(f"matmul: out {out.shape} {out.dtype} is not {shape} {a.dtype}")
+    elif out.shape != shape:
+        raise ValueError(f"matmul: out {out.shape} is not {shape}")
     if out.size == 0:
         return out
     if k == 0:
         out.fill(0)
         return out
+    policy = precision.compute() if a.dtype == np.float32 else "f32"
+    if policy == "bf16":  # the operands as bfloat16 words, read by the tensor cores
+        a, b = _bf16(a), _bf16(b)
     a = a if addressable(a) else cupy.ascontiguousarray(a)
     b = b if addressable(b) else cupy.ascontiguousarray(b)
-    c = out if writable(out) else cupy.empty(shape, a.dtype)
+    c = out if writable(out) else cupy.empty(shape, out.dtype)
     h = _handle()
-    one, zero = h.one[a.dtype].ctypes.data, h.zero[a.dtype].ctypes.data
-    cb = h.cublas
-    single = cb.sgemm if a.dtype == np.float32 else cb.dgemm
-    batched = cb.sgemm_strided_batched if a.dtype == np.float32 else cb.dgemm_strided_batched
-    item = a.itemsize
+    one, zero = h.one[c.dtype].ctypes.data, h.zero[c.dtype].ctypes.data
     for g in plan(a, b, c):
         pa, pb, pc = (
-            x.data.ptr + off * item for x, off in ((a, g.a_off), (b, g.b_off), (c, g.c_off))
+            x.data.ptr + off * x.itemsize for x, off in ((a, g.a_off), (b, g.b_off), (c, g.c_off))
         )
-        if g.batch == 1:
-            single(h.ptr, g.op_b, g.op_a, g.n, g.m, g.k, one, pb, g.ldb, pa, g.lda, zero, pc, g.ldc)
+        if policy == "f32":
+            _gemm(h, c.dtype, g, one, zero, pa, pb, pc)
         else:
-            batched(
-                h.ptr, g.op_b, g.op_a, g.n, g.m, g.k, one,
-                pb, g.ldb, g.b_stride, pa, g.lda, g.a_stride,
-                zero, pc, g.ldc, g.c_stride, g.batch,
-            )  # fmt: skip
+            _gemm_ex(h, _TYPES[policy], g, one, zero, pa, pb, pc)
     if c is not out:
         out[...] = c
     return out
+
+
+# cudaDataType_t and cublasComputeType_t: (operands' type, compute type) per reduced precision;
+# the result is float32 (CUDA_R_32F) in both.
+_R_32F, _R_16BF = 0, 14
+_TYPES = {"tf32": (_R_32F, 77), "bf16": (_R_16BF, 68)}  # COMPUTE_32F_FAST_TF32, COMPUTE_32F
+
+
+def _gemm(h: _Handle, dtype, g, one: int, zero: int, pa: int, pb: int, pc: int) -> None:
+    cb = h.cublas
+    if g.batch == 1:
+        fn = cb.sgemm if dtype == np.float32 else cb.dgemm
+        fn(h.ptr, g.op_b, g.op_a, g.n, g.m, g.k, one, pb, g.ldb, pa, g.lda, zero, pc, g.ldc)
+        return
+    fn = cb.sgemm_strided_batched if dtype == np.float32 else cb.dgemm_strided_batched
+    fn(
+        h.ptr, g.op_b, g.op_a, g.n, g.m, g.k, one,
+        pb, g.ldb, g.b_stride, pa, g.lda, g.a_stride,
+        zero, pc, g.ldc, g.c_stride, g.batch,
+    )  # fmt: skip
+
+
+def _gemm_ex(h: _Handle, types, g, one: int, zero: int, pa: int, pb: int, pc: int) -> None:
+    """A product of reduced-precision operands summed in float32 (cublasGemmEx), float32
+    result; host-pointer scalars are float32 for a 32F compute type."""
+    cb, (ab, compute) = h.cublas, types
+    algo = -1  # CUBLAS_GEMM_DEFAULT
+    if g.batch == 1:
+        cb.gemm_ex(
+            h.ptr, g.op_b, g.op_a, g.n, g.m, g.k, one,
+            pb, ab, g.ldb, pa, ab, g.lda, zero, pc, _R_32F, g.ldc, compute, algo,
+        )  # fmt: skip
+        return
+    cb.gemm_strided_batched_ex(
+        h.ptr, g.op_b, g.op_a, g.n, g.m, g.k, one,
+        pb, ab, g.ldb, g.b_stride, pa, ab, g.lda, g.a_stride,
+        zero, pc, _R_32F, g.ldc, g.c_stride, g.batch, compute, algo,
+    )  # fmt: skip
+
+
+def _bf16(x: cupy.ndarray) -> cupy.ndarray:
+    """``x`` (float32) as C-contiguous bfloat16 words, rounded to nearest even."""
+    from .gpu_launch import get_kernel, launch  # noqa: PLC0415 - the kernel tables
+
+    x = cupy.ascontiguousarray(x)
+    words = cupy.empty(x.shape, cupy.uint16)
+    launch(get_kernel("precision.cu", "to_bf16", x.dtype), x.size, x, words, x.size)
+    return words

@@ -57,6 +57,28 @@ def using(policy: str) -> Iterator[None]:
         use(before)
 
 
+def emulation_note(policy: str, device: str) -> str | None:
+    """One line for a run whose reduced precision is emulated (on a CPU), else None; raises
+    where a GPU cannot run the policy (cuBLAS's binding missing)."""
+    if policy == "f32":
+        return None
+    if device == "gpu":
+        from .blas_plan import binding_error  # noqa: PLC0415
+
+        error = binding_error()
+        if error is not None:
+            raise RuntimeError(
+                f"precision.compute: {policy} on a GPU needs cuBLAS's bindings: {error}; "
+                "pip install 'raysinga[gpu]'"
+            )
+        return None
+    return (
+        f"raysinga: precision.compute: {policy} on the CPU is emulated (operands rounded to "
+        f"{policy}, products summed in float32 by the BLAS): slower than f32 there; a GPU "
+        "runs it on its tensor cores"
+    )
+
+
 def bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 ``x`` rounded to bfloat16, as 16-bit words (round to nearest, ties to even;
     NaN stays NaN, quiet, with its sign)."""

@@ -15,15 +15,8 @@ from pydantic import BaseModel
 
 from raysinga.data import kinds
 
-from .job import (
-    CheckpointConfig,
-    DataConfig,
-    DivergenceConfig,
-    FaultConfig,
-    GpuConfig,
-    InitConfig,
-    JobConfig,
-)
+from .compute import GpuConfig, PrecisionConfig
+from .job import CheckpointConfig, DataConfig, DivergenceConfig, FaultConfig, InitConfig, JobConfig
 from .section import key_table, shown_default
 from .topology import Topology
 
@@ -36,6 +29,7 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "divergence": DivergenceConfig,
     "init": InitConfig,
     "gpu": GpuConfig,
+    "precision": PrecisionConfig,
 }
 
 BLOCK = re.compile(r"(<!-- keys: (?P<name>[\w.]+) -->\n)(?P<body>.*?)(<!-- /keys -->)", re.S)

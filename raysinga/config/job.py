@@ -14,6 +14,7 @@ from raysinga.data.check import DEFAULT_SCAN_BYTES
 from raysinga.nn.model import ModelSpec
 
 from . import rules
+from .compute import GpuConfig, PrecisionConfig
 from .section import ConfigError, Section, explain, key
 from .topology import Topology
 
@@ -232,14 +233,6 @@ class DivergenceConfig(Section):
     )
 
 
-class GpuConfig(Section):
-    graphs: bool = key(
-        False,
-        description="record each training step as a CUDA graph and replay it (the single-process "
-        "trainer on a GPU; `RAYSINGA_GPU_GRAPHS=1` or `0` overrides; see `docs/devices.md`)",
-    )
-
-
 def _model(v: Any) -> ModelSpec:
     if isinstance(v, ModelSpec):
         return v
@@ -304,6 +297,9 @@ class JobConfig(Section):
         "auto", description="`auto`, `cpu` or `gpu` (see `docs/devices.md`)"
     )
     gpu: GpuConfig = key(GpuConfig, shown="", description="how a GPU runs the steps (below)")
+    precision: PrecisionConfig = key(
+        PrecisionConfig, shown="", description="the precision of the matrix products (below)"
+    )
     model: Annotated[ModelSpec, PlainValidator(_model)] = key(
         description="the net: its input shape, layers and loss (below)"
     )

@@ -39,6 +39,11 @@ def check_job(cfg: JobConfig) -> None:
             "device: gpu in a distributed run needs GPUs for the workers "
             "(topology.worker.gpus, e.g. 1 or 0.5)"
         )
+    if cfg.precision.compute != "f32" and cfg.dtype != "float32":
+        raise ConfigError(
+            f"precision.compute: {cfg.precision.compute} rounds float32 operands and keeps "
+            f"float32 master weights; dtype must be float32, got {cfg.dtype}"
+        )
     check_elastic(cfg.fault, topology)
     check_sizes(cfg.model, data, cfg.dtype, topology)
 

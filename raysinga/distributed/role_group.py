@@ -145,6 +145,7 @@ class RoleGroup:
             compute_threads(topo.worker.cpus),
             cfg.data.held_out(),
             graphs_mode(cfg.gpu.graphs) if plan.worker_device == "gpu" else "off",
+            cfg.precision.compute,
         )
 
     def describe(self) -> None:

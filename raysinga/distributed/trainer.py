@@ -22,6 +22,7 @@ from raysinga.cluster import shipping
 from raysinga.cluster.connect import connect, joins_cluster
 from raysinga.config.job import JobConfig
 from raysinga.data import identity as data_identity
+from raysinga.kernels import precision
 from raysinga.nn.model import Net
 from raysinga.obs.console import hub_for
 from raysinga.obs.events import Subscriber
@@ -89,6 +90,9 @@ class DistributedTrainer:
         shapes = self.net.param_shapes()
         updater = cfg.optimizer
         worker_device, server_device = role_devices(cfg)
+        note = precision.emulation_note(cfg.precision.compute, worker_device)
+        if note:
+            self.hub.notice(note)
         self.plan = RunPlan(
             shapes=shapes,
             slices=plan_slices(shapes, self.net.dtype.itemsize, topo.n_servers, topo.slice_bytes),

@@ -141,6 +141,8 @@ def run_meta(
             "steps": list(steps),
             "cursor": cursor.to_dict(),
             "rng": {"seed": cfg.seed if seed is None else seed},
+            # the matrix products' precision (the tensors are float32 master state whatever it is)
+            "precision": {"compute": cfg.precision.compute},
             "optimizer": optimizer,
             "data": data,
             "history": history,

@@ -21,6 +21,7 @@ from raysinga.data import BatchPlan, Dataset
 from raysinga.data import identity as data_identity
 from raysinga.data.check import check_splits
 from raysinga.data.splits import Splits, open_splits
+from raysinga.kernels import precision
 from raysinga.kernels.cpu_threads import blas_threads, compute_threads
 from raysinga.nn.layers import StepContext
 from raysinga.nn.losses import CLASSIFYING
@@ -100,7 +101,15 @@ class Trainer:
             self.fresh,
             self.fork_from,
         )
-        with session, session.stop_signals(), blas_threads(self.blas_threads):
+        note = precision.emulation_note(cfg.precision.compute, self.device)
+        if note:
+            self.hub.notice(note)
+        with (
+            session,
+            session.stop_signals(),
+            blas_threads(self.blas_threads),
+            precision.using(cfg.precision.compute),
+        ):
             start = session.verify(verify_all)
             params, state = local_checkpoint.load_start(start, self.net, self.optimizer)
             return session.finish(self._fit(session, start, params, state))

@@ -97,18 +97,23 @@ def test_allreduce_places_a_server_with_each_worker_and_matches(ray_session, ref
     assert relative_error(trainer.fit().params, reference) <= 1e-5
 
 
-@pytest.mark.parametrize("example", ["digits_mlp", "digits_cnn"])
+@pytest.mark.parametrize(
+    ("example", "compute"), [("digits_mlp", "f32"), ("digits_cnn", "f32"), ("digits_cnn", "bf16")]
+)
 def test_the_single_process_run_is_the_exact_reference_of_one_worker_and_one_server(
-    ray_session, tmp_path, example
+    ray_session, tmp_path, example, compute
 ):
     """Review: the two drifted apart (3e-8 after one step of the MLP): the driver's BLAS ran on
     every core, the worker's on the one CPU it holds, and OpenBLAS sums a product's inner
-    dimension in other blocks with more threads. Both now run on the workers' share."""
+    dimension in other blocks with more threads. Both now run on the workers' share. With
+    ``precision.compute: bf16`` the worker's process takes the job's precision as the
+    single process does."""
     more = [
         "train_steps=300",
         "disp_freq=50",
         "test_freq=150",
         "topology={workers_per_group: 1, n_servers: 1}",
+        f"precision.compute={compute}",
     ]
     runs = []
     for name, trainer in (("local", Trainer), ("dist", DistributedTrainer)):
