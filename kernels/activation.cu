@@ -63,6 +63,29 @@ __device__ void col_sum(const T* __restrict__ a, T* __restrict__ out, long long 
   }
 }
 
+// The activation's backward pass and the first pass of the bias gradient's column sum in one
+// kernel: thread (chunk, col) writes dz for the rows of its chunk and adds them in row order into
+// part[chunk, col], which is what act_bwd and then col_sum over dz give, bit for bit, with one
+// launch and one pass over dz fewer.
+template <typename T>
+__device__ void act_bwd_col_sum(const T* __restrict__ dy, const T* __restrict__ y,
+                                T* __restrict__ dz, T* __restrict__ part, long long m, long long f,
+                                long long rows, long long act) {
+  const long long chunks = (m + rows - 1) / rows;
+  GRID_STRIDE(idx, chunks * f) {
+    const long long col = idx % f;
+    const long long r0 = (idx / f) * rows;
+    const long long r1 = r0 + rows < m ? r0 + rows : m;
+    T acc = T(0);
+    for (long long r = r0; r < r1; ++r) {
+      const T g = act_grad(dy[r * f + col], y[r * f + col], act);
+      dz[r * f + col] = g;
+      acc += g;
+    }
+    part[idx] = acc;
+  }
+}
+
 #define ENTRY_POINTS(T, SUF)                                                                   \
   extern "C" __global__ void act_fwd_##SUF(const T* z, T* y, long long n, long long act) {     \
     act_fwd<T>(z, y, n, act);                                                                  \
@@ -78,6 +101,11 @@ __device__ void col_sum(const T* __restrict__ a, T* __restrict__ out, long long 
   extern "C" __global__ void col_sum_##SUF(const T* a, T* out, long long m, long long f,       \
                                            long long rows) {                                   \
     col_sum<T>(a, out, m, f, rows);                                                            \
+  }                                                                                            \
+  extern "C" __global__ void act_bwd_col_sum_##SUF(const T* dy, const T* y, T* dz, T* part,    \
+                                                   long long m, long long f, long long rows,   \
+                                                   long long act) {                            \
+    act_bwd_col_sum<T>(dy, y, dz, part, m, f, rows, act);                                      \
   }
 
 ENTRY_POINTS(float, f32)

@@ -18,7 +18,7 @@ MAX_GRID = 65535  # blocks per launch; grid-stride loops cover the rest
 # Entry points per kernel file; each exists as NAME_f32 and NAME_f64. A plain literal:
 # tests/kernels/test_cuda_compile.py reads it without importing this module.
 KERNELS = {
-    "activation.cu": ("act_fwd", "bias_act_fwd", "act_bwd", "col_sum"),
+    "activation.cu": ("act_fwd", "bias_act_fwd", "act_bwd", "col_sum", "act_bwd_col_sum"),
     "softmax_xent.cu": ("xent_fwd", "xent_bwd"),
     "im2col.cu": ("im2col", "col2im"),
     "pool.cu": ("maxpool_fwd", "maxpool_bwd", "avgpool_fwd", "avgpool_bwd"),
