@@ -82,6 +82,7 @@ class Trainer:
         self.plan = BatchPlan(len(self.train_data), cfg.data.batch_size, cfg.seed, cfg.data.shuffle)
         self.optimizer = make_optimizer(cfg.optimizer)
         self.run_dir = Path(cfg.run_path)
+        self.graphs: GraphStep | None = None  # the run's CUDA graphs (gpu.graphs), once fitting
 
     def fit(self) -> TrainResult:
         cfg = self.cfg
@@ -238,7 +239,6 @@ class Trainer:
         asks for them; None on the CPU (a notice says so where they were asked for). Kept as
         ``self.graphs`` (its ``replays`` count the steps a graph ran)."""
         mode = graphs_mode(self.cfg.gpu.graphs)
-        self.graphs = None
         if mode == "off":
             return None
         if self.device != "gpu":
