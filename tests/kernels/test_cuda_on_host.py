@@ -1,0 +1,272 @@
+"""The CUDA kernels whose work is element by element, run on the CPU: each ``.cu`` file is
+compiled as host C++ (its CUDA keywords defined away, one thread walking every grid-stride loop,
+``-ffp-contract=off`` as NVRTC's ``--fmad=false``) and its entry points compared with their
+NumPy references, bit for bit. So CI checks the GPU's arithmetic without a GPU: the bf16 casts
+against ``ml_dtypes``, the optimizer updates (their scalars by value and from device memory, as
+a replayed CUDA graph passes them), dropout's mask with its key in device memory, the
+embedding's counting sort, and the fused activation backward with the bias's column sums.
+Kernels that reduce across a block's threads (norms, softmax) are compiled, not run: one thread
+cannot stand in for a block. Needs a C++ compiler, no GPU."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from raysinga.kernels import common, cpu
+from raysinga.kernels import precision as P
+from raysinga.optim.optimizers import make_optimizer
+
+CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler on PATH")
+
+PRELUDE = r"""
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __shared__ static
+static void __syncthreads() {}
+struct Dim { long long x; };
+static Dim blockIdx{0}, blockDim{1}, threadIdx{0}, gridDim{1};  // one thread, every element
+static unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+static float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+template <typename T> static std::vector<T> take(long long n) {
+  std::vector<T> v(n > 0 ? n : 1);
+  if (n > 0 && (long long)std::fread(v.data(), sizeof(T), n, stdin) != n) throw 1;
+  return v;
+}
+template <typename T> static void give(const std::vector<T>& v, long long n) {
+  std::fwrite(v.data(), sizeof(T), n, stdout);
+}
+"""
+
+
+class Host:
+    """A ``.cu`` file built as a host program whose ``main`` is given."""
+
+    def __init__(self, d: Path, filename: str, main: str) -> None:
+        (d / f"{filename}.cpp").write_text(PRELUDE + f"#include KERNEL\nint main() {{\n{main}\n}}")
+        src = resources.files("raysinga.kernels").joinpath(filename)
+        self.exe = d / filename.replace(".cu", "")
+        with resources.as_file(src) as cu:
+            cmd = [CXX, "-O1", "-std=c++14", "-ffp-contract=off", f'-DKERNEL="{cu}"']
+            run = subprocess.run(
+                [*cmd, str(d / f"{filename}.cpp"), "-o", str(self.exe)],
+                capture_output=True,
+                text=True,
+            )
+        assert run.returncode == 0, run.stderr
+
+    def __call__(self, *inputs: np.ndarray) -> bytes:
+        data = b"".join(np.ascontiguousarray(a).tobytes() for a in inputs)
+        out = subprocess.run([str(self.exe)], input=data, capture_output=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+
+def _i64(*v: int) -> np.ndarray:
+    return np.array(v, np.int64)
+
+
+# --- bf16 casts -----------------------------------------------------------------------------
+
+
+def test_the_bf16_casts_round_as_ml_dtypes(tmp_path):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    host = Host(
+        tmp_path,
+        "precision.cu",
+        """long long n = take<long long>(1)[0];
+        auto x = take<float>(n); std::vector<unsigned short> y(n); std::vector<float> b(n);
+        to_bf16_f32(x.data(), y.data(), n); from_bf16_f32(y.data(), b.data(), n);
+        give(y, n); give(b, n); return 0;""",
+    )
+    rng = np.random.default_rng(1)
+    base = np.arange(0x3F800, 0x3FFFF, dtype=np.uint32)
+    x = np.concatenate(
+        [
+            rng.standard_normal(50_000).astype(np.float32) * np.float32(100),
+            rng.integers(0, 2**32, 50_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
+            (base << 16 | np.uint32(0x8000)).view(np.float32),  # exact ties
+            np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3.4e38, 1e-40], np.float32),
+        ]
+    )
+    out = host(_i64(x.size), x)
+    words = np.frombuffer(out[: 2 * x.size], np.uint16)
+    back = np.frombuffer(out[2 * x.size :], np.float32)
+    nan = np.isnan(x)
+    with np.errstate(invalid="ignore"):
+        want = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    assert np.array_equal(words[~nan], want[~nan])
+    assert np.array_equal(words, P.bf16_bits(x))  # NaN too: the same quiet word
+    assert np.array_equal(back[~nan], P.round_bf16(x)[~nan]) and np.isnan(back[nan]).all()
+
+
+# --- the optimizer updates ------------------------------------------------------------------
+
+OPTIM_MAIN = """
+auto head = take<long long>(3);
+long long n = head[0], kind = head[1], from_memory = head[2];
+auto p = take<float>(n); auto g = take<float>(n); auto a = take<float>(n); auto b = take<float>(n);
+auto s = take<double>(16);  // the scalars, as the wrapper rounds them (T) or passes them (double)
+auto f = [&](int i) { return (float)s[i]; };
+const double* step = from_memory ? s.data() + 10 : nullptr;
+if (kind == 0)
+  sgd_update_f32(p.data(), g.data(), a.data(), n, from_memory ? 0.f : f(0), f(1), f(2),
+                 (long long)s[3], (long long)s[4], step);
+else
+  adam_update_f32(p.data(), g.data(), a.data(), b.data(), n, from_memory ? 0.f : f(0),
+                  (long long)s[1], f(2), f(3), f(4), (long long)s[5], f(6), f(7),
+                  from_memory ? 0.f : f(8), from_memory ? 0.f : f(9), f(15), step);
+give(p, n); give(a, n); give(b, n); return 0;
+"""
+
+
+@pytest.fixture(scope="module")
+def optim(tmp_path_factory):
+    return Host(tmp_path_factory.mktemp("optim"), "optim.cu", OPTIM_MAIN)
+
+
+@pytest.mark.parametrize("from_memory", [False, True])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
+        {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True},
+        {"name": "adam", "lr": 0.01, "weight_decay": 0.001},
+        {"name": "adamw", "lr": 0.01, "weight_decay": 0.1},
+    ],
+)
+def test_the_fused_updates_are_numpys_bit_for_bit(optim, spec, from_memory):
+    """Five steps of each, the scalars by value or (a replayed graph's way) from memory."""
+    rng = np.random.default_rng(2)
+    n = 1000
+    ref, opt = make_optimizer(spec), make_optimizer(spec)
+    p_ref = rng.standard_normal(n).astype(np.float32)
+    p, a, b = p_ref.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    h = opt.hparams
+    for step in range(5):
+        g = rng.standard_normal(n).astype(np.float32)
+        ref.update(step, "w", p_ref, g)
+        lr, t = opt.lr(step), step + 1
+        s = np.zeros(16)
+        if spec["name"] == "sgd":
+            kind = 0
+            s[:5] = lr, h["momentum"], h["weight_decay"], 1, h["nesterov"]
+        else:
+            kind = 1
+            beta1, beta2 = h["betas"]
+            decay, neg_step, bc2 = common.adam_step_values(lr, t, h["betas"], h["weight_decay"])
+            w = 1 - beta1
+            decoupled = bool(h["weight_decay"]) and spec["name"] == "adamw"
+            s[:10] = (
+                decay,
+                decoupled,
+                h["weight_decay"],
+                w,
+                1.0 - w,
+                abs(w) >= 0.5,
+                beta2,
+                (1 - beta2),
+                neg_step,
+                bc2,
+            )
+            s[15] = h["eps"]
+        s[10:13] = opt._step_values(lr, t) + (0.0,) * (3 - len(opt._step_values(lr, t)))
+        out = optim(_i64(n, kind, int(from_memory)), p, g, a, b, s)
+        p = np.frombuffer(out[: 4 * n], np.float32).copy()
+        a = np.frombuffer(out[4 * n : 8 * n], np.float32).copy()
+        b = np.frombuffer(out[8 * n :], np.float32).copy()
+        assert p.tobytes() == p_ref.tobytes(), step
+    slots = ref._slots["w"]
+    assert a.tobytes() == slots["momentum" if kind == 0 else "m"].tobytes()
+
+
+# --- dropout, the embedding's counting sort, the fused activation backward ------------------
+
+
+def test_dropout_with_its_key_in_memory_draws_the_cpu_mask(tmp_path):
+    host = Host(
+        tmp_path,
+        "dropout.cu",
+        """long long n = take<long long>(1)[0]; auto ko = take<unsigned long long>(3);
+        std::vector<float> out(n);
+        dropout_mask_f32(out.data(), n, 0, 0, ko[2], 2.0f, ko.data(), 12);
+        give(out, n); return 0;""",
+    )
+    x = np.zeros((5, 12), np.float32)
+    key, offset = common.dropout_key(7, 3, "drop"), 40
+    want = cpu.dropout_mask(x, 0.5, key, offset)
+    thresh = common.dropout_threshold(0.5)
+    out = host(_i64(x.size), np.array([key, offset, thresh], np.uint64))
+    assert np.array_equal(np.frombuffer(out, np.float32).reshape(x.shape), want)
+
+
+def test_the_embeddings_rows_are_grouped_by_a_stable_counting_sort(tmp_path):
+    host = Host(
+        tmp_path,
+        "seq.cu",
+        """auto head = take<long long>(3);
+        long long m = head[0], v = head[1], d = head[2];
+        auto idx = take<long long>(m); auto dy = take<float>(m * d);
+        std::vector<long long> counts(v), starts(v + 1, 0), order(m); std::vector<float> dw(v * d);
+        emb_count_f32(idx.data(), counts.data(), m, v);
+        for (long long i = 0; i < v; ++i) starts[i + 1] = starts[i] + counts[i];
+        emb_order_f32(idx.data(), starts.data(), order.data(), m, v);
+        emb_bwd_f32(order.data(), starts.data(), dy.data(), dw.data(), v, d);
+        give(order, m); give(starts, v + 1); give(dw, v * d); return 0;""",
+    )
+    rng = np.random.default_rng(3)
+    m, v, d = 300, 17, 5
+    idx = rng.integers(0, v - 2, m).astype(np.int64)  # the last two ids unused
+    dy = rng.standard_normal((m, d)).astype(np.float32)
+    out = host(_i64(m, v, d), idx, dy)
+    order = np.frombuffer(out[: 8 * m], np.int64)
+    starts = np.frombuffer(out[8 * m : 8 * (2 * m + v + 1) - 8 * m], np.int64)
+    dw = np.frombuffer(out[8 * (m + v + 1) :], np.float32).reshape(v, d)
+    assert np.array_equal(order, np.argsort(idx, kind="stable"))
+    assert np.array_equal(starts, np.searchsorted(idx[order], np.arange(v + 1)))
+    want = np.zeros((v, d), np.float32)
+    for r in range(m):  # each token's rows added in row order, in float32
+        want[idx[r]] += dy[r]
+    assert np.array_equal(dw, want)
+
+
+@pytest.mark.parametrize("act", ["relu", "sigmoid", "tanh", "linear"])
+def test_the_fused_activation_backward_sums_the_bias_gradient_as_col_sum(tmp_path, act):
+    host = Host(
+        tmp_path,
+        "activation.cu",
+        """long long m = take<long long>(1)[0], f = take<long long>(1)[0],
+        rows = take<long long>(1)[0], act = take<long long>(1)[0];
+        auto dy = take<float>(m * f); auto y = take<float>(m * f);
+        long long chunks = (m + rows - 1) / rows;
+        std::vector<float> dz(m * f), part(chunks * f), dz2(m * f), part2(chunks * f);
+        act_bwd_col_sum_f32(dy.data(), y.data(), dz.data(), part.data(), m, f, rows, act);
+        act_bwd_f32(dy.data(), y.data(), dz2.data(), m * f, act);
+        col_sum_f32(dz2.data(), part2.data(), m, f, rows);
+        give(dz, m * f); give(part, chunks * f); give(dz2, m * f); give(part2, chunks * f);
+        return 0;""",
+    )
+    rng = np.random.default_rng(4)
+    m, f, rows = 600, 7, 256
+    dy = rng.standard_normal((m, f)).astype(np.float32)
+    y = cpu.activation_forward(rng.standard_normal((m, f)).astype(np.float32), act)
+    code = common.ACTIVATIONS.index(act)
+    out = host(_i64(m, f, rows, code), dy, y)
+    k = -(-m // rows)
+    sizes = [m * f, k * f, m * f, k * f]
+    parts = np.split(np.frombuffer(out, np.float32), np.cumsum(sizes)[:-1])
+    dz, part, dz2, part2 = parts
+    assert np.array_equal(dz, dz2) and np.array_equal(part, part2)  # the two kernels' bits
+    assert np.array_equal(dz.reshape(m, f), cpu.activation_backward(dy, y, act))
