@@ -51,15 +51,60 @@ template <typename T> static void give(const std::vector<T>& v, long long n) {
 """
 
 
-class Host:
-    """A ``.cu`` file built as a host program whose ``main`` is given."""
+# Blocks of 256 threads for the kernels that reduce across a block: each block runs as 256 host
+# threads meeting at a barrier for every __syncthreads, the blocks one after another.
+BLOCKS = r"""
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <vector>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __shared__ static
+struct Dim { long long x; };
+static Dim blockIdx{0}, blockDim{256}, gridDim{1};
+static thread_local Dim threadIdx{0};
+static std::barrier<>* block_barrier;
+static void __syncthreads() { block_barrier->arrive_and_wait(); }
+template <class F> static void run_blocks(long long blocks, F kernel) {
+  gridDim.x = blocks;
+  for (long long b = 0; b < blocks; ++b) {
+    blockIdx.x = b;
+    std::barrier<> bar(256);
+    block_barrier = &bar;
+    std::vector<std::thread> threads;
+    for (long long t = 0; t < 256; ++t)
+      threads.emplace_back([t, &kernel] { threadIdx.x = t; kernel(); });
+    for (auto& th : threads) th.join();
+  }
+}
+template <typename T> static std::vector<T> take(long long n) {
+  std::vector<T> v(n > 0 ? n : 1);
+  if (n > 0 && (long long)std::fread(v.data(), sizeof(T), n, stdin) != n) throw 1;
+  return v;
+}
+template <typename T> static void give(const std::vector<T>& v, long long n) {
+  std::fwrite(v.data(), sizeof(T), n, stdout);
+}
+"""
 
-    def __init__(self, d: Path, filename: str, main: str) -> None:
-        (d / f"{filename}.cpp").write_text(PRELUDE + f"#include KERNEL\nint main() {{\n{main}\n}}")
+
+class Host:
+    """A ``.cu`` file built as a host program whose ``main`` is given (``blocks``: with real
+    blocks of threads, :data:`BLOCKS`)."""
+
+    def __init__(self, d: Path, filename: str, main: str, blocks: bool = False) -> None:
+        prelude = BLOCKS if blocks else PRELUDE
+        (d / f"{filename}.cpp").write_text(prelude + f"#include KERNEL\nint main() {{\n{main}\n}}")
         src = resources.files("raysinga.kernels").joinpath(filename)
         self.exe = d / filename.replace(".cu", "")
+        std = "-std=c++20" if blocks else "-std=c++14"
         with resources.as_file(src) as cu:
-            cmd = [CXX, "-O1", "-std=c++14", "-ffp-contract=off", f'-DKERNEL="{cu}"']
+            cmd = [CXX, "-O1", std, "-pthread", "-ffp-contract=off", f'-DKERNEL="{cu}"']
             run = subprocess.run(
                 [*cmd, str(d / f"{filename}.cpp"), "-o", str(self.exe)],
                 capture_output=True,
@@ -270,3 +315,38 @@ def test_the_fused_activation_backward_sums_the_bias_gradient_as_col_sum(tmp_pat
     dz, part, dz2, part2 = parts
     assert np.array_equal(dz, dz2) and np.array_equal(part, part2)  # the two kernels' bits
     assert np.array_equal(dz.reshape(m, f), cpu.activation_backward(dy, y, act))
+
+
+@pytest.mark.parametrize(("m", "f"), [(1, 1), (3, 7), (5, 700)])
+def test_layer_norm_over_blocks_of_threads_matches_numpy_and_cancels_exactly(tmp_path, m, f):
+    """The kernels that failed a GPU test over one feature: with no product contracted into
+    the subtraction, ``dy*gamma - mean(dy*gamma)`` is exactly 0 there, so dx is too."""
+    from raysinga.kernels import cpu_seq
+
+    host = Host(
+        tmp_path,
+        "seq.cu",
+        """auto head = take<long long>(2); long long m = head[0], f = head[1];
+        auto x = take<float>(m * f); auto g = take<float>(f); auto b = take<float>(f);
+        auto dy = take<float>(m * f);
+        std::vector<float> y(m * f), mean(m), rstd(m), dx(m * f), xhat(m * f);
+        run_blocks(m, [&] { ln_fwd_f32(x.data(), g.data(), b.data(), y.data(), mean.data(),
+                                       rstd.data(), m, f, 1e-5f); });
+        run_blocks(m, [&] { ln_bwd_f32(dy.data(), x.data(), g.data(), mean.data(), rstd.data(),
+                                       dx.data(), xhat.data(), m, f); });
+        give(y, m * f); give(mean, m); give(rstd, m); give(dx, m * f); return 0;""",
+        blocks=True,
+    )
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((m, f)) * 3).astype(np.float32)
+    g, b = (rng.standard_normal(f).astype(np.float32) for _ in range(2))
+    dy = rng.standard_normal((m, f)).astype(np.float32)
+    out = np.frombuffer(host(_i64(m, f), x, g, b, dy), np.float32)
+    y, mean, rstd, dx = np.split(out, np.cumsum([m * f, m, m]))
+    want_y, want_mean, want_rstd = cpu_seq.layernorm_forward(x, g, b, 1e-5)
+    want_dx, _, _ = cpu_seq.layernorm_backward(dy, x, g, want_mean, want_rstd)
+    for got, want in ((y, want_y), (mean, want_mean), (rstd, want_rstd), (dx, want_dx)):
+        scale = float(np.abs(want).max(initial=0.0)) or 1.0
+        np.testing.assert_allclose(got.reshape(want.shape), want, rtol=0, atol=1e-5 * scale)
+    if f == 1:
+        assert not dx.any(), dx  # exactly 0: one feature is its own mean
