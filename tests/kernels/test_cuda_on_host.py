@@ -1,12 +1,14 @@
-"""The CUDA kernels whose work is element by element, run on the CPU: each ``.cu`` file is
-compiled as host C++ (its CUDA keywords defined away, one thread walking every grid-stride loop,
-``-ffp-contract=off`` as NVRTC's ``--fmad=false``) and its entry points compared with their
-NumPy references, bit for bit. So CI checks the GPU's arithmetic without a GPU: the bf16 casts
-against ``ml_dtypes``, the optimizer updates (their scalars by value and from device memory, as
-a replayed CUDA graph passes them), dropout's mask with its key in device memory, the
-embedding's counting sort, and the fused activation backward with the bias's column sums.
-Kernels that reduce across a block's threads (norms, softmax) are compiled, not run: one thread
-cannot stand in for a block. Needs a C++ compiler, no GPU."""
+"""The CUDA kernels run on the CPU: each ``.cu`` file is compiled as host C++ (its CUDA keywords
+defined away, ``-ffp-contract=off`` as NVRTC's ``--fmad=false``) and its entry points compared
+with their NumPy references. An element-wise kernel runs as one thread walking its grid-stride
+loop; a kernel that reduces across a block (layer and batch norm, softmax and cross-entropy)
+runs each block as 256 host threads meeting at a barrier for every ``__syncthreads``, the blocks
+one after another. So CI checks the GPU's arithmetic without a GPU: the bf16 casts against
+``ml_dtypes``, the optimizer updates bit for bit (their scalars by value and from device memory,
+as a replayed CUDA graph passes them), dropout's mask with its key in device memory, the
+embedding's counting sort, the fused activation backward, and the block reductions to the GPU
+parity tests' tolerance (layer norm over one feature exactly 0). Needs a C++ compiler (C++20
+for the blocks), no GPU."""
 
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ struct Dim { long long x; };
 static Dim blockIdx{0}, blockDim{1}, threadIdx{0}, gridDim{1};  // one thread, every element
 static unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 static float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static double __longlong_as_double(long long i) { double d; std::memcpy(&d, &i, 8); return d; }
 template <typename T> static std::vector<T> take(long long n) {
   std::vector<T> v(n > 0 ? n : 1);
   if (n > 0 && (long long)std::fread(v.data(), sizeof(T), n, stdin) != n) throw 1;
@@ -68,6 +72,10 @@ BLOCKS = r"""
 struct Dim { long long x; };
 static Dim blockIdx{0}, blockDim{256}, gridDim{1};
 static thread_local Dim threadIdx{0};
+static unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+static float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static double __longlong_as_double(long long i) { double d; std::memcpy(&d, &i, 8); return d; }
 static std::barrier<>* block_barrier;
 static void __syncthreads() { block_barrier->arrive_and_wait(); }
 template <class F> static void run_blocks(long long blocks, F kernel) {
@@ -119,6 +127,21 @@ class Host:
         return out.stdout
 
 
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    """``build(filename, main, blocks=False)``: a :class:`Host`, compiled once per module for
+    each distinct program (the parametrized cases share theirs)."""
+    made: dict[tuple, Host] = {}
+
+    def get(filename: str, main: str, blocks: bool = False) -> Host:
+        key = (filename, main, blocks)
+        if key not in made:
+            made[key] = Host(tmp_path_factory.mktemp("host"), filename, main, blocks)
+        return made[key]
+
+    return get
+
+
 def _i64(*v: int) -> np.ndarray:
     return np.array(v, np.int64)
 
@@ -126,10 +149,9 @@ def _i64(*v: int) -> np.ndarray:
 # --- bf16 casts -----------------------------------------------------------------------------
 
 
-def test_the_bf16_casts_round_as_ml_dtypes(tmp_path):
+def test_the_bf16_casts_round_as_ml_dtypes(build):
     ml_dtypes = pytest.importorskip("ml_dtypes")
-    host = Host(
-        tmp_path,
+    host = build(
         "precision.cu",
         """long long n = take<long long>(1)[0];
         auto x = take<float>(n); std::vector<unsigned short> y(n); std::vector<float> b(n);
@@ -240,9 +262,8 @@ def test_the_fused_updates_are_numpys_bit_for_bit(optim, spec, from_memory):
 # --- dropout, the embedding's counting sort, the fused activation backward ------------------
 
 
-def test_dropout_with_its_key_in_memory_draws_the_cpu_mask(tmp_path):
-    host = Host(
-        tmp_path,
+def test_dropout_with_its_key_in_memory_draws_the_cpu_mask(build):
+    host = build(
         "dropout.cu",
         """long long n = take<long long>(1)[0]; auto ko = take<unsigned long long>(3);
         std::vector<float> out(n);
@@ -257,9 +278,8 @@ def test_dropout_with_its_key_in_memory_draws_the_cpu_mask(tmp_path):
     assert np.array_equal(np.frombuffer(out, np.float32).reshape(x.shape), want)
 
 
-def test_the_embeddings_rows_are_grouped_by_a_stable_counting_sort(tmp_path):
-    host = Host(
-        tmp_path,
+def test_the_embeddings_rows_are_grouped_by_a_stable_counting_sort(build):
+    host = build(
         "seq.cu",
         """auto head = take<long long>(3);
         long long m = head[0], v = head[1], d = head[2];
@@ -288,9 +308,8 @@ def test_the_embeddings_rows_are_grouped_by_a_stable_counting_sort(tmp_path):
 
 
 @pytest.mark.parametrize("act", ["relu", "sigmoid", "tanh", "linear"])
-def test_the_fused_activation_backward_sums_the_bias_gradient_as_col_sum(tmp_path, act):
-    host = Host(
-        tmp_path,
+def test_the_fused_activation_backward_sums_the_bias_gradient_as_col_sum(build, act):
+    host = build(
         "activation.cu",
         """long long m = take<long long>(1)[0], f = take<long long>(1)[0],
         rows = take<long long>(1)[0], act = take<long long>(1)[0];
@@ -318,13 +337,12 @@ def test_the_fused_activation_backward_sums_the_bias_gradient_as_col_sum(tmp_pat
 
 
 @pytest.mark.parametrize(("m", "f"), [(1, 1), (3, 7), (5, 700)])
-def test_layer_norm_over_blocks_of_threads_matches_numpy_and_cancels_exactly(tmp_path, m, f):
+def test_layer_norm_over_blocks_of_threads_matches_numpy_and_cancels_exactly(build, m, f):
     """The kernels that failed a GPU test over one feature: with no product contracted into
     the subtraction, ``dy*gamma - mean(dy*gamma)`` is exactly 0 there, so dx is too."""
     from raysinga.kernels import cpu_seq
 
-    host = Host(
-        tmp_path,
+    host = build(
         "seq.cu",
         """auto head = take<long long>(2); long long m = head[0], f = head[1];
         auto x = take<float>(m * f); auto g = take<float>(f); auto b = take<float>(f);
@@ -350,3 +368,98 @@ def test_layer_norm_over_blocks_of_threads_matches_numpy_and_cancels_exactly(tmp
         np.testing.assert_allclose(got.reshape(want.shape), want, rtol=0, atol=1e-5 * scale)
     if f == 1:
         assert not dx.any(), dx  # exactly 0: one feature is its own mean
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> None:
+    """As the GPU parity tests compare (kernels/test_gpu_parity.py): to 1e-5 of the largest."""
+    scale = float(np.abs(want).max(initial=0.0)) or 1.0
+    np.testing.assert_allclose(got.reshape(want.shape), want, rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize(("n", "c"), [(1, 1), (7, 10), (33, 300)])
+def test_softmax_cross_entropy_over_blocks_matches_numpy(build, n, c):
+    host = build(
+        "softmax_xent.cu",
+        """auto head = take<long long>(2); long long n = head[0], c = head[1];
+        auto logits = take<float>(n * c); auto labels = take<long long>(n);
+        std::vector<float> probs(n * c), row(n), d(n * c);
+        run_blocks(n, [&] { xent_fwd_f32(logits.data(), labels.data(), probs.data(), row.data(),
+                                         n, c); });
+        blockIdx.x = 0; gridDim.x = 1;
+        threadIdx.x = 0;  // the element-wise backward: one thread walks it here
+        blockDim.x = 1;
+        xent_bwd_f32(probs.data(), labels.data(), d.data(), n, c, 4.0f);
+        give(probs, n * c); give(row, n); give(d, n * c); return 0;""",
+        blocks=True,
+    )
+    rng = np.random.default_rng(6)
+    logits = (rng.standard_normal((n, c)) * 4).astype(np.float32)
+    labels = rng.integers(0, c, n).astype(np.int64)
+    out = np.frombuffer(host(_i64(n, c), logits, labels), np.float32)
+    probs, row, d = np.split(out, np.cumsum([n * c, n]))
+    loss, want_probs = cpu.softmax_xent_forward(logits, labels, 1.0)
+    _close(probs, want_probs)
+    np.testing.assert_allclose(row.sum(dtype=np.float64), float(loss), rtol=1e-5)
+    _close(d, cpu.softmax_xent_backward(want_probs, labels, 4.0))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (16, 5), (4, 3, 5, 5)])
+def test_batch_norm_over_blocks_matches_numpy(build, shape):
+    host = build(
+        "batchnorm.cu",
+        """auto head = take<long long>(3); long long n = head[0], c = head[1], s = head[2];
+        long long size = n * c * s, m = n * s;
+        auto x = take<float>(size); auto g = take<float>(c); auto b = take<float>(c);
+        auto dy = take<float>(size);
+        std::vector<float> mean(c), var(c), inv(c), y(size), dg(c), db(c), k(c), dx(size);
+        run_blocks(c, [&] { bn_stats_f32(x.data(), mean.data(), var.data(), inv.data(), n, c, s,
+                                         1e-5f); });
+        run_blocks(c, [&] { bn_bwd_reduce_f32(dy.data(), x.data(), mean.data(), inv.data(),
+                                              dg.data(), db.data(), n, c, s); });
+        for (long long i = 0; i < c; ++i) k[i] = g[i] * inv[i] / (float)m;
+        blockIdx.x = 0; gridDim.x = 1; threadIdx.x = 0; blockDim.x = 1;
+        bn_apply_f32(x.data(), mean.data(), inv.data(), g.data(), b.data(), y.data(), size, c, s);
+        bn_bwd_dx_f32(dy.data(), x.data(), mean.data(), inv.data(), k.data(), dg.data(), db.data(),
+                      dx.data(), size, c, s, (float)m);
+        give(mean, c); give(var, c); give(inv, c); give(y, size); give(dg, c); give(db, c);
+        give(dx, size); return 0;""",
+        blocks=True,
+    )
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal(shape) * 2 + 1).astype(np.float32)
+    c = shape[1]
+    g, b = (rng.standard_normal(c).astype(np.float32) for _ in range(2))
+    dy = rng.standard_normal(shape).astype(np.float32)
+    n, s = shape[0], int(np.prod(shape[2:]))
+    out = np.frombuffer(host(_i64(n, c, s), x, g, b, dy), np.float32)
+    mean, var, inv, y, dg, db, dx = np.split(out, np.cumsum([c, c, c, x.size, c, c]))
+    want_y, want_mean, want_var, want_inv = cpu.batchnorm_forward_train(x, g, b, 1e-5)
+    want_dx, want_dg, want_db = cpu.batchnorm_backward(dy, x, g, want_mean, want_inv)
+    for got, want in (
+        (mean, want_mean), (var, want_var), (inv, want_inv), (y, want_y),
+        (dg, want_dg), (db, want_db), (dx, want_dx),
+    ):  # fmt: skip
+        _close(got, want)
+
+
+@pytest.mark.parametrize(("b", "t"), [(1, 1), (3, 5), (2, 300)])
+def test_causal_softmax_over_blocks_matches_numpy(build, b, t):
+    from raysinga.kernels import cpu_seq
+
+    host = build(
+        "seq.cu",
+        """auto head = take<long long>(2); long long b = head[0], t = head[1], rows = b * t;
+        auto s = take<float>(rows * t); auto dp = take<float>(rows * t);
+        std::vector<float> p(rows * t), ds(rows * t);
+        run_blocks(rows, [&] { csoftmax_fwd_f32(s.data(), p.data(), rows, t, 0.5f); });
+        run_blocks(rows, [&] { csoftmax_bwd_f32(dp.data(), p.data(), ds.data(), rows, t, 0.5f); });
+        give(p, rows * t); give(ds, rows * t); return 0;""",
+        blocks=True,
+    )
+    rng = np.random.default_rng(8)
+    scores = (rng.standard_normal((b, t, t)) * 4).astype(np.float32)
+    dp = rng.standard_normal((b, t, t)).astype(np.float32)
+    p, ds = np.split(np.frombuffer(host(_i64(b, t), scores, dp), np.float32), 2)
+    want_p = cpu_seq.causal_softmax_forward(scores, 0.5)
+    _close(p, want_p)
+    _close(ds, cpu_seq.causal_softmax_backward(dp, want_p, 0.5))
