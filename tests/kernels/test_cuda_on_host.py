@@ -7,8 +7,10 @@ one after another. So CI checks the GPU's arithmetic without a GPU: the bf16 cas
 ``ml_dtypes``, the optimizer updates bit for bit (their scalars by value and from device memory,
 as a replayed CUDA graph passes them), dropout's mask with its key in device memory, the
 embedding's counting sort, the fused activation backward, and the block reductions to the GPU
-parity tests' tolerance (layer norm over one feature exactly 0). Needs a C++ compiler (C++20
-for the blocks), no GPU."""
+parity tests' tolerance (layer norm over one feature exactly 0). The other element-wise
+kernels (GELU, the recurrent cells, im2col, pooling, activations, the embedding lookup) go
+through one generated call each (:func:`kernel_call`). Needs a C++ compiler (C++20 for the
+blocks), no GPU."""
 
 from __future__ import annotations
 
@@ -463,3 +465,146 @@ def test_causal_softmax_over_blocks_matches_numpy(build, b, t):
     want_p = cpu_seq.causal_softmax_forward(scores, 0.5)
     _close(p, want_p)
     _close(ds, cpu_seq.causal_softmax_backward(dp, want_p, 0.5))
+
+
+# --- the other element-wise kernels, through one generated call ------------------------------
+
+CTYPES = {
+    np.dtype(np.float32): "float",
+    np.dtype(np.float64): "double",
+    np.dtype(np.int64): "long long",
+    np.dtype(np.int32): "int",
+    np.dtype(np.uint64): "unsigned long long",
+}
+
+
+def kernel_call(build, filename: str, entry: str, *args) -> list[np.ndarray]:
+    """Call ``entry`` of ``filename`` once (one thread walks its grid-stride loop). ``args``, in
+    the kernel's order: an array (an input), ``("out", dtype, shape)`` (an output, returned in
+    order), or a scalar (``np.float32``/``np.int64``... as the wrapper passes it)."""
+    lines, params, outs, feed = [], [], [], []
+    for i, a in enumerate(args):
+        if isinstance(a, tuple) and a[0] == "out":
+            dt, shape = np.dtype(a[1]), a[2]
+            lines.append(f"std::vector<{CTYPES[dt]}> a{i}({int(np.prod(shape))});")
+            params.append(f"a{i}.data()")
+            outs.append((i, dt, shape))
+        elif isinstance(a, np.ndarray) and a.ndim > 0:
+            lines.append(f"auto a{i} = take<{CTYPES[a.dtype]}>({a.size});")
+            params.append(f"a{i}.data()")
+            feed.append(a)
+        else:
+            a = np.asarray(a)
+            lines.append(f"{CTYPES[a.dtype]} a{i} = take<{CTYPES[a.dtype]}>(1)[0];")
+            params.append(f"a{i}")
+            feed.append(a.reshape(1))
+    lines.append(f"{entry}({', '.join(params)});")
+    lines += [f"give(a{i}, {int(np.prod(shape))});" for i, _, shape in outs]
+    host = build(filename, "\n".join([*lines, "return 0;"]))
+    raw, got = host(*feed), []
+    for _, dt, shape in outs:
+        n = int(np.prod(shape)) * dt.itemsize
+        got.append(np.frombuffer(raw[:n], dt).reshape(shape))
+        raw = raw[n:]
+    return got
+
+
+def _f32(rng, *shape, scale=1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def test_gelu_and_the_recurrent_cells_match_numpy(build):
+    from raysinga.kernels import cpu_seq
+
+    rng = np.random.default_rng(9)
+    x, dy = _f32(rng, 6, 33, scale=3.0), _f32(rng, 6, 33)
+    y, t = kernel_call(build, "seq.cu", "gelu_fwd_f32", x, ("out", np.float32, x.shape),
+                       ("out", np.float32, x.shape), np.int64(x.size))  # fmt: skip
+    want_y, want_t = cpu_seq.gelu_forward(x)
+    _close(y, want_y)
+    _close(t, want_t)
+    (dx,) = kernel_call(build, "seq.cu", "gelu_bwd_f32", dy, x, want_t,
+                        ("out", np.float32, x.shape), np.int64(x.size))  # fmt: skip
+    _close(dx, cpu_seq.gelu_backward(dy, x, want_t))
+
+    n, u = 4, 9
+    gx, gh, h = _f32(rng, n, 3 * u), _f32(rng, n, 3 * u), _f32(rng, n, u)
+    h_new, gates = kernel_call(build, "seq.cu", "gru_fwd_f32", gx, gh, h,
+                               ("out", np.float32, (n, u)), ("out", np.float32, (n, 4 * u)),
+                               np.int64(n), np.int64(u))  # fmt: skip
+    want_h, want_gates = cpu_seq.gru_cell_forward(gx, gh, h)
+    _close(h_new, want_h)
+    _close(gates, want_gates)
+    dh_new = _f32(rng, n, u)
+    got = kernel_call(build, "seq.cu", "gru_bwd_f32", dh_new, want_gates, h,
+                      ("out", np.float32, (n, 3 * u)), ("out", np.float32, (n, 3 * u)),
+                      ("out", np.float32, (n, u)), np.int64(n), np.int64(u))  # fmt: skip
+    for a, w in zip(got, cpu_seq.gru_cell_backward(dh_new, want_gates, h), strict=True):
+        _close(a, w)
+
+    g, c = _f32(rng, n, 4 * u), _f32(rng, n, u)
+    got = kernel_call(build, "seq.cu", "lstm_fwd_f32", g, c, ("out", np.float32, (n, u)),
+                      ("out", np.float32, (n, u)), ("out", np.float32, (n, 4 * u)),
+                      np.int64(n), np.int64(u))  # fmt: skip
+    want = cpu_seq.lstm_cell_forward(g, c)
+    for a, w in zip(got, want, strict=True):
+        _close(a, w)
+    _, c_new, acts = want
+    dh, dc = _f32(rng, n, u), _f32(rng, n, u)
+    got = kernel_call(build, "seq.cu", "lstm_bwd_f32", dh, dc, acts, c, c_new,
+                      ("out", np.float32, (n, 4 * u)), ("out", np.float32, (n, u)),
+                      np.int64(n), np.int64(u))  # fmt: skip
+    for a, w in zip(got, cpu_seq.lstm_cell_backward(dh, dc, acts, c, c_new), strict=True):
+        _close(a, w)
+
+
+@pytest.mark.parametrize(("k", "stride", "pad"), [(2, 2, 0), (3, 1, 1), (3, 2, 1)])
+def test_im2col_and_pooling_match_numpy(build, k, stride, pad):
+    rng = np.random.default_rng(10)
+    n, c, h, w = 2, 3, 7, 6
+    x = _f32(rng, n, c, h, w)
+    oh, ow = common.conv_out_size(h, k, stride, pad), common.conv_out_size(w, k, stride, pad)
+    geo = [np.int64(v) for v in (n, c, h, w, k, k, stride, pad, oh, ow)]
+    (cols,) = kernel_call(build, "im2col.cu", "im2col_f32", x,
+                          ("out", np.float32, (n * oh * ow, c * k * k)), *geo)  # fmt: skip
+    want_cols = cpu.im2col(x, k, k, stride, pad)
+    assert np.array_equal(cols, want_cols)
+    (back,) = kernel_call(build, "im2col.cu", "col2im_f32", want_cols,
+                          ("out", np.float32, x.shape), *geo)  # fmt: skip
+    _close(back, cpu.col2im(want_cols, x.shape, k, k, stride, pad))
+
+    pool = [np.int64(v) for v in (n * c, h, w, k, stride, pad, oh, ow)]
+    y, arg = kernel_call(build, "pool.cu", "maxpool_fwd_f32", x,
+                         ("out", np.float32, (n, c, oh, ow)), ("out", np.int32, (n, c, oh, ow)),
+                         *pool)  # fmt: skip
+    want_y, want_arg = cpu.maxpool_forward(x, k, stride, pad)
+    assert np.array_equal(y, want_y) and np.array_equal(arg, want_arg)
+    dy = _f32(rng, n, c, oh, ow)
+    (dx,) = kernel_call(build, "pool.cu", "maxpool_bwd_f32", dy, want_arg,
+                        ("out", np.float32, x.shape), *pool)  # fmt: skip
+    _close(dx, cpu.maxpool_backward(dy, want_arg, x.shape, k, stride, pad))
+    (ya,) = kernel_call(build, "pool.cu", "avgpool_fwd_f32", x,
+                        ("out", np.float32, (n, c, oh, ow)), *pool)  # fmt: skip
+    _close(ya, cpu.avgpool_forward(x, k, stride, pad))
+    (dxa,) = kernel_call(build, "pool.cu", "avgpool_bwd_f32", dy,
+                         ("out", np.float32, x.shape), *pool)  # fmt: skip
+    _close(dxa, cpu.avgpool_backward(dy, x.shape, k, stride, pad))
+
+
+@pytest.mark.parametrize("act", ["relu", "sigmoid", "tanh", "linear"])
+def test_activations_and_the_embedding_lookup_match_numpy(build, act):
+    rng = np.random.default_rng(11)
+    z, b = _f32(rng, 5, 8, scale=3.0), _f32(rng, 8)
+    code = np.int64(common.ACTIVATIONS.index(act))
+    (y,) = kernel_call(build, "activation.cu", "act_fwd_f32", z, ("out", np.float32, z.shape),
+                       np.int64(z.size), code)  # fmt: skip
+    _close(y, cpu.activation_forward(z, act))
+    out = ("out", np.float32, z.shape)
+    (yb,) = kernel_call(
+        build, "activation.cu", "bias_act_fwd_f32", z, b, out, np.int64(z.size), np.int64(8), code
+    )
+    _close(yb, cpu.bias_act_forward(z, b, act))
+    idx, table = rng.integers(0, 11, 13).astype(np.int64), _f32(rng, 11, 4)
+    (rows,) = kernel_call(build, "seq.cu", "emb_fwd_f32", idx, table,
+                          ("out", np.float32, (13, 4)), np.int64(13), np.int64(4))  # fmt: skip
+    assert np.array_equal(rows, table[idx])
