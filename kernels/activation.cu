@@ -46,19 +46,26 @@ __device__ void act_bwd(const T* __restrict__ dy, const T* __restrict__ y, T* __
   GRID_STRIDE(i, n) { dz[i] = act_grad(dy[i], y[i], act); }
 }
 
+// Thread idx of a pass over (m, f) in chunks of `rows` rows: its column, and its chunk's rows
+// [r0, r1). Adjacent threads take adjacent columns, so the loads coalesce.
+struct Chunk {
+  long long col, r0, r1;
+};
+__device__ __forceinline__ Chunk chunk_of(long long idx, long long m, long long f,
+                                          long long rows) {
+  const long long r0 = (idx / f) * rows;
+  return Chunk{idx % f, r0, r0 + rows < m ? r0 + rows : m};
+}
+
 // One pass of a deterministic column sum of a (m, f) matrix: thread (chunk, col) adds the rows of
 // its chunk in order, so out is (ceil(m / rows), f). gpu.py repeats passes until one row is left.
-// Adjacent threads read adjacent columns, so the loads coalesce.
 template <typename T>
 __device__ void col_sum(const T* __restrict__ a, T* __restrict__ out, long long m, long long f,
                         long long rows) {
-  const long long chunks = (m + rows - 1) / rows;
-  GRID_STRIDE(idx, chunks * f) {
-    const long long col = idx % f;
-    const long long r0 = (idx / f) * rows;
-    const long long r1 = r0 + rows < m ? r0 + rows : m;
+  GRID_STRIDE(idx, (m + rows - 1) / rows * f) {
+    const Chunk c = chunk_of(idx, m, f, rows);
     T acc = T(0);
-    for (long long r = r0; r < r1; ++r) acc += a[r * f + col];
+    for (long long r = c.r0; r < c.r1; ++r) acc += a[r * f + c.col];
     out[idx] = acc;
   }
 }
@@ -71,15 +78,12 @@ template <typename T>
 __device__ void act_bwd_col_sum(const T* __restrict__ dy, const T* __restrict__ y,
                                 T* __restrict__ dz, T* __restrict__ part, long long m, long long f,
                                 long long rows, long long act) {
-  const long long chunks = (m + rows - 1) / rows;
-  GRID_STRIDE(idx, chunks * f) {
-    const long long col = idx % f;
-    const long long r0 = (idx / f) * rows;
-    const long long r1 = r0 + rows < m ? r0 + rows : m;
+  GRID_STRIDE(idx, (m + rows - 1) / rows * f) {
+    const Chunk c = chunk_of(idx, m, f, rows);
     T acc = T(0);
-    for (long long r = r0; r < r1; ++r) {
-      const T g = act_grad(dy[r * f + col], y[r * f + col], act);
-      dz[r * f + col] = g;
+    for (long long r = c.r0; r < c.r1; ++r) {
+      const T g = act_grad(dy[r * f + c.col], y[r * f + c.col], act);
+      dz[r * f + c.col] = g;
       acc += g;
     }
     part[idx] = acc;

@@ -29,7 +29,9 @@ from raysinga.optim.optimizers import make_optimizer
 CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler on PATH")
 
-PRELUDE = r"""
+# What every host build of a .cu file starts with: CUDA's keywords defined away, its bit casts,
+# and the program's input and output (binary arrays on stdin and stdout).
+COMMON = r"""
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -39,9 +41,7 @@ PRELUDE = r"""
 #define __forceinline__ inline
 #define __restrict__
 #define __shared__ static
-static void __syncthreads() {}
 struct Dim { long long x; };
-static Dim blockIdx{0}, blockDim{1}, threadIdx{0}, gridDim{1};  // one thread, every element
 static unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 static float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 static float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
@@ -56,33 +56,31 @@ template <typename T> static void give(const std::vector<T>& v, long long n) {
 }
 """
 
+# One thread walks every grid-stride loop.
+PRELUDE = (
+    COMMON
+    + r"""
+static void __syncthreads() {}
+static Dim blockIdx{0}, blockDim{1}, threadIdx{0}, gridDim{1};
+"""
+)
 
 # Blocks of 256 threads for the kernels that reduce across a block: each block runs as 256 host
-# threads meeting at a barrier for every __syncthreads, the blocks one after another.
-BLOCKS = r"""
-#include <barrier>
-#include <cmath>
-#include <cstdio>
-#include <cstring>
-#include <thread>
-#include <vector>
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __restrict__
-#define __shared__ static
-struct Dim { long long x; };
+# threads meeting at a barrier for every __syncthreads, the blocks one after another (at most 3,
+# each looping over its rows, as a launch past the largest grid does).
+BLOCKS = (
+    "#include <barrier>\n#include <thread>\n"
+    + COMMON
+    + r"""
 static Dim blockIdx{0}, blockDim{256}, gridDim{1};
 static thread_local Dim threadIdx{0};
-static unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
-static float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
-static float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
-static double __longlong_as_double(long long i) { double d; std::memcpy(&d, &i, 8); return d; }
 static std::barrier<>* block_barrier;
 static void __syncthreads() { block_barrier->arrive_and_wait(); }
 template <class F> static void run_blocks(long long blocks, F kernel) {
-  gridDim.x = blocks;
-  for (long long b = 0; b < blocks; ++b) {
+  // At most 3 blocks: each kernel's grid-stride loop takes a block through every gridDim-th row,
+  // as on a GPU past its largest grid, so the rows beyond are covered by the same code.
+  gridDim.x = blocks < 3 ? blocks : 3;
+  for (long long b = 0; b < gridDim.x; ++b) {
     blockIdx.x = b;
     std::barrier<> bar(256);
     block_barrier = &bar;
@@ -92,15 +90,8 @@ template <class F> static void run_blocks(long long blocks, F kernel) {
     for (auto& th : threads) th.join();
   }
 }
-template <typename T> static std::vector<T> take(long long n) {
-  std::vector<T> v(n > 0 ? n : 1);
-  if (n > 0 && (long long)std::fread(v.data(), sizeof(T), n, stdin) != n) throw 1;
-  return v;
-}
-template <typename T> static void give(const std::vector<T>& v, long long n) {
-  std::fwrite(v.data(), sizeof(T), n, stdout);
-}
 """
+)
 
 
 class Host:
@@ -114,7 +105,7 @@ class Host:
         self.exe = d / filename.replace(".cu", "")
         std = "-std=c++20" if blocks else "-std=c++14"
         with resources.as_file(src) as cu:
-            cmd = [CXX, "-O1", std, "-pthread", "-ffp-contract=off", f'-DKERNEL="{cu}"']
+            cmd = [CXX, "-O0", std, "-pthread", "-ffp-contract=off", f'-DKERNEL="{cu}"']
             run = subprocess.run(
                 [*cmd, str(d / f"{filename}.cpp"), "-o", str(self.exe)],
                 capture_output=True,
@@ -444,7 +435,7 @@ def test_batch_norm_over_blocks_matches_numpy(build, shape):
         _close(got, want)
 
 
-@pytest.mark.parametrize(("b", "t"), [(1, 1), (3, 5), (2, 300)])
+@pytest.mark.parametrize(("b", "t"), [(1, 1), (3, 5), (1, 260)])  # t > 256: a row over threads
 def test_causal_softmax_over_blocks_matches_numpy(build, b, t):
     from raysinga.kernels import cpu_seq
 
