@@ -98,7 +98,12 @@ def test_allreduce_places_a_server_with_each_worker_and_matches(ray_session, ref
 
 
 @pytest.mark.parametrize(
-    ("example", "compute"), [("digits_mlp", "f32"), ("digits_cnn", "f32"), ("digits_cnn", "bf16")]
+    ("example", "compute"),
+    [
+        ("digits_mlp", "f32"),
+        ("digits_cnn", "f32"),
+        pytest.param("digits_cnn", "bf16", marks=pytest.mark.slow),
+    ],
 )
 def test_the_single_process_run_is_the_exact_reference_of_one_worker_and_one_server(
     ray_session, tmp_path, example, compute
