@@ -103,7 +103,8 @@ class StepRecorder:
         key = tuple((a.shape, a.dtype.str) for a in inputs)
         if self.graph is not None:  # after what the caller's stream did (an evaluation's reads)
             self.stream.wait_event(self.cupy.cuda.get_current_stream().record())
-        if key != self.shape_key:  # the first step, or a new shape: uncaptured, a warm-up
+        fresh = key != self.shape_key  # the first step, or a new shape: uncaptured, a warm-up
+        if fresh:
             self._start_shape(key, inputs)
         elif self.recorded:
             with self.stream:
@@ -111,11 +112,11 @@ class StepRecorder:
                 self.graph.replay()
             self.replays += 1
             return "replayed"
-        elif self.failed is None:
+        with self.stream:  # staged once, whether the step is then recorded or run
+            dev = self._stage(step, ctx, inputs, before)
+        if not fresh and self.failed is None:
             undo = bookkeeping() if bookkeeping is not None else None
             try:
-                with self.stream:
-                    dev = self._stage(step, ctx, inputs, before)
                 self.graph.record(lambda: body(step, ctx, *dev))
             except Exception as e:  # the run goes on uncaptured: same code, same bits
                 if undo is not None:
@@ -132,8 +133,6 @@ class StepRecorder:
                 self.graph.replay()  # the recording ran nothing on the GPU: this is the step
                 self.replays += 1
                 return "recorded"
-        with self.stream:
-            dev = self._stage(step, ctx, inputs, before)
         self.graph.run(lambda: body(step, ctx, *dev))
         return "uncaptured"
 
