@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from raysinga.cluster.connect import _process_env
 from raysinga.kernels.cpu_threads import BLAS_ENV
 
@@ -21,6 +23,7 @@ def test_process_env_adds_only_what_is_unset_and_restores(monkeypatch):
     assert "RAYSINGA_TEST_ADDED" not in os.environ
 
 
+@pytest.mark.slow  # a Ray of its own: 13 s
 def test_the_embedded_rays_roles_start_with_the_blas_settings(tmp_path):
     """OpenBLAS reads its settings once, as it loads: a role's process must start with them."""
     script = (

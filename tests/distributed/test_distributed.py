@@ -133,6 +133,7 @@ def test_the_single_process_run_is_the_exact_reference_of_one_worker_and_one_ser
     assert losses[0] == losses[1]
 
 
+@pytest.mark.slow  # the quick tier has the shorter checks of this
 def test_two_runs_of_one_topology_are_bit_identical(ray_session, tmp_path):
     topo = "{workers_per_group: 2, n_servers: 3, slice_bytes: 8192}"
     # Dropout makes the check stronger: its masks must not depend on the worker either.

@@ -193,6 +193,7 @@ ALTERATIONS = [
 ]
 
 
+@pytest.mark.slow  # the quick tier has the shorter checks of this
 def test_every_piece_of_state_is_used(straight, halfway, tmp_path):
     """Resumed from a faithful copy the run ends bit-identical; with any one piece of state
     altered it does not (batch-norm statistics only show in evaluation and the saved state)."""
@@ -259,6 +260,7 @@ def test_resume_from_the_object_store_after_the_disk_copy_is_gone(straight, tmp_
     assert tensors(tmp_path / "checkpoints/step-40") == tensors(straight[0] / "checkpoints/step-40")
 
 
+@pytest.mark.slow  # the quick tier has the shorter checks of this
 def test_a_short_job_that_starts_the_registry_leaves_its_checkpoints_in_it(ray_module, tmp_path):
     """A job's calls to the registry are not waited for while it trains; one that ends first
     (the registry just starting) would take them with it. The driver waits at the end."""
