@@ -93,7 +93,9 @@ class ServerDevice(_Transfers):
         self.values = {e.name: self.cp.asarray(buf.arrays[e.name]) for e in layout.entries}
         self.grads = {k: self.cp.empty_like(v) for k, v in self.values.items()}
         self._copier = self.cp.cuda.Stream(non_blocking=True)
-        self._slot_copies: dict[str, np.ndarray] = {}  # pinned, reused from one snapshot on
+        # pinned host copies of the slots, reused from one snapshot on: one set for the
+        # checkpoints' snapshots, one for the copies a lost server is rebuilt from
+        self._slot_copies: dict[str, dict[str, np.ndarray]] = {"checkpoints": {}, "copies": {}}
         self._copied: Any = None  # the event the last snapshot's copy records
 
     def reload(self) -> None:
@@ -111,16 +113,19 @@ class ServerDevice(_Transfers):
         """The updated values into the shared buffer; returns once they are there."""
         self._download(self.values)
 
-    def snapshot_slots(self, slots: dict[str, Any]) -> tuple[dict[str, np.ndarray], Any]:
-        """Start copying optimizer slots (device arrays by key) to pinned host memory; returns
-        the host arrays and an event that is complete once they hold the values."""
+    def snapshot_slots(
+        self, slots: dict[str, Any], into: str = "checkpoints"
+    ) -> tuple[dict[str, np.ndarray], Any]:
+        """Start copying optimizer slots (device arrays by key) to pinned host memory (the set
+        named ``into``: ``checkpoints`` or ``copies``, whose readers each wait for their own);
+        returns the host arrays and an event that is complete once they hold the values."""
         after_update = self.cp.cuda.get_current_stream().record()
         self._copier.wait_event(after_update)
-        out = {}
+        out, cache = {}, self._slot_copies[into]
         for key, a in slots.items():
-            host = self._slot_copies.get(key)
+            host = cache.get(key)
             if host is None or host.shape != a.shape or host.dtype != a.dtype:
-                host = self._slot_copies[key] = self._cupyx.empty_pinned(a.shape, a.dtype)
+                host = cache[key] = self._cupyx.empty_pinned(a.shape, a.dtype)
             if isinstance(a, np.ndarray):  # loaded, not yet moved to the device by an update
                 np.copyto(host, a)
             else:

@@ -170,14 +170,25 @@ def spawn(cls: type, placement: Placement, bundle: int, res: Resources, *args: A
     return _remote(cls, opts, args)
 
 
-def spawn_spare(cls: type, node_id: str, *args: Any) -> Any:
+def spawn_spare(cls: type, node_id: str, *args: Any, gpus: str | None = None) -> Any:
     """Make ``cls`` remote now on node ``node_id``, outside the placement group and holding
     no resources: a spare that waits, idle, to take over from a lost role of its kind there
-    (it then runs on the CPUs the lost role leaves)."""
+    (it then runs on the CPUs, and the share of a GPU, the lost role leaves).
+
+    ``gpus``: the GPUs the spare of a GPU role sees (``CUDA_VISIBLE_DEVICES``, those of the
+    roles it may replace). Holding no GPU of Ray's, it gets them through its environment: Ray
+    leaves that variable alone in a role given no GPU (unless ``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO``
+    is set, when the spare sees none, fails to start, and a lost role is replaced by a new one
+    in its bundle instead)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
 
-    strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
-    return _remote(cls, {"num_cpus": 0, "scheduling_strategy": strategy}, args)
+    opts: dict[str, Any] = {
+        "num_cpus": 0,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+    }
+    if gpus is not None:
+        opts["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": gpus}}
+    return _remote(cls, opts, args)
 
 
 def _remote(cls: type, opts: dict[str, Any], args: tuple) -> Any:

@@ -13,6 +13,7 @@ not on one another.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
@@ -258,6 +259,12 @@ def node_id() -> str:
     import ray  # noqa: PLC0415 - roles run under Ray; the module imports without it
 
     return ray.get_runtime_context().get_node_id()
+
+
+def visible_gpus() -> str | None:
+    """The GPUs this role sees (``CUDA_VISIBLE_DEVICES``, as Ray sets it for a role given a
+    share of one): a spare that takes over a GPU role's place is given the same."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 def server_layouts(slices: Sequence[Slice], n_servers: int, dtype: str) -> list[Layout]:

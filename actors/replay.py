@@ -59,13 +59,20 @@ class ServerCopies:
         self.every = max(1, every)
         return self.buffer.handle() if shared and self.buffer is not None else None
 
-    def take(self, values: dict[str, np.ndarray], optimizer: Any, version: int) -> dict[str, Any]:
-        """A copy of the state (the caller keeps it still meanwhile), or, shared, a note of
-        its version once written into the buffer."""
+    def take(
+        self, values: dict[str, np.ndarray], optimizer: dict[str, Any], version: int
+    ) -> dict[str, Any]:
+        """A copy of the values and the optimizer's state (its ``state_dict()``, with host
+        arrays; the caller keeps both still meanwhile), or, shared, a note of its version once
+        written into the buffer."""
         if self.shared and self.buffer is not None:
             self.buffer.write(values, optimizer, version)
             return {"version": version}
         return take_state(values, optimizer, version)
+
+    def busy(self) -> bool:
+        """Whether a copy is being taken now (a new one would be skipped)."""
+        return self._taking is not None and not self._taking.done()
 
     def due(self, version: int) -> bool:
         return self.every > 0 and version - self.version >= self.every
@@ -74,7 +81,7 @@ class ServerCopies:
         """Copy the state (``take()``) in the background; the next update waits for the copy
         (:meth:`wait_for_copy`). Skipped while one is still being taken (the next update tries
         again)."""
-        if self._taking is not None and not self._taking.done():
+        if self.busy():
             return
         self.gate.wait()
         self.version = version
@@ -141,14 +148,15 @@ class CopyBuffer:
     def handle(self) -> Any:
         return self.buf.handle()
 
-    def write(self, values: dict[str, np.ndarray], optimizer: Any, version: int) -> None:
-        """Copy the state (the caller keeps it still) into the slot not holding the newest."""
+    def write(self, values: dict[str, np.ndarray], optimizer: dict[str, Any], version: int) -> None:
+        """Copy the values and the optimizer's state (its ``state_dict()``, host arrays; the
+        caller keeps them still) into the slot not holding the newest."""
         v = self.arrays["versions"]
         i = int(np.argmin(v))
         v[i] = -1  # a half-written slot is never read
         for name in self.names:
             np.copyto(self.arrays[f"{i}/v/{name}"], values[name])
-        st = optimizer.state_dict()
+        st = optimizer
         for key, a in st["slots"].items():  # "<slice>/<slot>"; none yet for a slice not updated
             np.copyto(self.arrays[f"{i}/o/{key}"], a)
         meta = pickle.dumps({**st, "slots": sorted(st["slots"])})
@@ -188,9 +196,12 @@ class CopyBuffer:
 META_BYTES = 1 << 16  # a copy's description: the optimizer's name, hyperparameters, counts
 
 
-def take_state(values: dict[str, np.ndarray], optimizer: Any, version: int) -> dict[str, Any]:
-    """A copy of a server's slices (by slice name) and optimizer state at ``version``."""
-    st = optimizer.state_dict()
+def take_state(
+    values: dict[str, np.ndarray], optimizer: dict[str, Any], version: int
+) -> dict[str, Any]:
+    """A copy of a server's slices (by slice name) and optimizer state (its ``state_dict()``,
+    host arrays) at ``version``."""
+    st = optimizer
     return {
         "version": version,
         "values": {k: a.copy() for k, a in values.items()},

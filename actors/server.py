@@ -30,7 +30,15 @@ from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, UpdateGu
 from .device import ServerDevice
 from .doorbell import Abortable, Steps
 from .errors import reports_role
-from .protocol import ServerDone, ServerSpec, SummedGrads, Wiring, gradient_layout, node_id
+from .protocol import (
+    ServerDone,
+    ServerSpec,
+    SummedGrads,
+    Wiring,
+    gradient_layout,
+    node_id,
+    visible_gpus,
+)
 from .replay import CopyBuffer, ServerCopies
 from .snapshots import Snapshots
 
@@ -80,7 +88,29 @@ class ParamServer(Abortable):
 
     @reports_role
     def describe(self) -> dict[str, Any]:
-        return {"node": self.node, "handle": self.buf.handle(), "gpu": self.gpu is not None}
+        return {
+            "node": self.node,
+            "handle": self.buf.handle(),
+            "gpu": self.gpu is not None,
+            "gpus": visible_gpus() if self.gpu is not None else None,
+        }
+
+    @reports_role
+    def warm(self, updater: dict[str, Any]) -> float:
+        """A spare's: two updates of a scratch slice by an optimizer like its own
+        (``updater``), so that on a GPU the optimizer's kernels are compiled and loaded before
+        it takes over. Its own optimizer and values are not touched. Returns the seconds
+        taken."""
+        t0 = time.perf_counter()
+        xp = np if self.gpu is None else self.gpu.cp
+        dtype = self.layout.entries[0].dtype if self.layout.entries else "float32"
+        opt = make_optimizer(updater)
+        scratch, grad = xp.zeros(256, dtype), xp.ones(256, dtype)
+        opt.update(1, "scratch", scratch, grad)
+        opt.update(2, "scratch", scratch, grad)
+        if self.gpu is not None:
+            self.gpu.cp.cuda.get_current_stream().synchronize()
+        return time.perf_counter() - t0
 
     @reports_role
     def set_remote_readers(self, remote: bool) -> Any:
@@ -155,25 +185,41 @@ class ParamServer(Abortable):
                     self.optimizer.update_all(step, self.buf.arrays, g, self.pool)
         ref = self._publish()
         if self.copies.due(self.guard.version):
-            self.copies.start(self.guard.version, self._take)
+            self._start_copy()
         return self.guard.version, ref, time.perf_counter() - t0
 
-    def _take(self) -> dict[str, Any]:
+    def _start_copy(self) -> None:
+        """Take a copy of this server's state at its current version in the background (the
+        next update waits for it). On a GPU the optimizer slots come down to pinned host
+        buffers of the copies' own on the device's copy stream, ordered after this update and
+        before the next, which waits for them on the device; the helper thread waits for them
+        before it writes the copy. The values are in the shared buffer already."""
+        if self.copies.busy():  # the pinned buffers are still being read: skip this one
+            return
+        version, st = self.guard.version, self.optimizer.state_dict()
+        on_device = None
+        if self.gpu is not None:
+            st = {**st}
+            st["slots"], on_device = self.gpu.snapshot_slots(st["slots"], "copies")
         values = {s.name: self.buf.arrays[s.name] for s in self.slices}
-        return self.copies.take(values, self.optimizer, self.guard.version)
+
+        def take() -> dict[str, Any]:
+            if on_device is not None:
+                on_device.synchronize()
+            return self.copies.take(values, st, version)
+
+        self.copies.start(version, take)
 
     # ------------------------------------------------------------------ rebuilds
     @reports_role
     def keep_copies(self, every: int, shared: bool = False) -> ShmHandle | None:
         """Take a copy of this server's state now and every ``every`` updates, for its group's
-        stub (:mod:`actors.replay`); CPU servers only. ``shared``: the stub is on this node
-        and maps the copies' buffer, whose handle this returns; else it fetches each copy."""
-        if self.gpu is not None:
-            raise ValueError("a server on a GPU keeps no copies of itself")
+        stub (:mod:`actors.replay`). ``shared``: the stub is on this node and maps the copies'
+        buffer, whose handle this returns; else it fetches each copy."""
         values = {s.name: self.buf.arrays[s.name] for s in self.slices}
         tag, slots = f"{self.tag}-copies-server{self.index}", self.optimizer.slot_names()
         handle = self.copies.keep(every, shared, lambda: CopyBuffer(tag, self.node, values, slots))
-        self.copies.start(self.guard.version, self._take)
+        self._start_copy()
         return handle
 
     @reports_role
@@ -188,7 +234,9 @@ class ParamServer(Abortable):
         replayed through :meth:`update`). Returns the copy's version."""
         for s in self.slices:
             self.buf.arrays[s.name][...] = state["values"][s.name]
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(state["optimizer"])  # slots go up at their next update
+        if self.gpu is not None:
+            self.gpu.reload()
         self.guard.set_version(int(state["version"]))
         self._publish()
         return int(state["version"])
@@ -228,7 +276,7 @@ class ParamServer(Abortable):
         on_device = None
         if self.gpu is not None:  # slots copied down on a stream of their own
             st = {**st}
-            st["slots"], on_device = self.gpu.snapshot_slots(st["slots"])
+            st["slots"], on_device = self.gpu.snapshot_slots(st["slots"], "checkpoints")
         live = self._shard(server_shard.by_slice(st["slots"]))
         self.snaps.start(
             lambda copied: self._write_snapshot(live, tmp, shard, compression, copied, on_device)

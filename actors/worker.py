@@ -37,6 +37,7 @@ from .protocol import (
     node_id,
     read_state_copy,
     server_layouts,
+    visible_gpus,
     worker_buffer_layout,
     write_state_copy,
 )
@@ -154,7 +155,36 @@ class Worker(Abortable):
 
     @reports_role
     def describe(self) -> dict[str, Any]:
-        return {"node": self.node, "handle": self.grads.handle(), "state": self.state_shapes}
+        return {
+            "node": self.node,
+            "handle": self.grads.handle(),
+            "state": self.state_shapes,
+            "gpus": visible_gpus() if self.gpu is not None else None,
+        }
+
+    @reports_role
+    def warm(self) -> float:
+        """A spare's: run one training step of the model's initial parameters on the run's
+        first batch (the group's whole batch), so that what a step needs is ready before it
+        takes over: on a GPU its kernels compiled and loaded and its memory pool grown, on the
+        CPU its data read and its arrays' pages mapped. Nothing of it stays: the state is put
+        back and the gradients are dropped, not written to the shared buffer. Returns the
+        seconds taken."""
+        t0 = time.perf_counter()
+        kept = {k: v.copy() for k, v in self.state.items()}
+        params = self.net.init_params(self.seed)
+        x, y = self.train.get(self.plan.indices(self.batch_index(0), 0, 1))
+        x = self.net.prepare_input(x)
+        if self.gpu is not None:
+            params = self.gpu.upload(params)
+            x, y = self.gpu.asarray(x), self.gpu.asarray(y)
+        ctx = StepContext(train=True, seed=self.seed, step=0, sample_offset=0)
+        self.net.loss_and_grads(params, self.state, x, y, ctx, self.group_batch)
+        for k, v in kept.items():
+            self.state[k][...] = v
+        if self.gpu is not None:
+            self.gpu.cp.cuda.get_current_stream().synchronize()
+        return time.perf_counter() - t0
 
     def batch_index(self, step: int) -> int:
         """Groups take turns through one data order, so no two groups train on one batch."""

@@ -14,6 +14,12 @@ removed, and the third node has room for its roles::
 
     pip install -e '.[bench,examples]'
     python benchmarks/bench_recovery.py [--runs 5] [--job JOB] [--kinds worker,stub] [--json FILE]
+    python benchmarks/bench_recovery.py --device gpu [--kinds worker,stub,server]
+
+``--device gpu``: one node of 4 CPUs and one GPU, which the two workers and the server share
+(``topology.worker.gpus=0.25``, ``topology.server.gpus=0.25``; the stub is on the CPU). The
+goals there: a worker lost costs at most 0.5 s, a server 1 s, kill to next step, with no step
+rolled back (spares wait with their CUDA context and kernels loaded).
 
 Prints, per kind of loss and path, the median (min-max) of ``--runs`` of: kill to next
 completed step, and the steps redone and rolled back; then each goal, met or not: a worker lost
@@ -40,6 +46,10 @@ KINDS = ("worker", "stub", "server", "node", "node-all")
 NODES = {"node": (1, 1, 1)}  # the nodes of a kind's cluster (default two of 2 CPUs)
 # seconds, steps redone (a rebuilt server's group may redo the step it was interrupted in)
 GOALS = {"worker": (1.0, 1), "stub": (1.5, 1), "server": (2.5, 1)}
+GPU_GOALS = {"worker": (0.5, 1), "stub": (1.5, 1), "server": (1.0, 1)}
+GPU_KINDS = ("worker", "stub", "server")
+# the roles' shares of the one GPU of ``--device gpu``
+GPU_SHARES = ("topology.worker.gpus=0.25", "topology.server.gpus=0.25")
 
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -65,13 +75,16 @@ def job(path: str, run_dir: Path, recovery: str, *more: str):
     )
 
 
-def one_run(cluster, path: str, kind: str, recovery: str, run_dir: Path) -> dict[str, float]:
+def one_run(
+    cluster, path: str, kind: str, recovery: str, run_dir: Path, device: str = "cpu"
+) -> dict[str, float]:
     import ray
 
     from raysinga.distributed import DistributedTrainer
     from raysinga.obs.events import Event, Recovered, TrainStep
 
     more = ("topology.n_servers=2",) if kind == "node" else ()
+    more += GPU_SHARES if device == "gpu" else ()
     t = DistributedTrainer(job(path, run_dir, recovery, *more), log=None, gather=False)
     marks: dict[str, float] = {}
 
@@ -120,30 +133,49 @@ def main() -> None:
         default=str(EXAMPLES / "digits_mlp.yaml"),
         help="the job (its topology is used as it is, with 2 servers for `node`)",
     )
-    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated: " + ", ".join(KINDS))
+    ap.add_argument("--kinds", default=None, help="comma-separated: " + ", ".join(KINDS))
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="gpu: workers and server share one GPU (kinds: " + ", ".join(GPU_KINDS) + ")",
+    )
     add_json_option(ap)
     args = ap.parse_args()
+    gpu = args.device == "gpu"
+    kinds = (args.kinds or ",".join(GPU_KINDS if gpu else KINDS)).split(",")
+    bad = [k for k in kinds if k not in (GPU_KINDS if gpu else KINDS)]
+    if bad:
+        ap.error(f"--kinds: {', '.join(bad)} not among {', '.join(GPU_KINDS if gpu else KINDS)}")
+    goals = GPU_GOALS if gpu else GOALS
 
     from raysinga.cluster.local import local_cluster
 
     work = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     out: dict[tuple[str, str], list[dict[str, float]]] = {}
-    for kind in args.kinds.split(","):
-        with local_cluster(*NODES.get(kind, (2, 2))) as (cluster, _):
+    for kind in kinds:
+        nodes = (4,) if gpu else NODES.get(kind, (2, 2))
+        with local_cluster(*nodes, node_gpus=1 if gpu else 0) as (cluster, _):
             for r in range(args.runs):  # the two paths alternate, so both see the same noise
                 for path in ("restart", "replace"):
-                    run = one_run(cluster, args.job, kind, path, work / f"{kind}-{path}{r}")
+                    run_dir = work / f"{kind}-{path}{r}"
+                    run = one_run(cluster, args.job, kind, path, run_dir, args.device)
                     out.setdefault((kind, path), []).append(run)
-    print(
-        f"{Path(args.job).name}, 1 group x 2 workers + 1 server on a local 2-node cluster "
-        f"(2 cores; node: three 1-CPU nodes, 2 servers); kill at step {KILL_AT}; checkpoints "
-        f"every 20 steps (object store and disk); {args.runs} runs of each"
+    where = (
+        "a local 1-node cluster of 4 CPUs and 1 GPU (workers and server on it, 0.25 of it each)"
+        if gpu
+        else "a local 2-node cluster (2 cores; node: three 1-CPU nodes, 2 servers)"
     )
-    report = Report("bench_recovery", vars(args))
+    print(
+        f"{Path(args.job).name}, 1 group x 2 workers + 1 server on {where}; kill at step "
+        f"{KILL_AT}; checkpoints every 20 steps (object store and disk); {args.runs} runs of each"
+    )
+    name = "bench_recovery_gpu" if gpu else "bench_recovery"
+    report = Report(name, {**vars(args), "kinds": ",".join(kinds)})
     for (kind, path), runs in out.items():
         label = f"{kind} lost, {path}"
         replaced = sum(r["replaced"] for r in runs)
-        goal = GOALS.get(kind) if path == "replace" else None
+        goal = goals.get(kind) if path == "replace" else None
         report.add(
             Figure(
                 f"{label}: kill to next step",
@@ -160,7 +192,7 @@ def main() -> None:
                 ".0f",
             )
         print(f"  replaced in place in {replaced:.0f} of {len(runs)} runs")
-    for kind in GOALS:
+    for kind in goals:
         if (kind, "replace") not in out:
             continue
         new, old = out[(kind, "replace")], out[(kind, "restart")]

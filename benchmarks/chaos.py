@@ -5,6 +5,11 @@ then the same job uninterrupted, and the two runs' final parameters compared bit
     python benchmarks/chaos.py --kills 20 --seed 1
     python benchmarks/chaos.py examples/digits_mlp.yaml --kills 5 --steps 2000 --address auto
     python benchmarks/chaos.py --nodes 2 --node-share 0.25
+    python benchmarks/chaos.py --device gpu --kills 10
+
+``--device gpu``: the two workers and the server share one GPU (a quarter of it each; the
+local Ray is given the machine's cores and one GPU), so every kill of a worker or a server is
+one of a GPU role.
 
 ``--json FILE`` writes the figures (kill to next step, kills survived, bit-identical or not,
 failures recovered without restarting every role: goal at least 3/4 of the kills).
@@ -48,6 +53,12 @@ def main() -> int:
     ap.add_argument("--address", default=None, help="a Ray cluster to attach to")
     ap.add_argument("--nodes", type=int, default=0, help="instead: a local cluster of N nodes")
     ap.add_argument("--node-share", type=float, default=0.0, help="kills that remove a node")
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="gpu: the workers and the server share one GPU",
+    )
     add_json_option(ap)
     args = ap.parse_args()
 
@@ -64,9 +75,11 @@ def main() -> int:
             ray.init(address=args.address, log_to_driver=False)
             stack.callback(ray.shutdown)
         elif args.nodes:
-            cluster, _ = stack.enter_context(local_cluster(*[2] * args.nodes))
+            gpus = 1 if args.device == "gpu" else 0
+            cluster, _ = stack.enter_context(local_cluster(*[2] * args.nodes, node_gpus=gpus))
         else:
-            ray.init(address="local", num_cpus=os.cpu_count(), log_to_driver=False)
+            gpus = {"num_gpus": 1} if args.device == "gpu" else {}
+            ray.init(address="local", num_cpus=os.cpu_count(), log_to_driver=False, **gpus)
             stack.callback(ray.shutdown)
 
         def job(name: str) -> config.JobConfig:
@@ -78,6 +91,8 @@ def main() -> int:
                 "test_freq=0",
                 f"fault.max_failures={2 * args.kills + 1}",
             ]
+            if args.device == "gpu":
+                over += ["topology.worker.gpus=0.25", "topology.server.gpus=0.25"]
             cfg = config.load(args.job, over)
             if "lr" in cfg.updater and isinstance(cfg.updater["lr"], dict):  # a schedule
                 over.append(f"updater.lr.steps={args.steps}")
@@ -131,7 +146,7 @@ def main() -> int:
     print(f"wall time: under chaos {chaos_s:.1f} s, uninterrupted {straight_s:.1f} s")
     alone = [f for f in report["failures"] if f["recovery"] != "restarted"]
     settings = {**vars(args), "job": Path(args.job).name}
-    figures = Report("chaos", settings)
+    figures = Report("chaos_gpu" if args.device == "gpu" else "chaos", settings)
     if times:
         figures.figures.append(Figure("kill to next step", times, " s"))
     for name, count, goal in (

@@ -8,7 +8,8 @@
 # benchmark's GPU side (MLP, CNN, character model; eager, recorded as CUDA graphs, and the
 # PyTorch peers eager and compiled), then training with the GPU: the README's job on one
 # process, a distributed run with GPU workers and one with a GPU server too, the job with
-# graphs, and the distributed benchmark on one shared GPU. Each part runs under its own
+# graphs, the distributed benchmark on one shared GPU, and recovery of lost GPU roles (each
+# kind of loss timed, then chaos). Each part runs under its own
 # time limit (SECONDS, default 150; the tests get twice that) so one that hangs does not take
 # the others' time. Without a usable GPU it stops at once, saying why. Each part's output goes
 # to OUT (default gpu-results/) as NAME.log, with the benchmarks' figures as JSON files named as
@@ -73,6 +74,10 @@ part train-local-graphs "$limit" env RAYSINGA_DEVICE=gpu RAYSINGA_GPU_GRAPHS=str
   "$py" -m raysinga.cli train "$job" --local --set "run_dir=$runs/graphs"
 part bench-distributed-gpu "$limit" "$py" benchmarks/bench_distributed.py --device gpu \
   --rounds 3 --json "$out/bench_distributed_gpu.json"
+part bench-recovery-gpu "$limit" "$py" benchmarks/bench_recovery.py --device gpu --runs 3 \
+  --json "$out/bench_recovery_gpu.json"
+part chaos-gpu "$limit" "$py" benchmarks/chaos.py examples/digits_mlp.yaml --device gpu \
+  --kills 10 --steps 1500 --json "$out/chaos_gpu.json"
 rm -rf "$runs"
 echo "every part's log and figures: $out/ (summary: $out/summary.txt)"
 exit "$failed"

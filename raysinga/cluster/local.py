@@ -16,19 +16,24 @@ from typing import Any
 
 
 @contextlib.contextmanager
-def local_cluster(*node_cpus: int, **head: Any) -> Iterator[tuple[Any, list[Any]]]:
+def local_cluster(
+    *node_cpus: int, node_gpus: int = 0, **head: Any
+) -> Iterator[tuple[Any, list[Any]]]:
     """A head with no CPUs (plus ``head``: options of ``Cluster``'s head node) and one node per
-    entry of ``node_cpus``, this process's Ray joined to it; yields the ``Cluster`` and its
-    nodes. Any Ray this process had initialized is shut down first."""
+    entry of ``node_cpus``, each with ``node_gpus`` GPUs (the machine's own, shared by the
+    nodes), this process's Ray joined to it; yields the ``Cluster`` and its nodes. Any Ray this
+    process had initialized is shut down first."""
     import ray  # noqa: PLC0415
     from ray.cluster_utils import Cluster  # noqa: PLC0415
 
     ray.shutdown()
     saved = _address_file()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **head})
+    head = {"num_cpus": 0, "num_gpus": 0, **head}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         _put_back(saved)
-        nodes = [cluster.add_node(num_cpus=n) for n in node_cpus]
+        gpus = {"num_gpus": node_gpus} if node_gpus else {}
+        nodes = [cluster.add_node(num_cpus=n, **gpus) for n in node_cpus]
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         yield cluster, nodes

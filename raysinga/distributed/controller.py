@@ -175,7 +175,7 @@ class Controller:
             session.log(f"raysinga: loaded {start.source.label} in {dt:.2f} s")
         periodic = bool(cfg.checkpoint_frequency or cfg.checkpoint_every_seconds)
         replaceable = self._replaceable()
-        rebuildable = replaceable and self.plan.server_device == "cpu" and self.topo.n_groups == 1
+        rebuildable = replaceable and self.topo.n_groups == 1
         roles.replay = replay_steps(cfg.fault, self.plan.shapes, cfg.dtype) if rebuildable else 0
         roles.wire(prepare_snapshots=periodic and cfg.checkpoint.compression is None)
         roles.keep_copies()
@@ -280,10 +280,10 @@ class Controller:
 
     def _replaceable(self) -> bool:
         """Whether a lost worker or stub of this run can be replaced alone (and, in a
-        synchronous run (one group) with CPU servers and ``fault.replay_steps``, a lost
-        server rebuilt): workers on the CPU (with or without state of their own, which each
-        copies after every step), and ``fault.recovery: replace``."""
-        return self.cfg.fault.recovery == "replace" and self.plan.worker_device == "cpu"
+        synchronous run (one group) with ``fault.replay_steps``, a lost server rebuilt):
+        ``fault.recovery: replace``, on the CPU and on GPUs alike (a worker with state of its
+        own copies it after every step)."""
+        return self.cfg.fault.recovery == "replace"
 
     def _replace(self, rec: dict[str, Any], t0: float) -> bool:
         """Replace a lost worker or stub alone, or rebuild a lost server from its copy and

@@ -13,6 +13,12 @@ one that the group's stub keeps, and the summed gradients the stub logged since
 data (about a second on two loaded cores), so each group keeps a spare worker, a spare stub and
 a spare of each server on its node, idle until one takes over; a new spare is then spawned in
 the background.
+
+A spare worker or server, once up, runs one step of its kind on scratch data and drops the
+result (:meth:`Worker.warm`, :meth:`ParamServer.warm`), so that it takes over ready. That
+matters most for a GPU role, which costs more to start: a CUDA context, its kernels compiled or
+loaded, its memory pool grown. Its spare sees the same GPU as the roles it may replace (holding
+no GPU of Ray's, it takes the share the lost role leaves).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group_table
 
 from raysinga.actors.errors import get_all
@@ -58,22 +64,32 @@ class Replacer:
                 for k, info in enumerate(self.roles.server_infos):
                     if k not in self.spare_server and info["node"] == node:
                         self.spare_server[k] = self._spare(
-                            "server", node, self.roles.server_spec(k)
+                            "server", node, self.roles.server_spec(k), gpus=info.get("gpus")
                         )
 
     def _spare_worker(self, g: int) -> None:
         roles = self.roles
         self.spare_worker[g] = self._spare(
-            "worker", roles.stub_infos[g]["node"], roles.worker_spec(g, 0)
+            "worker",
+            roles.stub_infos[g]["node"],
+            roles.worker_spec(g, 0),
+            gpus=roles.worker_infos[g][0].get("gpus"),
         )
 
     def _spare_stub(self, g: int) -> None:
         roles = self.roles
         self.spare_stub[g] = self._spare("stub", roles.stub_infos[g]["node"], *roles.stub_args(g))
 
-    def _spare(self, role: str, node: str, *args: Any) -> Spare:
-        actor = self.roles.spawn_spare(role, node, *args)
-        return Spare(actor, actor.describe.remote(), node)
+    def _spare(self, role: str, node: str, *args: Any, gpus: str | None = None) -> Spare:
+        """A spare ``role`` on ``node`` (of a GPU role: seeing ``gpus``); a worker or server
+        warms up once started (its calls run in order: a take-over waits for the warm-up)."""
+        actor = self.roles.spawn_spare(role, node, *args, gpus=gpus)
+        described, warmed = actor.describe.remote(), None
+        if role == "server":
+            warmed = actor.warm.remote(self.roles.plan.updater)
+        elif role == "worker":
+            warmed = actor.warm.remote()
+        return Spare(actor, described, node, warmed)
 
     def _drop_spares_off(self, alive: set[str]) -> None:
         """Forget the spares that were on a node now gone (they went with it)."""
@@ -257,12 +273,14 @@ class Replacer:
         more than it was given."""
         on_node = self.roles.stub_infos[g]["node"] == node
         spare = self.spare_worker.pop(g, None) if on_node else None
-        if spare is not None:
-            actor, described, _ = spare
-            with contextlib.suppress(RayActorError, GetTimeoutError):
-                info = ray.get(described, timeout=timeout_s)
-                get_all([actor.adopt.remote(i)], "worker", g)
-                return actor, info
+        info = spare.ready(timeout_s) if spare is not None else None
+        if spare is not None and info is not None:
+            if info.get("gpus") == self.roles.worker_infos[g][i].get("gpus"):
+                with contextlib.suppress(RayActorError):
+                    get_all([spare.actor.adopt.remote(i)], "worker", g)
+                    return spare.actor, info
+            else:  # it sees another GPU than the lost worker's: it waits for a loss there
+                self.spare_worker[g] = spare
         actor = self.roles.spawn_worker(g, i)
         try:
             return actor, get_all([actor.describe.remote()], "worker", g, timeout_s)[0]
@@ -273,11 +291,8 @@ class Replacer:
         """The spare stub, ready; else a new one in the lost one's bundle."""
         ray.kill(self.roles.stubs[g])
         spare = self.spare_stub.pop(g, None)
-        if spare is not None:
-            actor, described, _ = spare
-            with contextlib.suppress(RayActorError, GetTimeoutError):
-                ray.get(described, timeout=timeout_s)
-                return actor
+        if spare is not None and spare.ready(timeout_s) is not None:
+            return spare.actor
         actor = self.roles.spawn_stub(g)
         try:
             get_all([actor.describe.remote()], "stub", g, timeout_s)
@@ -315,11 +330,23 @@ class ReplaceFailed(RuntimeError):
 
 class Spare(NamedTuple):
     """An idle role waiting to take over from a lost one: the actor, its ``describe()`` ref,
-    and the node it waits on."""
+    the node it waits on, and (a GPU role's) its ``warm()`` ref."""
 
     actor: Any
     described: Any
     node: str
+    warmed: Any = None
+
+    def ready(self, timeout_s: float) -> dict[str, Any] | None:
+        """What it says of itself once up and warm; None where it died or failed to come up
+        in time (then a new role is started in the lost one's bundle instead)."""
+        try:
+            info = ray.get(self.described, timeout=timeout_s)
+            if self.warmed is not None:
+                ray.get(self.warmed, timeout=timeout_s)
+            return info
+        except (RayError, GetTimeoutError):
+            return None
 
 
 RESCHEDULE_S = 5.0  # how long a lost node's bundles may take to move to a live node

@@ -83,10 +83,10 @@ class RoleGroup:
     def actors(self) -> list[Any]:
         return [*self.stubs, *(w for row in self.workers for w in row), *self.servers]
 
-    def spawn_spare(self, role: str, node: str, *args: Any) -> Any:
-        """A spare ``role`` on ``node``, idle until it takes over from a lost one; stopped
-        with the others."""
-        actor = placement.spawn_spare(self.classes[role], node, *args)
+    def spawn_spare(self, role: str, node: str, *args: Any, gpus: str | None = None) -> Any:
+        """A spare ``role`` on ``node`` (seeing ``gpus``: a GPU role's), idle until it takes
+        over from a lost one; stopped with the others."""
+        actor = placement.spawn_spare(self.classes[role], node, *args, gpus=gpus)
         self.spares.append(actor)
         return actor
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from raysinga import config
-from raysinga.actors.placement import packs, shrunk
+from raysinga.actors.placement import packs, shrunk, spawn_spare
 from raysinga.config.topology import Resources, Topology
 from raysinga.distributed import DistributedTrainer
 from raysinga.run import Trainer
@@ -71,3 +71,28 @@ def test_packs_checks_every_bundle_against_some_node():
     own = Topology(workers_per_group=1, server=Resources(cpus=2))  # a server bundle of its own
     assert not packs(own, [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}])
     assert packs(own, [{"CPU": 1.0}, {"CPU": 2.0}])
+
+
+class _Env:
+    def gpus(self) -> tuple[str | None, list]:
+        import os
+
+        import ray
+
+        return os.environ.get("CUDA_VISIBLE_DEVICES"), ray.get_gpu_ids()
+
+
+def test_a_spare_of_a_gpu_role_sees_the_gpus_it_is_given_and_holds_none(ray_session):
+    """A spare holds no resources of Ray's; one standing in for a GPU role is handed the lost
+    role's GPUs through its environment, which Ray leaves alone in a role given no GPU."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    gpu_spare, cpu_spare = (spawn_spare(_Env, node, gpus=g) for g in ("3", None))
+    try:
+        assert ray.get(gpu_spare.gpus.remote()) == ("3", [])
+        seen, held = ray.get(cpu_spare.gpus.remote())
+        assert seen != "3" and held == []
+    finally:
+        for a in (gpu_spare, cpu_spare):
+            ray.kill(a)

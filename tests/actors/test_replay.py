@@ -120,7 +120,7 @@ def test_a_server_copy_is_taken_in_the_background_and_handed_out_once_newer():
 
     def take():
         release.wait(5)
-        return take_state(values, opt, 1)
+        return take_state(values, opt.state_dict(), 1)
 
     expected = values["w"].tolist()
     copies.start(1, take)
@@ -142,7 +142,7 @@ def test_a_servers_optimizer_state_round_trips_through_its_copy_bit_exact():
     grads = [rng.standard_normal(8).astype(np.float32) for _ in range(6)]
     for step in range(3):
         a.update(step, "p", pa, grads[step])
-    state = take_state({"p": pa}, a, 3)
+    state = take_state({"p": pa}, a.state_dict(), 3)
     pb = state["values"]["p"].copy()
     b.load_state_dict(state["optimizer"])
     for step in range(3, 6):
@@ -164,13 +164,13 @@ def test_a_copy_in_shared_memory_reads_back_as_taken_and_outlives_the_writer(tmp
     try:
         log.attach({0: buf.handle()})
         assert log.plan(0, 0) is None  # none taken yet
-        buf.write(values, opt, 1)
+        buf.write(values, opt.state_dict(), 1)
         first = {k: v.copy() for k, v in values.items()}
         opt.update(1, "b", values["b"], np.ones(3, np.float32))  # "b" has slots from here
-        buf.write(values, opt, 2)
+        buf.write(values, opt.state_dict(), 2)
         assert buf.arrays["versions"].tolist() == [1, 2]
         values["w[0:8]"][...] = 7  # the copies are independent of the live arrays
-        buf.write(values, opt, 3)  # over the older slot, 1
+        buf.write(values, opt.state_dict(), 3)  # over the older slot, 1
         assert buf.arrays["versions"].tolist() == [3, 2]
         buf.arrays["versions"][0] = -1  # as while a copy is written: the newest whole one
         state, rows = log.plan(0, 2)

@@ -183,6 +183,58 @@ def test_a_role_of_a_group_with_batch_norm_is_replaced_alone_bit_exact(straight_
     assert any("bn" in n for n in want) and final_state(tmp_path) == want
 
 
+GPU_SHARES = ("topology.worker.gpus=0.25", "topology.server.gpus=0.25")
+
+
+@pytest.fixture(scope="module")
+def straight_gpu(tmp_path_factory):
+    """The jobs above with both workers and the server sharing one GPU, uninterrupted."""
+    start_ray()
+    runs = {}
+    for name, text in (("mlp", JOB), ("bn", BN_JOB)):
+        d = tmp_path_factory.mktemp(f"straight-gpu-{name}")
+        t = DistributedTrainer(load_job(d, text, *GPU_SHARES), log=lambda line: None)
+        assert (t.worker_device, t.server_device) == ("gpu", "gpu")
+        runs[name] = (d, t.fit())
+    return runs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "name, role, spares",
+    [
+        ("mlp", "worker", "true"),  # the spare, warmed up on the GPU, takes over
+        ("mlp", "worker", "false"),  # a new worker in the lost one's bundle
+        ("mlp", "stub", "true"),
+        ("mlp", "server", "true"),  # rebuilt on the GPU from its copy and the stub's log
+        ("bn", "worker", "true"),  # with batch norm's statistics, from the lost one's copy
+    ],
+)
+def test_a_killed_gpu_role_is_replaced_alone_bit_exact(straight_gpu, tmp_path, name, role, spares):
+    """GPU workers and a GPU server sharing one GPU: a worker, the stub or the server SIGKILLed
+    at step 15 is replaced alone (a server rebuilt from its copy, whose optimizer slots came
+    down from the device, and the log), nothing rolled back, and the run ends with the bits of
+    an uninterrupted GPU run, batch norm's statistics included."""
+    ref_dir, ref = straight_gpu[name]
+    text = JOB if name == "mlp" else BN_JOB
+    t = DistributedTrainer(
+        load_job(tmp_path, text, *GPU_SHARES, f"fault.spares={spares}"), log=None
+    )
+    hook, fired = kill_at(t, role, 15)
+    t.hub.subscribe(hook)
+    res = t.fit()
+    assert fired, "the kill never fired"
+    (ev,) = events(tmp_path)
+    path = "rebuilt and replayed" if role == "server" else "replaced"
+    assert (ev["role"], ev["recovery"], ev["rolled_back"]) == (role, path, 0), ev
+    assert ev["steps_redone"] <= 1 and t.tag == fired[0], ev
+    for k, a in ref.params.items():
+        assert res.params[k].tobytes() == a.tobytes(), k
+    if name == "bn":
+        want = final_state(ref_dir)
+        assert any("bn" in n for n in want) and final_state(tmp_path) == want
+
+
 class KilledInRecoveryServer(ParamServer):
     """Counts its incarnations in a file; the second (the relaunch after the first loss)
     SIGKILLs itself when first asked whether it is up, while the driver recovers."""
