@@ -3,6 +3,7 @@ spread over several nodes (data crosses through the object store, not shared mem
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +74,7 @@ def test_packs_checks_every_bundle_against_some_node():
     assert packs(own, [{"CPU": 1.0}, {"CPU": 2.0}])
 
 
-class _Env:
+class _Env:  # sent by value: a spare's process with an environment of its own is a new one
     def gpus(self) -> tuple[str | None, list]:
         import os
 
@@ -86,7 +87,9 @@ def test_a_spare_of_a_gpu_role_sees_the_gpus_it_is_given_and_holds_none(ray_sess
     """A spare holds no resources of Ray's; one standing in for a GPU role is handed the lost
     role's GPUs through its environment, which Ray leaves alone in a role given no GPU."""
     import ray
+    from ray import cloudpickle
 
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
     node = ray.get_runtime_context().get_node_id()
     gpu_spare, cpu_spare = (spawn_spare(_Env, node, gpus=g) for g in ("3", None))
     try:
