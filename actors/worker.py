@@ -133,6 +133,7 @@ class Worker(Abortable):
         self.state_at: int | None = None
         if self.state_shapes:  # no copy yet (a zero-filled tag would name step 0)
             self.grads.arrays[STATE_TAGS][...] = -1
+        self._copies: precision.WeightCopies | None = None  # a GPU worker's, once made
         self.gpu: WorkerDevice | None = None  # device: "gpu" (a worker given GPUs)
         self.graphs: WorkerGraphStep | None = None  # gpu.graphs: the step as a CUDA graph
         if spec.device == "gpu":
@@ -288,6 +289,21 @@ class Worker(Abortable):
             self.state[k][...] = v if self.gpu is None else self.gpu.asarray(v)
         self.state_at = -1
 
+    def _weight_copies(self, params: dict) -> precision.WeightCopies | None:
+        """Under the bf16 compute precision, the bfloat16 copies of this step's weights (the
+        servers' values, just read): cast once here, and read by every matrix product of the
+        step in place of a cast at each use. A GPU worker keeps one set over its fixed device
+        buffers; on the CPU the values are wherever the servers' buffers are mapped."""
+        if precision.compute() != "bf16":
+            return None
+        if self.gpu is None:
+            return precision.WeightCopies(params)
+        if self._copies is None:
+            self._copies = precision.WeightCopies(params)
+        else:
+            self._copies.refresh()
+        return self._copies
+
     def _host_state(self) -> dict[str, np.ndarray]:
         return {k: to_numpy(v) for k, v in self.state.items()}
 
@@ -297,9 +313,10 @@ class Worker(Abortable):
         if self.gpu is not None:
             x, y = self.gpu.asarray(x), self.gpu.asarray(y)
         into = None if self.gpu is not None else self.grads.arrays  # written in place there
-        loss, grads, _ = self.net.loss_and_grads(
-            params, self.state, x, y, ctx, self.group_batch, into
-        )
+        with precision.copies_in_use(self._weight_copies(params)):
+            loss, grads, _ = self.net.loss_and_grads(
+                params, self.state, x, y, ctx, self.group_batch, into
+            )
         if self.gpu is not None:
             self.gpu.download_grads(grads)
         else:

@@ -167,10 +167,23 @@ def _gemm_ex(h: _Handle, types, g, one: int, zero: int, pa: int, pb: int, pc: in
 
 
 def _bf16(x: cupy.ndarray) -> cupy.ndarray:
-    """``x`` (float32) as C-contiguous bfloat16 words, rounded to nearest even."""
-    from .gpu_launch import get_kernel, launch  # noqa: PLC0415 - the kernel tables
-
+    """``x`` (float32) as bfloat16 words, rounded to nearest even: a weight's copy (the view of
+    it that matches ``x``, :func:`precision.copy_of`) where it has one, else cast here into a new
+    C-contiguous array."""
+    words = precision.copy_of(x)
+    if words is not None:
+        return words
     x = cupy.ascontiguousarray(x)
     words = cupy.empty(x.shape, cupy.uint16)
-    launch(get_kernel("precision.cu", "to_bf16", x.dtype), x.size, x, words, x.size)
+    bf16_into(x, words)
     return words
+
+
+def bf16_into(x: cupy.ndarray, words: cupy.ndarray) -> None:
+    """``words`` (uint16, C-contiguous, of ``x``'s size) = the bfloat16 words of ``x``
+    (float32, C-contiguous), in one launch."""
+    from .gpu_launch import get_kernel, launch  # noqa: PLC0415 - the kernel tables
+
+    if not (x.flags.c_contiguous and words.flags.c_contiguous) or words.size != x.size:
+        raise ValueError("bf16_into needs C-contiguous arrays of one size")
+    launch(get_kernel("precision.cu", "to_bf16", x.dtype), x.size, x, words, x.size)

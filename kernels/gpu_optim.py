@@ -38,17 +38,19 @@ def sgd_update(
     weight_decay: float,
     nesterov: bool,
     step=None,
+    copy=None,
 ):
     """One SGD step on ``param`` (and its momentum ``buf``, or None) in place, in one launch.
     ``step``: a float64 device array whose element 0 is the rate, read by the kernel in place of
-    ``lr`` (what a replayed CUDA graph needs: the rate of the step it runs)."""
+    ``lr`` (what a replayed CUDA graph needs: the rate of the step it runs). ``copy``: a uint16
+    array that receives the updated parameter's bfloat16 words in the same pass."""
     grad = contiguous(grad, param.dtype)
     _check_flat("param", param, grad=grad, **({} if buf is None else {"buf": buf}))
     t = param.dtype.type
     k = get_kernel("optim.cu", "sgd_update", param.dtype)
     args = (param, grad, 0 if buf is None else buf, param.size, t(lr), t(momentum))
     flags = (int(buf is not None), int(nesterov))
-    launch(k, param.size, *args, t(weight_decay), *flags, _step_values(step, 1))
+    launch(k, param.size, *args, t(weight_decay), *flags, _step_values(step, 1), _copy(param, copy))
 
 
 def adam_update(
@@ -63,11 +65,13 @@ def adam_update(
     weight_decay: float,
     decoupled: bool,
     step=None,
+    copy=None,
 ) -> None:
     """One Adam (``decoupled``: AdamW) step ``t`` on ``param``, ``m`` and ``v`` in place, in one
     launch. Scalars are computed in double and rounded to the dtype, as NumPy does. ``step``: a
     float64 device array holding what changes from step to step, :func:`adam_step_values`,
-    read by the kernel in place of ``lr`` and ``t`` (a replayed CUDA graph's step)."""
+    read by the kernel in place of ``lr`` and ``t`` (a replayed CUDA graph's step). ``copy``: as
+    :func:`sgd_update`'s."""
     grad = contiguous(grad, param.dtype)
     _check_flat("param", param, grad=grad, m=m, v=v)
     beta1, beta2 = betas
@@ -95,6 +99,7 @@ def adam_update(
         T(bc2),
         T(eps),
         _step_values(step, 3),
+        _copy(param, copy),
     )
 
 
@@ -105,6 +110,17 @@ def _step_values(step, n: int):
     if step.dtype != np.float64 or step.size < n or not step.flags.c_contiguous:
         raise ValueError(f"step must be {n} contiguous float64 values on the device")
     return step
+
+
+def _copy(param, copy):
+    """The bfloat16 copy's device array for a kernel, or 0 (a null pointer) for None."""
+    if copy is None:
+        return 0
+    if param.dtype != np.float32:
+        raise TypeError(f"a bfloat16 copy is of a float32 parameter, not of {param.dtype}")
+    if copy.dtype != np.uint16 or copy.size != param.size or not copy.flags.c_contiguous:
+        raise ValueError(f"copy must be {param.size} contiguous uint16 words on the device")
+    return copy
 
 
 def weighted_sum(out, buffers: list, weights=None):

@@ -5,6 +5,16 @@
 // --fmad=false: each operation below is one IEEE-rounded float operation in the order NumPy
 // performs it in raysinga/optim.py and actors/stub.py, so the results are bit-identical to the CPU
 // path. Scalars arrive already rounded to T, as NumPy rounds a Python float against a T array.
+//
+// copy (may be null): where the updated parameter's bfloat16 words go, in the same pass (the bf16
+// compute precision's copy of a weight, read by the matrix products in place of a cast of their
+// own). Rounded as precision.cu's f32_to_bf16 rounds (this file is compiled alone).
+
+__device__ __forceinline__ unsigned short bf16_word(float f) {
+  const unsigned int u = __float_as_uint(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (unsigned short)((u >> 16) | 0x40u);  // NaN
+  return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
 
 __device__ __forceinline__ float k_sqrt(float x) { return sqrtf(x); }  // IEEE-rounded
 __device__ __forceinline__ double k_sqrt(double x) { return sqrt(x); }
@@ -15,7 +25,8 @@ __device__ __forceinline__ double k_sqrt(double x) { return sqrt(x); }
 template <typename T>
 __device__ void sgd_update(T* __restrict__ p, const T* __restrict__ grad, T* __restrict__ buf,
                            long long n, T lr, T momentum, T wd, long long has_buf,
-                           long long nesterov, const double* __restrict__ step) {
+                           long long nesterov, const double* __restrict__ step,
+                           unsigned short* __restrict__ copy) {
   if (step != nullptr) lr = T(step[0]);
   for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n;
        e += (long long)gridDim.x * blockDim.x) {
@@ -28,7 +39,9 @@ __device__ void sgd_update(T* __restrict__ p, const T* __restrict__ grad, T* __r
       buf[e] = b;
       g = nesterov ? g + momentum * b : b;
     }
-    p[e] = pe - lr * g;
+    const T pn = pe - lr * g;
+    p[e] = pn;
+    if (copy != nullptr) copy[e] = bf16_word((float)pn);
   }
 }
 
@@ -43,7 +56,8 @@ template <typename T>
 __device__ void adam_update(T* __restrict__ p, const T* __restrict__ grad, T* __restrict__ m,
                             T* __restrict__ v, long long n, T decay, long long decoupled, T wd, T w,
                             T one_minus_w, long long lerp_hi, T beta2, T one_minus_beta2,
-                            T neg_step, T bc2, T eps, const double* __restrict__ step) {
+                            T neg_step, T bc2, T eps, const double* __restrict__ step,
+                            unsigned short* __restrict__ copy) {
   if (step != nullptr) {
     decay = T(step[0]);
     neg_step = T(step[1]);
@@ -67,7 +81,9 @@ __device__ void adam_update(T* __restrict__ p, const T* __restrict__ grad, T* __
     T denom = k_sqrt(ve);
     denom = denom / bc2;
     denom = denom + eps;
-    p[e] = pe + (neg_step * me) / denom;
+    const T pn = pe + (neg_step * me) / denom;
+    p[e] = pn;
+    if (copy != nullptr) copy[e] = bf16_word((float)pn);
   }
 }
 
@@ -90,15 +106,16 @@ __device__ void weighted_sum(T* __restrict__ out, const unsigned long long* __re
 #define ENTRY_POINTS(T, SUF)                                                                       \
   extern "C" __global__ void sgd_update_##SUF(T* p, const T* grad, T* buf, long long n, T lr,      \
                                               T momentum, T wd, long long has_buf,                 \
-                                              long long nesterov, const double* step) {            \
-    sgd_update<T>(p, grad, buf, n, lr, momentum, wd, has_buf, nesterov, step);                     \
+                                              long long nesterov, const double* step,              \
+                                              unsigned short* copy) {                              \
+    sgd_update<T>(p, grad, buf, n, lr, momentum, wd, has_buf, nesterov, step, copy);               \
   }                                                                                                \
   extern "C" __global__ void adam_update_##SUF(                                                    \
       T* p, const T* grad, T* m, T* v, long long n, T decay, long long decoupled, T wd, T w,       \
       T one_minus_w, long long lerp_hi, T beta2, T one_minus_beta2, T neg_step, T bc2, T eps,      \
-      const double* step) {                                                                        \
+      const double* step, unsigned short* copy) {                                                  \
     adam_update<T>(p, grad, m, v, n, decay, decoupled, wd, w, one_minus_w, lerp_hi, beta2,         \
-                   one_minus_beta2, neg_step, bc2, eps, step);                                     \
+                   one_minus_beta2, neg_step, bc2, eps, step, copy);                               \
   }                                                                                                \
   extern "C" __global__ void weighted_sum_##SUF(T* out, const unsigned long long* ins,             \
                                                 const T* w, long long k, long long n) {            \

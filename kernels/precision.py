@@ -13,6 +13,13 @@ trainer, a worker) from the job's ``precision.compute``:
 Everything else (activations, softmax, layer and batch norm and their statistics, losses,
 reductions, gradients' sums, the optimizer and its master weights) stays float32.
 
+Under ``bf16``, the run's weights (its float32 parameters of two or more axes) have bfloat16
+copies (:class:`WeightCopies`), written by the optimizer in the pass that updates the weight
+(the fused kernels of ``optim.cu``) or, where the values come from elsewhere (a worker's from
+the servers), once per step: a matrix product reads a weight's copy, or the view of it that
+matches its operand, in place of casting the weight at every use (the forward and the backward
+pass each read every weight at least once).
+
 On a CPU the reduced precisions are emulated: the operands are rounded here, with NumPy, and the
 BLAS multiplies them in float32. A bf16 product of two bf16 numbers is exact in float32, so this
 computes what the GPU computes up to the order of the float32 sums. It is slower than float32 on
@@ -31,6 +38,7 @@ import numpy as np
 
 POLICIES = ("f32", "tf32", "bf16")
 _compute = "f32"
+_copies: WeightCopies | None = None  # the weights' bf16 copies the matrix products read
 
 
 def use(policy: str) -> None:
@@ -112,7 +120,99 @@ def round_tf32(x: np.ndarray) -> np.ndarray:
 
 def operand(x: Any) -> Any:
     """A NumPy matrix product's operand in this process's precision (as it is for ``f32`` and
-    for float64, which has no reduced form here)."""
+    for float64, which has no reduced form here); under ``bf16``, a weight's copy where it has
+    one (exactly the rounded weight)."""
     if _compute == "f32" or x.dtype != np.float32:
         return x
-    return round_bf16(x) if _compute == "bf16" else round_tf32(x)
+    if _compute == "tf32":
+        return round_tf32(x)
+    words = copy_of(x)
+    return round_bf16(x) if words is None else from_bf16_bits(words)
+
+
+def copy_of(x: Any) -> Any:
+    """The bfloat16 words of ``x`` where it is (a view of) a weight with a copy in use, as
+    the same view of the copy; else None."""
+    return None if _copies is None or _compute != "bf16" else _copies.view_of(x)
+
+
+@contextlib.contextmanager
+def copies_in_use(copies: WeightCopies | None) -> Iterator[None]:
+    """Have this process's matrix products read ``copies`` (None: none) for a block."""
+    global _copies
+    before, _copies = _copies, copies
+    try:
+        yield
+    finally:
+        _copies = before
+
+
+def write_copy(param: Any, words: Any) -> None:
+    """``words`` = the bfloat16 words of float32 ``param`` (same shape; NumPy or CuPy)."""
+    if isinstance(param, np.ndarray):
+        words[...] = bf16_bits(param).reshape(param.shape)
+        return
+    from .gpu_blas import bf16_into  # noqa: PLC0415 - CuPy, only for CuPy arrays
+
+    bf16_into(param, words)
+
+
+def _address(a: Any) -> int:
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
+
+
+class WeightCopies:
+    """bfloat16 copies of a run's weights: of each float32 parameter of two or more axes, a
+    uint16 array of its shape on its device, and :meth:`view_of`, which finds the copy of a view
+    of a weight (a transpose in the backward pass, a slice). Whoever changes a weight writes its
+    copy: the optimizer as it updates it (``Optimizer.bf16_copies``), else :meth:`refresh`."""
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        self.params = {  # (a weight laid out otherwise is cast where it is used, as before)
+            k: p
+            for k, p in params.items()
+            if p.dtype == np.float32 and p.ndim >= 2 and p.size and p.flags.c_contiguous
+        }
+        self.words: dict[str, Any] = {}
+        for k, p in self.params.items():
+            xp = np if isinstance(p, np.ndarray) else _module_of(p)
+            self.words[k] = xp.empty(p.shape, np.uint16)
+        self._spans = sorted(
+            (_address(p), _address(p) + p.nbytes, k) for k, p in self.params.items()
+        )
+        self.refresh()
+
+    def refresh(self, names: Any = None) -> None:
+        """Write the copies of ``names`` (default: every weight) from the weights' values."""
+        for k in self.params if names is None else names:
+            if k in self.words:
+                write_copy(self.params[k], self.words[k])
+
+    def view_of(self, x: Any) -> Any:
+        """The copy's view that matches ``x``, a view of one weight (same device), or None."""
+        if x.dtype != np.float32 or not x.size:
+            return None
+        start = _address(x)
+        span = next((sp for sp in self._spans if sp[0] <= start < sp[1]), None)
+        if span is None:
+            return None
+        lo, hi, k = span
+        p, words = self.params[k], self.words[k]
+        if type(x) is not type(p) or any(s % 4 for s in x.strides) or (start - lo) % 4:
+            return None
+        last = start + sum((n - 1) * st for n, st in zip(x.shape, x.strides, strict=True) if st > 0)
+        if min(x.strides, default=0) < 0 or last + 4 > hi:
+            return None
+        # the copy's words lie where the weight's floats lie, at half the bytes
+        off, strides = (start - lo) // 2, tuple(st // 2 for st in x.strides)
+        if isinstance(words, np.ndarray):
+            base = words.reshape(-1)[off // 2 :]
+            return np.lib.stride_tricks.as_strided(base, x.shape, strides, writeable=False)
+        cp = _module_of(words)
+        return cp.ndarray(x.shape, np.uint16, memptr=words.data + off, strides=strides)
+
+
+def _module_of(a: Any) -> Any:
+    import cupy  # noqa: PLC0415 - only for CuPy arrays
+
+    return cupy

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from raysinga.kernels import get_array_module, to_numpy
+from raysinga.kernels import get_array_module, precision, to_numpy
 
 from .grads import BLOCK, chunks, on_threads, sum_into
 from .schedules import Schedule, make_schedule, schedule_from_state
@@ -57,6 +57,9 @@ class Optimizer:
         self._slots: dict[str, dict[str, Any]] = {}  # param name -> slot name -> array
         self._ready: set[str] = set()  # names whose slots live on the param's device and dtype
         self.counts: dict[str, int] = {}  # param name -> updates applied
+        # param name -> its bfloat16 copy, written with each update (precision.WeightCopies's
+        # words: the bf16 compute precision); not part of the state
+        self.bf16_copies: dict[str, Any] = {}
 
     def _hparams(self, given: dict[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(given) - set(self.defaults))
@@ -87,11 +90,19 @@ class Optimizer:
         raise NotImplementedError
 
     def _fused(
-        self, param: Any, grad: Any, s: dict[str, Any], lr: float, t: int, step: Any = None
+        self,
+        param: Any,
+        grad: Any,
+        s: dict[str, Any],
+        lr: float,
+        t: int,
+        step: Any = None,
+        copy: Any = None,
     ) -> bool:
         """Apply the update to a contiguous CuPy ``param`` in one fused kernel; False where this
         optimizer has none (then ``_apply`` runs, as CuPy array operations). ``step``: the
-        values of :meth:`_step_values` in device memory, read in place of ``lr`` and ``t``."""
+        values of :meth:`_step_values` in device memory, read in place of ``lr`` and ``t``.
+        ``copy``: the parameter's bfloat16 copy, written by the same kernel."""
         return False
 
     def _step_values(self, lr: float, t: int) -> tuple[float, ...]:
@@ -137,12 +148,13 @@ class Optimizer:
                 len(self._step_values(lr, t)),
                 lambda s, _: self._step_values(self.lr(s), self.counts.get(name, 0) + 1),
             )
+        copy = self.bf16_copies.get(name)
         if (
             xp is not np
             and param.flags.c_contiguous
-            and self._fused(param, grad, slots, lr, t, on_device)
+            and self._fused(param, grad, slots, lr, t, on_device, copy)
         ):
-            pass  # one fused kernel on the GPU, bit-identical to _apply
+            copy = None  # one fused kernel on the GPU, bit-identical to _apply, wrote it
         elif on_device is not None:  # CuPy array operations with the rate as a device value
             if type(self)._step_values is not Optimizer._step_values:
                 raise RuntimeError(
@@ -161,6 +173,8 @@ class Optimizer:
             on_threads(pool, run, pieces)
         else:
             self._apply(xp, param, grad, slots, lr, t)
+        if copy is not None:  # no fused kernel wrote it: a pass of its own
+            precision.write_copy(param, copy)
         self.counts[name] = t
 
     def update_summed(

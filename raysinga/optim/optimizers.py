@@ -59,12 +59,14 @@ class SGD(Optimizer):
             g = g + h["momentum"] * buf if h["nesterov"] else buf
         param -= lr * g
 
-    def _fused(self, param, grad, s, lr, t, step=None) -> bool:
+    def _fused(self, param, grad, s, lr, t, step=None, copy=None) -> bool:
         from raysinga.kernels import gpu  # noqa: PLC0415 - CuPy, only for CuPy parameters
 
         h = self.hparams
         buf = s["momentum"] if h["momentum"] else None
-        gpu.sgd_update(param, grad, buf, lr, h["momentum"], h["weight_decay"], h["nesterov"], step)
+        gpu.sgd_update(
+            param, grad, buf, lr, h["momentum"], h["weight_decay"], h["nesterov"], step, copy
+        )
         return True
 
 
@@ -174,7 +176,7 @@ class Adam(Optimizer):
         denom += h["eps"]
         param += -step_size * m / denom
 
-    def _fused(self, param, grad, s, lr, t, step=None) -> bool:
+    def _fused(self, param, grad, s, lr, t, step=None, copy=None) -> bool:
         from raysinga.kernels import gpu  # noqa: PLC0415 - CuPy, only for CuPy parameters
 
         h = self.hparams
@@ -190,6 +192,7 @@ class Adam(Optimizer):
             h["weight_decay"],
             self.decoupled,
             step,
+            copy,
         )
         return True
 

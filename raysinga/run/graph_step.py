@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from raysinga.kernels import precision
 from raysinga.nn.losses import CLASSIFYING
 from raysinga.optim.grads import clip_grad_norm_on_device
 
@@ -265,11 +266,18 @@ class WorkerGraphStep:
         cp = self.rec.cupy
         self.grads = {k: cp.empty(v.shape, v.dtype) for k, v in device.params.items()}
         self.out = cp.zeros(1, np.float64)
+        # bf16: the weights' copies, cast from the uploaded values within the recorded step
+        self.copies = (
+            precision.WeightCopies(device.params) if precision.compute() == "bf16" else None
+        )
 
     def _body(self, step: int, ctx: Any, x: Any, y: Any) -> None:
-        loss, grads, _ = self.net.loss_and_grads(
-            self.device.params, self.state, x, y, ctx, self.denom, on_device=True
-        )
+        if self.copies is not None:
+            self.copies.refresh()
+        with precision.copies_in_use(self.copies):
+            loss, grads, _ = self.net.loss_and_grads(
+                self.device.params, self.state, x, y, ctx, self.denom, on_device=True
+            )
         self.out[0] = loss
         for k, g in grads.items():
             self.grads[k][...] = g

@@ -7,9 +7,10 @@ on wall-clock time or on arrival order, so two runs with one config give the sam
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -173,7 +174,10 @@ class Trainer:
                 observe(graphs.results(force=True))
                 graphs.synchronize()
 
-        with recording(self.hub, self.run_dir, result, cfg.tensorboard):
+        with (
+            recording(self.hub, self.run_dir, result, cfg.tensorboard),
+            weight_copies(params, self.optimizer),
+        ):
             end = cfg.train_steps if self.until is None else self.until
             for step in range(first, end):
                 if session.stop_signal is not None:
@@ -254,6 +258,20 @@ class Trainer:
             mode,
         )
         return self.graphs
+
+
+@contextlib.contextmanager
+def weight_copies(params: dict, optimizer: Any) -> Iterator[precision.WeightCopies | None]:
+    """Under the bf16 compute precision, bfloat16 copies of the weights in ``params`` for the
+    duration of a run, which the optimizer writes as it updates the weights and the matrix
+    products read (:class:`~raysinga.kernels.precision.WeightCopies`); None otherwise."""
+    copies = precision.WeightCopies(params) if precision.compute() == "bf16" else None
+    optimizer.bf16_copies = {} if copies is None else copies.words
+    try:
+        with precision.copies_in_use(copies):
+            yield copies
+    finally:
+        optimizer.bf16_copies = {}
 
 
 def _resolve_device(want: str, notice: Callable[[str], None]) -> str:

@@ -181,14 +181,16 @@ auto p = take<float>(n); auto g = take<float>(n); auto a = take<float>(n); auto 
 auto s = take<double>(16);  // the scalars, as the wrapper rounds them (T) or passes them (double)
 auto f = [&](int i) { return (float)s[i]; };
 const double* step = from_memory ? s.data() + 10 : nullptr;
+std::vector<unsigned short> copy(n);  // the bf16 copy, written when from_memory is 1
+unsigned short* c = from_memory ? copy.data() : nullptr;
 if (kind == 0)
   sgd_update_f32(p.data(), g.data(), a.data(), n, from_memory ? 0.f : f(0), f(1), f(2),
-                 (long long)s[3], (long long)s[4], step);
+                 (long long)s[3], (long long)s[4], step, c);
 else
   adam_update_f32(p.data(), g.data(), a.data(), b.data(), n, from_memory ? 0.f : f(0),
                   (long long)s[1], f(2), f(3), f(4), (long long)s[5], f(6), f(7),
-                  from_memory ? 0.f : f(8), from_memory ? 0.f : f(9), f(15), step);
-give(p, n); give(a, n); give(b, n); return 0;
+                  from_memory ? 0.f : f(8), from_memory ? 0.f : f(9), f(15), step, c);
+give(p, n); give(a, n); give(b, n); give(copy, n); return 0;
 """
 
 
@@ -208,7 +210,9 @@ def optim(tmp_path_factory):
     ],
 )
 def test_the_fused_updates_are_numpys_bit_for_bit(optim, spec, from_memory):
-    """Five steps of each, the scalars by value or (a replayed graph's way) from memory."""
+    """Five steps of each, the scalars by value or (a replayed graph's way) from memory; with
+    them from memory the kernel also writes the parameter's bf16 copy, which must be its
+    rounding to nearest even (what a cast of the weight would give)."""
     rng = np.random.default_rng(2)
     n = 1000
     ref, opt = make_optimizer(spec), make_optimizer(spec)
@@ -246,8 +250,13 @@ def test_the_fused_updates_are_numpys_bit_for_bit(optim, spec, from_memory):
         out = optim(_i64(n, kind, int(from_memory)), p, g, a, b, s)
         p = np.frombuffer(out[: 4 * n], np.float32).copy()
         a = np.frombuffer(out[4 * n : 8 * n], np.float32).copy()
-        b = np.frombuffer(out[8 * n :], np.float32).copy()
+        b = np.frombuffer(out[8 * n : 12 * n], np.float32).copy()
+        copy = np.frombuffer(out[12 * n :], np.uint16)
         assert p.tobytes() == p_ref.tobytes(), step
+        if from_memory:
+            assert np.array_equal(copy, P.bf16_bits(p_ref)), step  # (checked against ml_dtypes)
+        else:
+            assert not copy.any()  # no copy asked for: none written
     slots = ref._slots["w"]
     assert a.tobytes() == slots["momentum" if kind == 0 else "m"].tobytes()
 

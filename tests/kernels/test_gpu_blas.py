@@ -107,3 +107,32 @@ def test_step_values_staging_and_readback_carry_each_replays_own_values(cp):
     assert [s for s, _ in got] == [1, 2, 3, 4, 5]
     for step, (total, scale) in got:
         assert scale == step * 10.0 and total == 4 * step * step * 10.0
+
+
+def test_bf16_products_read_the_weights_copies_with_the_same_bits(cp):
+    """Under bf16 a product whose operand is (a view of) a weight with a copy reads the copy's
+    view in place of casting it, and gives the bits of the cast; the fused optimizer kernels
+    write the copy as they update the weight."""
+    from raysinga.kernels import gpu_blas
+    from raysinga.kernels import precision as P
+    from raysinga.optim.optimizers import make_optimizer
+
+    rng = np.random.default_rng(5)
+    w = cp.asarray(rng.normal(size=(48, 32)).astype(np.float32))
+    x = cp.asarray(rng.normal(size=(16, 48)).astype(np.float32))
+    dy = cp.asarray(rng.normal(size=(16, 32)).astype(np.float32))
+    copies = P.WeightCopies({"w": w})
+    with P.using("bf16"):
+        cast = [gpu_blas.matmul(x, w), gpu_blas.matmul(dy, w.T), gpu_blas.matmul(x[:, :40], w[:40])]
+        with P.copies_in_use(copies):
+            assert P.copy_of(w.T) is not None
+            read = [gpu_blas.matmul(x, w), gpu_blas.matmul(dy, w.T)]
+            read.append(gpu_blas.matmul(x[:, :40], w[:40]))
+    for a, b in zip(cast, read, strict=True):
+        assert a.tobytes() == b.tobytes()
+    for spec in ({"name": "sgd", "lr": 0.1, "momentum": 0.9}, {"name": "adamw", "lr": 0.01}):
+        opt = make_optimizer(spec)
+        opt.bf16_copies = copies.words
+        opt.update(0, "w", w, cp.asarray(rng.normal(size=(48, 32)).astype(np.float32)))
+        want = P.bf16_bits(cp.asnumpy(w)).reshape(w.shape)
+        assert np.array_equal(cp.asnumpy(copies.words["w"]), want), spec

@@ -67,3 +67,50 @@ def test_operand_follows_the_policy_and_leaves_float64_alone(policy):
 def test_an_unknown_policy_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match="precision.compute must be one of f32, tf32, bf16"):
         P.use("fp8")
+
+
+def test_a_weights_copy_serves_its_views_and_nothing_else():
+    """The copies of a run's weights: one for each float32 array of two or more axes; a view of
+    a weight (its transpose, a slice, a column) gets the same view of the copy, so a matrix
+    product's operand reads the rounded weight; anything else, or a weight changed without the
+    copy rewritten, is not the copy's business (operand rounds it, or reads the stale copy)."""
+    rng = np.random.default_rng(3)
+    params = {
+        "w": rng.standard_normal((6, 5)).astype(np.float32),
+        "b": rng.standard_normal(5).astype(np.float32),  # one axis: no copy
+        "t": rng.standard_normal((2, 3, 4)).astype(np.float32),
+        "d": rng.standard_normal((3, 3)),  # float64: no copy
+    }
+    copies = P.WeightCopies(params)
+    assert set(copies.words) == {"w", "t"}
+    w, t = params["w"], params["t"]
+    for view in (w, w.T, w[1:4], w[:, 2:], w[::2, 1::2], t[1], t[:, 1:].transpose(0, 2, 1)):
+        words = copies.view_of(view)
+        assert words is not None and words.shape == view.shape
+        assert np.array_equal(words, P.bf16_bits(view).reshape(view.shape))
+    for other in (params["b"], params["d"], w.copy(), rng.standard_normal((6, 5)).astype("f4")):
+        assert copies.view_of(other) is None
+    with P.using("bf16"), P.copies_in_use(copies):
+        assert np.array_equal(P.operand(w.T), P.round_bf16(w.T))
+        w[0, 0] += 1.0  # changed behind the copy's back: whoever changes a weight rewrites it
+        assert P.operand(w)[0, 0] != P.round_bf16(w)[0, 0]
+        copies.refresh(["w"])
+        assert np.array_equal(P.operand(w), P.round_bf16(w))
+    with P.using("tf32"), P.copies_in_use(copies):
+        assert P.copy_of(w) is None  # copies are bf16's
+
+
+def test_the_optimizer_writes_the_copy_of_each_weight_it_updates():
+    """A weight with a copy has it rewritten by the update (a pass of its own on the CPU; in
+    the fused kernel on a GPU); one without is updated as before."""
+    from raysinga.optim.optimizers import make_optimizer
+
+    rng = np.random.default_rng(4)
+    for spec in ({"name": "sgd", "lr": 0.1, "momentum": 0.9}, {"name": "rmsprop", "lr": 0.01}):
+        opt = make_optimizer(spec)
+        w = rng.standard_normal((4, 3)).astype(np.float32)
+        copies = P.WeightCopies({"w": w})
+        opt.bf16_copies = copies.words
+        for step in range(3):
+            opt.update(step, "w", w, rng.standard_normal((4, 3)).astype(np.float32))
+            assert np.array_equal(copies.words["w"], P.bf16_bits(w).reshape(w.shape)), spec

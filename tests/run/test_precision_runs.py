@@ -4,6 +4,7 @@ policy recorded) and an exact resume of a bf16 run."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -62,3 +63,35 @@ def test_a_bf16_run_resumes_bit_exactly(tmp_path):
         assert straight.params[k].tobytes() == resumed.params[k].tobytes(), k
     for k in straight.state:
         assert straight.state[k].tobytes() == resumed.state[k].tobytes(), k
+
+
+def test_the_weights_bf16_copies_change_no_bit_of_a_run(tmp_path, monkeypatch):
+    """Under bf16 the optimizer writes each weight's bf16 copy as it updates it, and the matrix
+    products read the copies in place of casting the weights at each use: the same operands,
+    so the run ends with the bits of one that casts every time (copies turned off)."""
+    from raysinga.run import trainer
+
+    over = ("precision.compute=bf16", "train_steps=40", "checkpoint_frequency=0")
+    used, _ = _run(tmp_path / "copies", *over, name="digits_cnn.yaml")
+    seen = []
+    real = precision.WeightCopies
+
+    class Counted(real):
+        def view_of(self, x):
+            words = super().view_of(x)
+            seen.append(words is not None)
+            return words
+
+    monkeypatch.setattr(precision, "WeightCopies", Counted)
+    counted, _ = _run(tmp_path / "counted", *over, name="digits_cnn.yaml")
+    assert any(seen), "no matrix product read a copy"
+
+    @contextlib.contextmanager
+    def no_copies(params, optimizer):
+        yield None
+
+    monkeypatch.setattr(trainer, "weight_copies", no_copies)
+    cast, _ = _run(tmp_path / "cast", *over, name="digits_cnn.yaml")
+    for k in used.params:
+        assert used.params[k].tobytes() == cast.params[k].tobytes(), k
+        assert counted.params[k].tobytes() == cast.params[k].tobytes(), k
