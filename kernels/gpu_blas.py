@@ -175,15 +175,5 @@ def _bf16(x: cupy.ndarray) -> cupy.ndarray:
         return words
     x = cupy.ascontiguousarray(x)
     words = cupy.empty(x.shape, cupy.uint16)
-    bf16_into(x, words)
+    precision.write_copy(x, words)
     return words
-
-
-def bf16_into(x: cupy.ndarray, words: cupy.ndarray) -> None:
-    """``words`` (uint16, C-contiguous, of ``x``'s size) = the bfloat16 words of ``x``
-    (float32, C-contiguous), in one launch."""
-    from .gpu_launch import get_kernel, launch  # noqa: PLC0415 - the kernel tables
-
-    if not (x.flags.c_contiguous and words.flags.c_contiguous) or words.size != x.size:
-        raise ValueError("bf16_into needs C-contiguous arrays of one size")
-    launch(get_kernel("precision.cu", "to_bf16", x.dtype), x.size, x, words, x.size)

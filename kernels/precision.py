@@ -152,9 +152,11 @@ def write_copy(param: Any, words: Any) -> None:
     if isinstance(param, np.ndarray):
         words[...] = bf16_bits(param).reshape(param.shape)
         return
-    from .gpu_blas import bf16_into  # noqa: PLC0415 - CuPy, only for CuPy arrays
+    from .gpu_launch import get_kernel, launch  # noqa: PLC0415 - CuPy, only for CuPy arrays
 
-    bf16_into(param, words)
+    if not (param.flags.c_contiguous and words.flags.c_contiguous) or words.size != param.size:
+        raise ValueError("a bf16 copy is written from and into C-contiguous arrays of one size")
+    launch(get_kernel("precision.cu", "to_bf16", param.dtype), param.size, param, words, param.size)
 
 
 def _address(a: Any) -> int:
