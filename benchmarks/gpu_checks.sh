@@ -2,7 +2,7 @@
 # Everything that needs a CUDA GPU, in one go, on a machine where raysinga is installed with its
 # test and bench extras and CuPy:
 #
-#     benchmarks/gpu_checks.sh [OUT] [SECONDS]
+#     benchmarks/gpu_checks.sh [OUT] [SECONDS] [PART ...]
 #
 # In order of importance: the CUDA graph tests, the `gpu` tests, the kernel benchmark, the step
 # benchmark's GPU side (MLP, CNN, character model; eager, recorded as CUDA graphs, and the
@@ -15,11 +15,15 @@
 # to OUT (default gpu-results/) as NAME.log, with the benchmarks' figures as JSON files named as
 # benchmarks/results/ names them (copy them there and run `python benchmarks/report.py docs
 # docs/benchmarks.md` to show them); OUT/summary.txt lists every part's exit status and
-# seconds. The script exits non-zero when any part failed.
+# seconds. The script exits non-zero when any part failed. Naming PARTs (as the summary names
+# them: graph-tests, gpu-tests, bench-kernels, bench-step-mlp, bench-step-cnn, bench-step-charlm,
+# bench-precision, train-local, train-gpu-workers, train-gpu-server, train-local-graphs,
+# bench-distributed-gpu, bench-recovery-gpu, chaos-gpu) runs only those, in that order.
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-gpu-results}
 limit=${2:-150}
+only=" ${*:3} "  # the parts asked for (all where none is named)
 py=${PYTHON:-python}
 mkdir -p "$out"
 : > "$out/summary.txt"
@@ -28,6 +32,9 @@ failed=0
 part() {  # part NAME SECONDS COMMAND...: run COMMAND with a limit, log it, note its status
   local name=$1 secs=$2
   shift 2
+  if [ "$only" != "  " ] && [[ "$only" != *" $name "* ]]; then
+    return 0
+  fi
   local t0=$SECONDS
   echo "== $name: $*" | tee -a "$out/summary.txt"
   timeout --kill-after=10 "$secs" "$@" > "$out/$name.log" 2>&1
