@@ -170,13 +170,16 @@ class ParamServer(Abortable):
         with self.snaps.updating():  # a checkpoint's write in the background pauses
             g, parts = _gradient(grads, step, self.slices, self.layout, self._attached)
             if self.gpu is not None:
-                for name, ps in parts.items():
-                    sum_into(g[name], ps)
-                g = self.gpu.upload_grads({s.name: g[s.name] for s in self.slices})
-                for s in self.slices:
-                    self.optimizer.update(step, s.name, self.gpu.values[s.name], g[s.name])
-                with self.guard:
-                    self.gpu.publish()
+                # summing the workers' gradients itself: into the log's row, marked as on the CPU
+                # (being written, then written once the update is done)
+                with grads.writing(step) if parts else contextlib.nullcontext():
+                    for name, ps in parts.items():
+                        sum_into(g[name], ps)
+                    g = self.gpu.upload_grads({s.name: g[s.name] for s in self.slices})
+                    for s in self.slices:
+                        self.optimizer.update(step, s.name, self.gpu.values[s.name], g[s.name])
+                    with self.guard:
+                        self.gpu.publish()
             elif parts:
                 with self.guard, grads.writing(step):
                     self.optimizer.update_summed(step, self.buf.arrays, g, parts, self.pool)
