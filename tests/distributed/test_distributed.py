@@ -210,17 +210,20 @@ def test_gpu_workers_match_the_reference_and_repeat_bit_identically(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("compute", ["f32", "bf16"])
 def test_gpu_workers_with_graphs_match_their_uncaptured_steps_bit_for_bit(
-    ray_session, tmp_path, monkeypatch
+    ray_session, tmp_path, monkeypatch, compute
 ):
     """gpu.graphs in a distributed run: each GPU worker records its step and replays it; the
     run ends with the bits of the same code run step by step (RAYSINGA_GPU_GRAPHS=uncaptured,
-    read by the driver and handed to the workers in their spec)."""
+    read by the driver and handed to the workers in their spec). Under bf16 the recorded step
+    casts the uploaded values into the weights' copies itself."""
     topo = "{workers_per_group: 2, worker: {cpus: 1, gpus: 0.25}, server: {cpus: 0, gpus: 0.25}}"
     runs = {}
     for mode in ("strict", "uncaptured"):
         monkeypatch.setenv("RAYSINGA_GPU_GRAPHS", mode)
-        runs[mode] = DistributedTrainer(job(tmp_path / mode, topo), **QUIET).fit().params
+        cfg = job(tmp_path / mode, topo, f"precision.compute={compute}")
+        runs[mode] = DistributedTrainer(cfg, **QUIET).fit().params
     for k, a in runs["strict"].items():
         assert a.tobytes() == runs["uncaptured"][k].tobytes(), k
 
