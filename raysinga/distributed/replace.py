@@ -338,15 +338,22 @@ class Spare(NamedTuple):
     warmed: Any = None
 
     def ready(self, timeout_s: float) -> dict[str, Any] | None:
-        """What it says of itself once up and warm; None where it died or failed to come up
-        in time (then a new role is started in the lost one's bundle instead)."""
+        """What it says of itself once up and warm; None where it died, its warm-up failed or
+        it did not come up in time (then a new role is started in the lost one's bundle
+        instead). A warm-up still running after ``timeout_s`` (kernels compiled for the first
+        time) does not count against it: the take-over's calls run after it."""
         try:
             info = ray.get(self.described, timeout=timeout_s)
-            if self.warmed is not None:
-                ray.get(self.warmed, timeout=timeout_s)
-            return info
         except (RayError, GetTimeoutError):
             return None
+        if self.warmed is not None:
+            try:
+                ray.get(self.warmed, timeout=timeout_s)
+            except GetTimeoutError:
+                pass
+            except RayError:
+                return None
+        return info
 
 
 RESCHEDULE_S = 5.0  # how long a lost node's bundles may take to move to a live node
