@@ -1,212 +1,38 @@
 """Copies of the servers' state, and the log of the gradients applied since: what a lost server
 is rebuilt from, with nothing rolled back.
 
-A server takes a copy of its slices and optimizer state every few updates, on a helper thread
-while the workers compute the next step (the next update waits for the copy if it is not done).
-Its group's stub (the keeper) fetches each copy through a call it keeps waiting on the server
-(:meth:`ServerCopies.next_copy`): the answer is owned by the stub and held by the stub's
-process, so it outlives the server's process. The stub logs each step's summed, clipped
+A server takes a copy of its slices and optimizer state every few updates (:mod:`.copies`), on
+a helper thread while the workers compute the next step. Its group's stub (the keeper) maps the
+copies' file, or fetches each copy through a call it keeps waiting on the server: either way
+the copy outlives the server's process. The stub logs each step's summed, clipped
 gradient while the servers apply it. A new server loads the newest copy and
 applies the logged gradients since, in step order: the optimizer is deterministic, so it ends
 with the lost server's bits.
 
 A copy lost with the keeper (one node held both) leaves nothing to rebuild from: the run
 restarts from its newest checkpoint.
+
+Asynchronous groups each update every server, in an order only the server knows. A server on
+its keeper's node also notes, after each update, which group's step it applied at which version
+(:meth:`~.copies.CopyBuffer.note`, a ring in its copies' file, which the keeper maps): a new
+server loads the newest copy and applies the logged gradients of every group's steps since,
+each from its own group's stub, in the order the lost server applied them
+(:meth:`ReplayLog.async_plan`), and so ends with the lost server's bits at its last update
+noted.
 """
 
 from __future__ import annotations
 
 import contextlib
-import pickle
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from .buffers import Attachments, Layout, SharedBuffer, shm_room
+from .copies import CopyBuffer
 from .protocol import server_slices
-from .snapshots import CopyGate
-
-POLL_S = 30.0  # how long a keeper's call waits on a server for its next copy
-
-
-class ServerCopies:
-    """One server's copies of itself, at most one being taken at a time; the newest is kept
-    for its keeper to fetch."""
-
-    def __init__(self) -> None:
-        self.every = 0  # take a copy every this many updates (0: none)
-        self.version = -1  # the version of the newest copy started
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="copy")
-        self.gate = CopyGate()  # the next update waits for a copy being taken
-        self._taking: Future[None] | None = None
-        self._newest: dict[str, Any] | None = None
-        self._cond = threading.Condition()
-        self.buffer: CopyBuffer | None = None  # where copies go for a keeper on this node
-        self.shared = False
-
-    def keep(self, every: int, shared: bool, make_buffer: Callable[[], CopyBuffer]) -> Any:
-        """Take a copy every ``every`` updates from now on. ``shared`` (the keeper is on this
-        node): into the :class:`CopyBuffer` ``make_buffer`` makes (once), whose handle this
-        returns for the keeper to map; else each copy is handed out by :meth:`next_copy`."""
-        self.wait_for_copy()  # not while one is being taken
-        self.shared = shared
-        if shared and self.buffer is None:
-            self.buffer = make_buffer()
-        self.every = max(1, every)
-        return self.buffer.handle() if shared and self.buffer is not None else None
-
-    def take(
-        self, values: dict[str, np.ndarray], optimizer: dict[str, Any], version: int
-    ) -> dict[str, Any]:
-        """A copy of the values and the optimizer's state (its ``state_dict()``, with host
-        arrays; the caller keeps both still meanwhile), or, shared, a note of its version once
-        written into the buffer."""
-        if self.shared and self.buffer is not None:
-            self.buffer.write(values, optimizer, version)
-            return {"version": version}
-        return take_state(values, optimizer, version)
-
-    def busy(self) -> bool:
-        """Whether a copy is being taken now (a new one would be skipped)."""
-        return self._taking is not None and not self._taking.done()
-
-    def due(self, version: int) -> bool:
-        return self.every > 0 and version - self.version >= self.every
-
-    def start(self, version: int, take: Callable[[], dict[str, Any]]) -> None:
-        """Copy the state (``take()``) in the background; the next update waits for the copy
-        (:meth:`wait_for_copy`). Skipped while one is still being taken (the next update tries
-        again)."""
-        if self.busy():
-            return
-        self.gate.wait()
-        self.version = version
-        copied = self.gate.open()
-
-        def run() -> None:
-            try:
-                state = take()
-            finally:
-                copied.set()
-            with self._cond:
-                self._newest = state
-                self._cond.notify_all()
-
-        self._taking = self._io.submit(run)
-
-    def wait_for_copy(self) -> None:
-        self.gate.wait()
-
-    def next_copy(self, after: int) -> dict[str, Any] | None:
-        """The newest copy once its version is past ``after`` (None after :data:`POLL_S`)."""
-        with self._cond:
-            self._cond.wait_for(
-                lambda: self._newest is not None and self._newest["version"] > after, POLL_S
-            )
-            newest = self._newest
-        return newest if newest is not None and newest["version"] > after else None
-
-    def close(self) -> None:
-        self._io.shutdown(wait=False)
-        if self.buffer is not None:
-            self.buffer.close()
-
-
-class CopyBuffer:
-    """A server's copies of itself in shared memory, for a keeper on the server's node.
-
-    Handing a copy over through Ray's object store cost the server about 20 ms of CPU for
-    15 MB (the object's fresh pages faulted in, then filled), every few steps. Here the server
-    writes each copy into one of two slots of a file in ``/dev/shm``, mapped once and reused,
-    the older slot each time, so the newest whole copy is never the one being written. Each
-    slot's version is -1 while it is written. The keeper maps the file when copies start
-    (:meth:`ReplayLog.attach`), before any loss: its mapping, and the copies in it, outlive
-    the server.
-    """
-
-    SLOTS = 2
-
-    def __init__(self, tag: str, node: str, values: dict[str, np.ndarray], slot_names: Any) -> None:
-        self.names = list(values)
-        self.slot_names = tuple(slot_names)
-        arrays: dict[str, tuple[tuple[int, ...], str]] = {"versions": ((self.SLOTS,), "int64")}
-        arrays["meta_len"] = ((self.SLOTS,), "int64")
-        for i in range(self.SLOTS):
-            arrays[f"meta{i}"] = ((META_BYTES,), "uint8")
-            for name, a in values.items():
-                arrays[f"{i}/v/{name}"] = (a.shape, str(a.dtype))
-                for slot in self.slot_names:
-                    arrays[f"{i}/o/{name}/{slot}"] = (a.shape, str(a.dtype))
-        self.buf = SharedBuffer(tag, Layout.of(arrays), node)
-        self.arrays = self.buf.arrays
-        self.arrays["versions"][:] = -1
-
-    def handle(self) -> Any:
-        return self.buf.handle()
-
-    def write(self, values: dict[str, np.ndarray], optimizer: dict[str, Any], version: int) -> None:
-        """Copy the values and the optimizer's state (its ``state_dict()``, host arrays; the
-        caller keeps them still) into the slot not holding the newest."""
-        v = self.arrays["versions"]
-        i = int(np.argmin(v))
-        v[i] = -1  # a half-written slot is never read
-        for name in self.names:
-            np.copyto(self.arrays[f"{i}/v/{name}"], values[name])
-        st = optimizer
-        for key, a in st["slots"].items():  # "<slice>/<slot>"; none yet for a slice not updated
-            np.copyto(self.arrays[f"{i}/o/{key}"], a)
-        meta = pickle.dumps({**st, "slots": sorted(st["slots"])})
-        if len(meta) > META_BYTES:
-            raise ValueError(f"a server's copy needs {len(meta)} bytes of description")
-        self.arrays[f"meta{i}"][: len(meta)] = np.frombuffer(meta, np.uint8)
-        self.arrays["meta_len"][i] = len(meta)
-        v[i] = version
-
-    def close(self) -> None:
-        self.buf.close()
-
-    @staticmethod
-    def copy_nbytes(arrays: dict[str, np.ndarray]) -> int:
-        """The bytes of one copy (a slot's values and optimizer slots) in a mapped buffer."""
-        return sum(a.nbytes for k, a in arrays.items() if k.startswith("0/"))
-
-    @staticmethod
-    def read(arrays: dict[str, np.ndarray]) -> dict[str, Any] | None:
-        """The newest whole copy in a mapped buffer, as :func:`take_state` gives it (None if
-        none was finished)."""
-        v = arrays["versions"]
-        i = int(np.argmax(v))
-        version = int(v[i])
-        if version < 0:
-            return None
-        meta = pickle.loads(arrays[f"meta{i}"][: int(arrays["meta_len"][i])].tobytes())
-        values = {
-            k.split("/", 2)[2]: a.copy() for k, a in arrays.items() if k.startswith(f"{i}/v/")
-        }
-        slots = {key: arrays[f"{i}/o/{key}"].copy() for key in meta["slots"]}
-        if int(v[i]) != version:  # written over meanwhile (the server still running)
-            return None
-        return {"version": version, "values": values, "optimizer": {**meta, "slots": slots}}
-
-
-META_BYTES = 1 << 16  # a copy's description: the optimizer's name, hyperparameters, counts
-
-
-def take_state(
-    values: dict[str, np.ndarray], optimizer: dict[str, Any], version: int
-) -> dict[str, Any]:
-    """A copy of a server's slices (by slice name) and optimizer state (its ``state_dict()``,
-    host arrays) at ``version``."""
-    st = optimizer
-    return {
-        "version": version,
-        "values": {k: a.copy() for k, a in values.items()},
-        "optimizer": {**st, "slots": {k: np.array(a, copy=True) for k, a in st["slots"].items()}},
-    }
 
 
 class ReplayLog:
@@ -402,6 +228,28 @@ class ReplayLog:
                 return None
             rows.append(row)
         return state, rows
+
+    def async_plan(self, server: int) -> tuple[dict[str, Any], list[tuple[int, int, int]]] | None:
+        """What server ``server`` of asynchronous groups is rebuilt from: its newest copy and
+        the updates it noted since, ``(version, group, step)`` in order; None where its copies
+        are not mapped here (a server on another node) or the ring no longer reaches back to
+        the copy."""
+        with self._lock:
+            mapped = self._mapped.get(server)
+        state = CopyBuffer.read(mapped[1]) if mapped is not None else None
+        if state is None:
+            return None
+        try:
+            return state, CopyBuffer.order_since(mapped[1], state["version"])
+        except LookupError:
+            return None
+
+    def row_of(self, step: int) -> int | None:
+        """The log's row holding step ``step`` whole, if any."""
+        if not self.capacity:
+            return None
+        row = step % self.capacity
+        return row if int(self.steps[row]) == step else None
 
     def rebuild(
         self,

@@ -27,6 +27,7 @@ from raysinga.optim.optimizers import make_optimizer
 
 from . import server_shard
 from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, UpdateGuard, with_seq
+from .copies import CopyBuffer, ServerCopies
 from .device import ServerDevice
 from .doorbell import Abortable, Steps
 from .errors import reports_role
@@ -39,7 +40,6 @@ from .protocol import (
     node_id,
     visible_gpus,
 )
-from .replay import CopyBuffer, ServerCopies
 from .snapshots import Snapshots
 
 
@@ -97,10 +97,8 @@ class ParamServer(Abortable):
 
     @reports_role
     def warm(self, updater: dict[str, Any]) -> float:
-        """A spare's: two updates of a scratch slice by an optimizer like its own
-        (``updater``), so that on a GPU the optimizer's kernels are compiled and loaded before
-        it takes over. Its own optimizer and values are not touched. Returns the seconds
-        taken."""
+        """A spare's: two updates of a scratch slice by an optimizer like its own (``updater``),
+        so that on a GPU its kernels are loaded before it takes over; returns the seconds."""
         t0 = time.perf_counter()
         xp = np if self.gpu is None else self.gpu.cp
         dtype = self.layout.entries[0].dtype if self.layout.entries else "float32"
@@ -186,6 +184,7 @@ class ParamServer(Abortable):
             else:
                 with self.guard:
                     self.optimizer.update_all(step, self.buf.arrays, g, self.pool)
+        self.copies.note(self.guard.version, group, step)  # the order a rebuild replays in
         ref = self._publish()
         if self.copies.due(self.guard.version):
             self._start_copy()
@@ -199,7 +198,7 @@ class ParamServer(Abortable):
         before it writes the copy. The values are in the shared buffer already."""
         if self.copies.busy():  # the pinned buffers are still being read: skip this one
             return
-        version, st = self.guard.version, self.optimizer.state_dict()
+        version, st, applied = self.guard.version, self.optimizer.state_dict(), dict(self.applied)
         on_device = None
         if self.gpu is not None:
             st = {**st}
@@ -209,7 +208,7 @@ class ParamServer(Abortable):
         def take() -> dict[str, Any]:
             if on_device is not None:
                 on_device.synchronize()
-            return self.copies.take(values, st, version)
+            return self.copies.take(values, st, version, applied)
 
         self.copies.start(version, take)
 
@@ -221,7 +220,9 @@ class ParamServer(Abortable):
         buffer, whose handle this returns; else it fetches each copy."""
         values = {s.name: self.buf.arrays[s.name] for s in self.slices}
         tag, slots = f"{self.tag}-copies-server{self.index}", self.optimizer.slot_names()
-        handle = self.copies.keep(every, shared, lambda: CopyBuffer(tag, self.node, values, slots))
+        rows = 16 * every + 64  # the order of far more updates than come between two copies
+        make = lambda: CopyBuffer(tag, self.node, values, slots, rows)  # noqa: E731
+        handle = self.copies.keep(every, shared, make)
         self._start_copy()
         return handle
 
@@ -238,6 +239,7 @@ class ParamServer(Abortable):
         for s in self.slices:
             self.buf.arrays[s.name][...] = state["values"][s.name]
         self.optimizer.load_state_dict(state["optimizer"])  # slots go up at their next update
+        self.applied = {int(g): int(s) for g, s in state.get("applied", {}).items()}
         if self.gpu is not None:
             self.gpu.reload()
         self.guard.set_version(int(state["version"]))

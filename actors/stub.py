@@ -167,6 +167,33 @@ class Stub:
         return self.log.rebuild(k, server, target, self.avg.layout, self.slices, lay)
 
     @reports_role
+    def async_plan(self, k: int) -> list[tuple[int, int, int]] | None:
+        """For a lost server ``k`` of asynchronous groups (this stub keeps the copies): the
+        updates it noted since its newest copy, ``(version, group, step)`` in order, each to be
+        replayed from its group's stub's log; None where there is nothing exact to rebuild it
+        from (:meth:`ReplayLog.async_plan`)."""
+        plan = self.log.async_plan(k)
+        return None if plan is None else plan[1]
+
+    @reports_role
+    def restore_copy(self, k: int, server: Any) -> int | None:
+        """Load lost server ``k``'s newest copy into ``server``, new in its place; returns the
+        copy's version (None: no copy)."""
+        plan = self.log.async_plan(k)
+        if plan is None:
+            return None
+        return get_all([server.load_copy.remote(plan[0])], "server", indices=[k])[0]
+
+    @reports_role
+    def logged(self, step: int, k: int) -> np.ndarray | None:
+        """Server ``k``'s slices of this group's step ``step`` as this stub logged it (laid out
+        as the server's ``update`` takes them); None where the log no longer holds it."""
+        row = self.log.row_of(step)
+        if row is None:
+            return None
+        return self.log.server_grads(row, self.avg.layout, self.slices, k, self.server_layouts[k])
+
+    @reports_role
     def worker_state(self, i: int, at: int) -> dict[str, np.ndarray] | None:
         """Worker ``i``'s copy of its state at the start of step ``at`` (batch norm's running
         statistics), from its buffer (mapped here, and alive after its process) or, for a

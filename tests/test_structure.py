@@ -43,6 +43,12 @@ REVIEWED = {
         "part it composes (buffers, device, copies, snapshots, shard) lives in its own module "
         "and every method here is the role's entry point for one of them"
     ),
+    "actors/stub.py:Stub": (
+        "the stub role's whole remote interface (a group's steps, wiring, the copies it keeps "
+        "and the log a rebuild replays, the lost roles' state); the pieces it composes (bells, "
+        "replay log, buffers) live in their own modules and every method here is the role's "
+        "entry point for one of them"
+    ),
     "raysinga/run/session.py:RunSession": (
         "one run's bookkeeping around one writer lock: the start decision, stop signals and the "
         "commit, retention and divergence rules all read and write the same committed-step "

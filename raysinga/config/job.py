@@ -176,8 +176,9 @@ class FaultConfig(Section):
     replay_steps: int = key(
         20,
         ge=0,
-        description="with `recovery: replace`, log this many steps' summed gradients and keep a "
-        "copy of each server every half of them, to rebuild a lost server (`0`: restart instead)",
+        description="with `recovery: replace`, log this many steps' summed gradients (each "
+        "group's stub) and keep a copy of each server every half of them, to rebuild a lost "
+        "server (`0`: restart instead)",
     )
     replay_mb: int = key(
         256, ge=1, description="at most this many MiB of logged gradients per group"

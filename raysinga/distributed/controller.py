@@ -46,6 +46,7 @@ from raysinga.run.session import RunSession
 from .coordinator import CheckpointCoordinator
 from .elastic import Elastic
 from .failures import FailureBook
+from .rebuild_async import rebuild_async
 from .replace import ReplaceFailed, Replacer, grad_nbytes, replay_steps
 from .role_group import RoleGroup
 from .stepping import StepRunner
@@ -63,6 +64,7 @@ class State(enum.Enum):
 
 
 LOSSES = (ActorLost, ObjectLostError)  # a role, its node or an object it held is gone
+REPLACE_S = 20.0  # how long a replacement may wait for a role to answer
 
 
 class Controller:
@@ -175,7 +177,7 @@ class Controller:
             session.log(f"raysinga: loaded {start.source.label} in {dt:.2f} s")
         periodic = bool(cfg.checkpoint_frequency or cfg.checkpoint_every_seconds)
         replaceable = self._replaceable()
-        rebuildable = replaceable and self.topo.n_groups == 1
+        rebuildable = replaceable
         roles.replay = replay_steps(cfg.fault, self.plan.shapes, cfg.dtype) if rebuildable else 0
         roles.wire(prepare_snapshots=periodic and cfg.checkpoint.compression is None)
         roles.keep_copies()
@@ -299,6 +301,8 @@ class Controller:
             and self.replacer is not None
         ):
             return False
+        if e.role == "server" and self.topo.n_groups > 1:
+            return self._rebuild_async(rec, t0)
         g = e.group if e.group is not None else 0  # a server's: the synchronous group's
         if not 0 <= g < self.topo.n_groups:
             return False
@@ -313,6 +317,31 @@ class Controller:
         redone = 1 if steps.interrupted is not None else 0
         steps.interrupted = None
         steps.done[g] = done.at
+        self.progress = steps.progress
+        self.book.replaced(rec, t0, lost, done, redone, self.topo)
+        return True
+
+    def _rebuild_async(self, rec: dict[str, Any], t0: float) -> bool:
+        """A lost server of asynchronous groups: every group's chunk under way ends first (each
+        group's steps reach every server), then the server is rebuilt from its copy and every
+        group's log in the order it applied them, and each group goes on from the first of its
+        steps some server has not applied."""
+        roles, steps = self.roles, self.steps
+        assert roles is not None and steps is not None and self.replacer is not None
+        lost = roles.actors
+        if not steps.drain(REPLACE_S):
+            return False
+        try:
+            done = rebuild_async(self.replacer, list(steps.done), REPLACE_S)
+        except (*LOSSES, ReplaceFailed):
+            done = None
+        if done is None or done.positions is None:
+            return False
+        self.coordinator.drop_if_lost(roles, done.rebuilt)
+        redone = 1 if steps.interrupted is not None else 0
+        steps.interrupted = None
+        for g, at in done.positions.items():
+            steps.done[g] = at
         self.progress = steps.progress
         self.book.replaced(rec, t0, lost, done, redone, self.topo)
         return True

@@ -91,7 +91,7 @@ class Replacer:
             warmed = actor.warm.remote()
         return Spare(actor, described, node, warmed)
 
-    def _drop_spares_off(self, alive: set[str]) -> None:
+    def drop_spares_off(self, alive: set[str]) -> None:
         """Forget the spares that were on a node now gone (they went with it)."""
         for spares in (self.spare_worker, self.spare_stub, self.spare_server):
             for key in [key for key, s in spares.items() if s.node not in alive]:
@@ -124,11 +124,11 @@ class Replacer:
         t1 = time.perf_counter()
         if lost_servers and not roles.replay:
             return None
-        stub_lost = not _answers(roles.stubs[g], timeout_s)
+        stub_lost = not answers(roles.stubs[g], timeout_s)
         if lost_servers and stub_lost:
             return None  # the copies and the log went with the stub
-        alive = _live_nodes()
-        self._drop_spares_off(alive)
+        alive = live_nodes()
+        self.drop_spares_off(alive)
         was_on = {roles.worker_infos[g][i]["node"] for i in lost}
         was_on |= {roles.server_infos[k]["node"] for k in lost_servers}
         was_on |= {roles.stub_infos[g]["node"]} if stub_lost else set()
@@ -139,7 +139,7 @@ class Replacer:
         if nodes_lost and not _rescheduled(roles.placement.pg, RESCHEDULE_S):
             return None
         roles.replaced = True  # the lost roles' shared files go at shutdown, by tag
-        new_servers = {k: self._new_server(k) for k in lost_servers}  # they start meanwhile
+        new_servers = {k: self.new_server(k) for k in lost_servers}  # they start meanwhile
         roles.spares += new_servers.values()  # stopped with the others, whatever comes next
         new_workers = {}
         for i in lost:
@@ -151,7 +151,7 @@ class Replacer:
             return None
         sizes = get_all([roles.stubs[g].replay_sizes.remote()], "stub", g)[0] if new_servers else {}
         t3 = time.perf_counter()
-        at = self._sync_position() if sync else self._async_position(g, done)
+        at = self._sync_position() if sync else self.async_position(g, done)
         if at is None:
             return None
         # A new worker starts from the lost one's state at the step the group redoes (batch
@@ -177,8 +177,9 @@ class Replacer:
         )
         get_all([rewire], "stub", g)
         roles.stubs[g] = stub
-        if stub_lost or new_servers:
-            roles.keep_copies(list(range(len(roles.servers))) if stub_lost else list(new_servers))
+        keeper_lost = stub_lost and g == 0  # group 0's stub keeps the servers' copies
+        if keeper_lost or new_servers:
+            roles.keep_copies(list(range(len(roles.servers))) if keeper_lost else list(new_servers))
         t4 = time.perf_counter()
         phases = {"stop_s": t1 - t0, "respawn_s": t2 - t1, "rebuild_s": t3 - t2}
         phases["rewire_s"] = t4 - t3
@@ -194,13 +195,13 @@ class Replacer:
         }
         return versions.pop() if len(versions) == 1 else None
 
-    def _async_position(self, g: int, done: int) -> int:
+    def async_position(self, g: int, done: int) -> int:
         """Where asynchronous group ``g`` stands: the first of its steps some server has not
         applied (a server that has goes past it when the group redoes it)."""
         firsts = get_all([s.next_step.remote(g) for s in self.roles.servers], "server")
         return max(done, min((f for f in firsts if f is not None), default=done))
 
-    def _new_server(self, k: int) -> Any:
+    def new_server(self, k: int) -> Any:
         """Server ``k``'s spare, where it waits on the lost one's node (the stub's); else a
         new one in the lost one's bundle. (A spare that died is found out by the rebuild's
         first call, and the loss then restarts every role.)"""
@@ -316,12 +317,14 @@ def grad_nbytes(shapes: dict[str, tuple[int, ...]], dtype: str) -> int:
 
 class Replaced(NamedTuple):
     """A replacement done: the step the group stands at, the seconds of each phase, the
-    servers rebuilt and the most steps replayed into one of them."""
+    servers rebuilt and the most steps replayed into one of them; after a rebuild of a server
+    of asynchronous groups, the step every group stands at."""
 
     at: int
     phases: dict[str, float]
     rebuilt: list[int]
     replayed: int
+    positions: dict[int, int] | None = None
 
 
 class ReplaceFailed(RuntimeError):
@@ -359,7 +362,8 @@ class Spare(NamedTuple):
 RESCHEDULE_S = 5.0  # how long a lost node's bundles may take to move to a live node
 
 
-def _live_nodes() -> set[str]:
+def live_nodes() -> set[str]:
+    """The Ray nodes alive now (their ids)."""
     return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
 
@@ -369,7 +373,7 @@ def _rescheduled(pg: Any, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while True:
         table = placement_group_table(pg)
-        alive = _live_nodes()
+        alive = live_nodes()
         where = table.get("bundles_to_node_id", {}).values()
         if table.get("state") == "CREATED" and all(n in alive for n in where):
             return True
@@ -378,7 +382,8 @@ def _rescheduled(pg: Any, timeout_s: float) -> bool:
         time.sleep(0.05)
 
 
-def _answers(actor: Any, timeout_s: float) -> bool:
+def answers(actor: Any, timeout_s: float) -> bool:
+    """Whether a role answers within ``timeout_s`` (False: it is gone, or hangs)."""
     try:
         ray.get(actor.describe.remote(), timeout=timeout_s)
         return True

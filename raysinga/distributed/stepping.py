@@ -83,6 +83,23 @@ class StepRunner:
                 self._report(roles, e)
             held = held or hold()
 
+    def drain(self, timeout_s: float) -> bool:
+        """Let the chunks still under way end (other groups', after one group's chunk failed):
+        what a finished one did counts, a failed one's steps are done again. False where one
+        has not ended within ``timeout_s``."""
+        refs = list(self.chunks)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        for ref in ready:
+            g, _, e = self.chunks.pop(ref)
+            try:
+                stats: list[StepStats] = ray.get(ref)
+            except Exception:  # noqa: BLE001 - the loss being recovered from, seen by this group
+                continue
+            self._check(stats, g)
+            self.window += stats
+            self.done[g] = e
+        return not self.chunks
+
     def _launch(self, roles: Any, g: int) -> None:
         s, total = self.done[g], self.cfg.train_steps
         if s >= total or (self.barrier is not None and s >= self.barrier):

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from raysinga.actors.buffers import Layout
+from raysinga.actors.copies import CopyBuffer, ServerCopies, take_state
 from raysinga.actors.protocol import server_layouts
-from raysinga.actors.replay import CopyBuffer, ReplayLog, ServerCopies, take_state
+from raysinga.actors.replay import ReplayLog
 from raysinga.actors.slicing import plan_slices
 from raysinga.config import FaultConfig
 from raysinga.distributed.replace import replay_steps

@@ -5,7 +5,9 @@ when an earlier checkpoint of the same step number holds groups at other steps."
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import sys
 import tempfile
 import uuid
@@ -16,6 +18,7 @@ import pytest
 from ray import cloudpickle
 
 from raysinga import config
+from raysinga.actors.server import ParamServer
 from raysinga.actors.worker import Worker
 from raysinga.checkpoint import Checkpoint, save, steps
 from raysinga.distributed import DistributedTrainer
@@ -385,3 +388,68 @@ def test_a_downpour_run_that_loses_half_its_groups_and_regains_them_ends_as_accu
     got = res.final_eval["test_accuracy"]
     assert abs(got - want) <= ELASTIC_TOLERANCE, (got, want)
     assert got >= 0.95
+
+
+class NotingServer(ParamServer):
+    """Writes a hash of its whole state (values and optimizer slots) after every update, with
+    its pid and version, to ``notes``; server 0's first incarnation SIGKILLs itself right after
+    update ``kill_at`` (noted for the rebuild: the kill comes after the update is done)."""
+
+    notes = ""
+    kill_at = 0
+
+    def _update(self, step, grads, group=0):
+        out = super()._update(step, grads, group)
+        import hashlib
+
+        h = hashlib.sha256()
+        for s in self.slices:
+            h.update(self.buf.arrays[s.name].tobytes())
+        for _, a in sorted(self.optimizer.state_dict()["slots"].items()):
+            h.update(np.asarray(a).tobytes())
+        version = self.guard.version
+        with open(self.notes, "a") as f:
+            f.write(f"{os.getpid()} {version} {group} {step} {h.hexdigest()}\n")
+        first = not Path(self.notes + ".killed").exists()
+        if self.index == 0 and first and version == self.kill_at:
+            Path(self.notes + ".killed").touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+
+@pytest.mark.parametrize("n_servers", [1, 2])
+def test_a_lost_server_of_asynchronous_groups_is_rebuilt_exactly(ray_session, tmp_path, n_servers):
+    """Downpour, two groups: a server SIGKILLed after its 25th update (copies every 10) is
+    rebuilt from its copy of update 20 and the five updates since, each group's from its own
+    stub's log, in the order the lost server applied them. At every version the rebuild passes
+    through, its state hashes the same as the lost server's did; the other roles keep their
+    processes, nothing is rolled back, and every step of each group reaches every server
+    once."""
+    total = 40
+    topo = f"{{preset: downpour, n_servers: {n_servers}, n_groups: 2, workers_per_group: 1}}"
+    cfg = job(tmp_path, total, topo, 0, "fault.replay_steps=20")
+
+    class Server(NotingServer):
+        notes = str(tmp_path / "notes")
+        kill_at = 25
+
+    t = DistributedTrainer(cfg, classes={"server": Server}, **QUIET)
+    res = t.fit()
+    assert Path(Server.notes + ".killed").exists(), "the server never reached update 25"
+    (ev,) = [r for r in res.history if r["kind"] == "failure"]
+    assert ev["role"] == "server" and ev["recovery"] == "rebuilt and replayed", ev
+    assert ev["rolled_back"] == 0 and ev["steps_replayed"] >= 1, ev
+    rows = [line.split() for line in Path(Server.notes).read_text().splitlines()]
+    by_pid: dict[str, dict[int, str]] = {}
+    for pid, version, _, _, digest in rows:
+        by_pid.setdefault(pid, {})[int(version)] = digest
+    (lost,) = [p for p, vs in by_pid.items() if max(vs) == 25 and 26 not in vs]
+    rebuilt = [p for p, vs in by_pid.items() if 1 < min(vs) <= 25 < max(vs)]  # began mid-way
+    assert len(rebuilt) == 1, by_pid.keys()
+    replayed = sorted(v for v in by_pid[rebuilt[0]] if v <= 25)
+    assert replayed == list(range(26 - ev["steps_replayed"], 26)), replayed
+    for v in replayed:  # the same state at the same version, update for update
+        assert by_pid[rebuilt[0]][v] == by_pid[lost][v], v
+    ck = Checkpoint.open(tmp_path / "checkpoints" / f"step-{total}", verify="full")
+    assert ck.meta["run"]["steps"] == [total, total]
+    assert set(ck.meta["run"]["optimizer"]["counts"].values()) == {2 * total}
