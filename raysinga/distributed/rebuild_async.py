@@ -69,9 +69,8 @@ def rebuild_async(replacer: Replacer, done: list[int], timeout_s: float = 20.0) 
         roles.servers[k], roles.server_infos[k], most = actor, info, max(most, len(order))
     t2 = time.perf_counter()
     roles.publish_where_read()
-    servers, infos = roles.servers, roles.server_infos
     rewires = [
-        st.rewire.remote(roles.workers[g], roles.worker_infos[g], servers, infos)
+        st.rewire.remote(roles.workers[g], roles.worker_infos[g], roles.servers, roles.server_infos)
         for g, st in enumerate(roles.stubs)
     ]
     get_all(rewires, "stub")
