@@ -47,6 +47,10 @@ except ImportError as e:  # Ray without its tune extra
     raise ImportError(
         f"raysinga.tune needs Ray Tune: pip install 'raysinga[tune]' ({type(e).__name__}: {e})"
     ) from None
+from .handover import KEEPER_PREFIX  # noqa: F401 - where tests and tools look for it
+from .handover import held_steps as _held_steps
+from .handover import keeper as _keeper
+from .handover import keepers as _keepers
 from .lineage import (
     FORMAT,
     POINTER,
@@ -110,20 +114,28 @@ def trainable(
     ``CheckpointConfig`` then decides how many are kept). The job is checked here, before any
     trial starts.
     """
+    spec = trial_spec(job, overrides, report_every, keep, checkpoint_dir, log, handover)
+
+    def raysinga_trial(params: dict[str, Any]) -> None:
+        run_trial(spec, params)
+
+    return raysinga_trial
+
+
+def trial_spec(
+    job: Any, overrides: Sequence[str], report_every: Any, keep: Any, *rest: Any
+) -> TrialSpec:
+    """The job checked and the arguments of :func:`trainable` (``rest``: ``checkpoint_dir``,
+    ``log``, ``handover``) as a :class:`TrialSpec`, each mistake an error naming it."""
     cfg = load_job(job, overrides)
     every = report_every or cfg.checkpoint_frequency or cfg.test_freq or -(-cfg.train_steps // 10)
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"report_every must be a positive number of steps, got {report_every!r}")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be a positive number of checkpoints, got {keep!r}")
-    if handover not in HANDOVERS:
-        raise ValueError(f"handover must be one of {HANDOVERS}, got {handover!r}")
-    spec = TrialSpec(cfg.raw, every, keep, checkpoint_dir, log, handover)
-
-    def raysinga_trial(params: dict[str, Any]) -> None:
-        run_trial(spec, params)
-
-    return raysinga_trial
+    if rest[2] not in HANDOVERS:
+        raise ValueError(f"handover must be one of {HANDOVERS}, got {rest[2]!r}")
+    return TrialSpec(cfg.raw, every, keep, *rest)
 
 
 # ------------------------------------------------------------------------ pointers
@@ -350,48 +362,6 @@ def _run(
     finally:
         if not spec.checkpoint_dir:
             shutil.rmtree(where, ignore_errors=True)
-
-
-KEEPER_PREFIX = "raysinga-keeper-"
-
-
-def _keeper(node: str | None = None) -> Any:
-    """The checkpoint keeper of this node (or ``node``): a detached actor pinned to it that puts
-    the node's trial checkpoints into the object store and owns them (a registry of its own)."""
-    import ray  # noqa: PLC0415
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
-
-    node = node or ray.get_runtime_context().get_node_id()
-    return (
-        ray.remote(objstore.CheckpointRegistry)
-        .options(
-            name=f"{KEEPER_PREFIX}{node}",
-            namespace=objstore.REGISTRY_NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        )
-        .remote()
-    )
-
-
-def _held_steps(key: str) -> list[int]:
-    """The steps of run ``key`` in the registry, oldest first."""
-    import ray  # noqa: PLC0415
-
-    return sorted(e["step"] for e in ray.get(objstore.registry().list.remote(key)))
-
-
-def _keepers() -> list[Any]:
-    import ray  # noqa: PLC0415
-
-    names = ray.util.list_named_actors(all_namespaces=True)
-    return [
-        ray.get_actor(a["name"], namespace=a["namespace"])
-        for a in names
-        if a["namespace"] == objstore.REGISTRY_NAMESPACE and a["name"].startswith(KEEPER_PREFIX)
-    ]
 
 
 def _drop_earlier(root: Path, trial: str) -> None:

@@ -1,0 +1,347 @@
+"""Trials that keep their process: a raysinga job as a Ray Tune class trainable whose exploits
+happen in place.
+
+``tune.Tuner(raysinga.tune.in_place("job.yaml"), tune_config=tune.TuneConfig(reuse_actors=True,
+...))``. Each trial's process builds one :class:`~raysinga.run.trainer.Trainer` (the net, the
+data, the compiled kernels) and runs it on a thread of its own, held at every report until Tune
+asks for the next one. When population-based training (PBT) copies a better trial into this one,
+Tune keeps the process (``reuse_actors``) and calls :meth:`InPlaceTrial.reset_config` with the
+new hyperparameters and :meth:`InPlaceTrial.load_checkpoint` with the better trial's pointer:
+the trial's run is stopped at its report, and a new run of the same trainer starts from the
+better trial's tensors, read from Ray's object store (zero-copy on the same node, copied once
+into the arrays the optimizer updates), under the new hyperparameters. Nothing restarts.
+
+A report costs the training path the commit of the checkpoint into the node's shared memory:
+the node's keeper puts it into the object store while the next steps run, and a disk copy
+(``checkpoint_dir=``) is written in the background too. Tune receives the pointer when it asks
+for a checkpoint (PBT's save of a good trial, a pause, the final result), by which time the
+object is registered. The final result's Tune checkpoint holds the checkpoint's files too
+(``final_copy``), so a search's results outlive the Ray that ran it.
+
+Lineage, retention (``keep``) and replay are those of :func:`raysinga.tune.trainable`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from raysinga import config
+from raysinga.checkpoint import Checkpoint, CheckpointError
+from raysinga.checkpoint.format import MANIFEST
+from raysinga.obs.events import Event
+from raysinga.run.state import run_info
+
+from .handover import Handover, held_steps
+from .lineage import POINTER, continue_lineage, job_for, last_metrics
+from .trials import SHM_ROOT, TrialSpec, _drop_earlier, _Reporter, fetch_newest, trial_spec
+
+try:
+    from ray import tune
+except ImportError as e:  # Ray without its tune extra
+    raise ImportError(
+        f"raysinga.tune needs Ray Tune: pip install 'raysinga[tune]' ({type(e).__name__}: {e})"
+    ) from None
+
+__all__ = ["InPlaceTrial", "TrialReported", "in_place"]
+
+
+@dataclass(frozen=True)
+class TrialReported:
+    """A trial's report handed to Tune (``on_event``'s last event of a report): ``held`` is
+    how long the report held the training thread, from the checkpoint's commit on."""
+
+    trial: str
+    step: int
+    pid: int
+    held: float
+
+
+def in_place(
+    job: str | os.PathLike | Mapping[str, Any],
+    overrides: Sequence[str] = (),
+    *,
+    report_every: int | None = None,
+    keep: int = 2,
+    checkpoint_dir: str | None = None,
+    log: bool = False,
+    final_copy: bool = True,
+    on_event: Callable[[str, Event], None] | None = None,
+) -> type[InPlaceTrial]:
+    """A Ray Tune class trainable running ``job`` (a job file or dict, with ``overrides`` as
+    ``--set`` takes them), each trial's hyperparameters its ``param_space`` values as dotted job
+    keys. Run it with ``TuneConfig(reuse_actors=True)``, so that Tune keeps a trial's process
+    when PBT copies another trial into it. ``report_every``, ``keep``, ``checkpoint_dir`` and
+    ``log`` are :func:`raysinga.tune.trainable`'s. ``final_copy``: the final result's Tune
+    checkpoint holds the checkpoint's files, which Tune copies to its storage. ``on_event``
+    (picklable; it runs in the trial's process): ``on_event(trial_id, event)`` for every event
+    of the trial's runs and a :class:`TrialReported` at each report."""
+    spec = trial_spec(job, overrides, report_every, keep, checkpoint_dir, log, "object_store")
+    if config.from_dict(spec.job).topology is not None:
+        raise config.ConfigError(
+            "raysinga.tune.in_place runs each trial in its own process: set topology: null "
+            "(a job with a topology runs through raysinga.tune.trainable)"
+        )
+    return type(
+        "RaysingaTrial",
+        (InPlaceTrial,),
+        {"spec": spec, "final_copy": final_copy, "observer": staticmethod(on_event)},
+    )
+
+
+class _Halt(BaseException):
+    """Ends a run held at a report (the trial is reset, restored or stopped). Not an Exception:
+    nothing on the way up may take it for a failure of the run."""
+
+
+class _Segment:
+    """One run of the trial's trainer on a thread of its own, from a start (fresh, or forked
+    from a checkpoint) to its end; held at every report until :meth:`next_report` asks for the
+    next one, or :meth:`halt` ends it there."""
+
+    def __init__(self, fit: Callable[[], Any]) -> None:
+        self.reports: queue.Queue = queue.Queue()
+        self.orders: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, args=(fit,), daemon=True)
+        self.held = False  # waiting at a report
+        self.over = False
+
+    def _run(self, fit: Callable[[], Any]) -> None:
+        try:
+            fit()
+        except _Halt:
+            self.reports.put(("halted", None))
+        except BaseException as e:  # noqa: BLE001 - handed to the thread Tune calls us on
+            self.reports.put(("error", e))
+        else:
+            self.reports.put(("finished", None))
+
+    def hold(self, result: dict[str, Any]) -> None:
+        """In the run's thread, at a report: hand ``result`` over and wait for the order."""
+        self.held = True
+        self.reports.put(("report", result))
+        order = self.orders.get()
+        self.held = False
+        if order == "halt":
+            raise _Halt
+
+    def next_report(self) -> dict[str, Any] | None:
+        """Run on to the next report and return it (None where the run ended without one)."""
+        if self.over:
+            return None
+        if self.thread.ident is None:
+            self.thread.start()
+        else:
+            self.orders.put("go")
+        kind, value = self.reports.get()
+        if kind == "report":
+            return value
+        self.over = True
+        self.thread.join()
+        if kind == "error":
+            raise value
+        return None
+
+    def halt(self) -> None:
+        if self.thread.ident is None or self.over:
+            return
+        self.orders.put("halt")
+        while self.reports.get()[0] == "report":  # a last report under way is dropped
+            self.orders.put("halt")
+        self.over = True
+        self.thread.join()
+
+
+class _HeldReporter(_Reporter):
+    """A report of an in-place trial: the checkpoint goes to the object store in the
+    background (:class:`.handover.Handover`) and the run waits for Tune at the report."""
+
+    segment: _Segment
+    handover: Handover
+    emit: Callable[[Event], None]
+
+    def report(self, step: int, path: str) -> None:
+        t0 = time.perf_counter()
+        pointer = self.handover.start(step, path, self.lineage)
+        parent = self.lineage[-1]["from"]
+        result = {
+            **self.metrics,
+            "step": step,
+            "segments": len(self.lineage),
+            "forked_from": "" if parent is None else f"{parent['trial']}@{parent['step']}",
+            "finished": step >= self.total,
+            "done": step >= self.total,
+            "pid": os.getpid(),
+            # Tune asks for the final checkpoint; PBT asks for the others it needs
+            **({"should_checkpoint": True} if step >= self.total else {}),
+            "_pointer": pointer,
+            "_path": path,
+        }
+        self.emit(TrialReported(self.trial, step, os.getpid(), time.perf_counter() - t0))
+        self.segment.hold(result)
+
+
+class InPlaceTrial(tune.Trainable):
+    """The class trainable :func:`in_place` makes (its ``spec`` set there)."""
+
+    spec: TrialSpec
+    final_copy: bool = True
+    observer: Callable[[str, Event], None] | None = None
+
+    # ------------------------------------------------------------------ Tune's calls
+    def setup(self, config: dict[str, Any]) -> None:
+        self._trainer: Any = None
+        self._segment: _Segment | None = None
+        self._handover: Handover | None = None
+        self._params = dict(config)
+        self._source: tuple[Checkpoint, dict[str, Any]] | None = None
+        self._restart = True  # the next step starts a run (fresh, or from self._source)
+        self._last: dict[str, Any] | None = None  # the newest report
+        self._say = print if self.spec.log else (lambda line: None)
+
+    def step(self) -> dict[str, Any]:
+        if self._restart:
+            self._start()
+        assert self._segment is not None
+        result = self._segment.next_report()
+        if result is None:
+            raise RuntimeError(f"trial {self.trial_id}: its run ended without a report")
+        self._last = result
+        return {k: v for k, v in result.items() if not k.startswith("_")}
+
+    def save_checkpoint(self, checkpoint_dir: str) -> None:
+        if self._last is None:
+            raise CheckpointError(f"trial {self.trial_id}: no report yet, nothing to save")
+        assert self._handover is not None
+        pointer = self._handover.finish(self._last["step"])
+        if self.final_copy and self._last["finished"]:
+            for f in Path(self._last["_path"]).iterdir():
+                shutil.copyfile(f, Path(checkpoint_dir, f.name))
+        Path(checkpoint_dir, POINTER).write_text(json.dumps(pointer))
+
+    def load_checkpoint(self, checkpoint_dir: str) -> None:
+        from .lineage import read_pointer  # noqa: PLC0415
+
+        pointer = read_pointer(checkpoint_dir)
+        last = self._last
+        if (
+            not self._restart
+            and last is not None
+            and last["_pointer"]["key"] == pointer["key"]
+            and int(last["step"]) == int(pointer["step"])
+        ):
+            return  # its own newest report, under the same hyperparameters: it goes on
+        if Path(checkpoint_dir, MANIFEST).is_file():  # a final copy (mapped: Tune may delete it)
+            source, used = Checkpoint.open(checkpoint_dir, verify="full"), pointer
+        else:
+            source, used, _ = fetch_newest(pointer, self._say)
+        self._source, self._restart = (source, used), True
+
+    def reset_config(self, new_config: dict[str, Any]) -> bool:
+        """Another trial's hyperparameters (PBT's exploit, or Tune handing this process to
+        another trial): the run is ended at its report, the trainer kept."""
+        self._params = dict(new_config)
+        self._source, self._restart, self._last = None, True, None
+        return True
+
+    def cleanup(self) -> None:
+        if self._segment is not None:
+            self._segment.halt()
+
+    # ------------------------------------------------------------------ one run
+    def _start(self) -> None:
+        """End the current run and start the next: from ``self._source`` or fresh, with this
+        trial's hyperparameters, on the trainer this process built (or a new one where the
+        model or data differ)."""
+        from raysinga.run.trainer import Trainer  # noqa: PLC0415
+
+        if self._segment is not None:
+            self._segment.halt()
+        source, pointer = self._source or (None, None)
+        trial, experiment = self.trial_id, self._trial_info.experiment_name
+        spec = self.spec
+        lineage = continue_lineage(pointer, trial, self._params)
+        incarnation = f"{trial}-{uuid.uuid4().hex[:8]}"
+        _drop_earlier(Path(SHM_ROOT, experiment), trial)
+        where = str(Path(SHM_ROOT, experiment, incarnation))
+        base = config.from_dict(spec.job)
+        cfg = job_for(
+            spec.job,
+            self._params,
+            name=f"{base.name}-{trial}",
+            run_dir=str(Path(self.logdir, "raysinga")),
+            checkpoint_frequency=spec.report_every,
+            test_freq=spec.report_every if base.test_freq == 0 else base.test_freq,
+            # two: the keeper still reads the one before while the newest is committed
+            **{"checkpoint.dir": where, "checkpoint.keep_last": 2},
+            **{"checkpoint.object_store": False, "checkpoint.final": True},
+            **({} if "divergence" in spec.job else {"divergence.factor": None}),
+        )
+        Path(cfg.run_path).mkdir(parents=True, exist_ok=True)
+        Path(cfg.run_path, "lineage.json").write_text(json.dumps(lineage, indent=1))
+        key = f"tune/{experiment}/{trial}"
+        disk = (
+            f"{spec.checkpoint_dir.rstrip('/')}/{experiment}/{incarnation}"
+            if (spec.checkpoint_dir)
+            else None
+        )
+        self._handover = Handover(key, trial, spec.keep, disk, held_steps(key))
+        reporter = _HeldReporter(key, trial, lineage, spec.keep, bool(disk), total=cfg.train_steps)
+        if source is not None:  # until its own first report: the metrics of the state it took
+            reporter.metrics = last_metrics(run_info(source)["history"])
+        handover = reporter.handover = self._handover
+        observer = self.observer
+        reporter.emit = (lambda ev: observer(trial, ev)) if observer else (lambda ev: None)
+
+        def on_event(ev: Event) -> None:
+            if observer is not None:
+                observer(trial, ev)
+            reporter(ev)
+
+        if self._trainer is None or not _same_run(self._trainer.cfg, cfg):
+            self._trainer = Trainer(cfg, log=self._say, on_event=on_event, fork_from=source)
+        else:
+            _rearm(self._trainer, cfg, source, self._say, on_event)
+        trainer = self._trainer
+
+        def fit() -> None:
+            try:
+                trainer.fit()
+            finally:
+                handover.close()  # the keeper has read the working copies before they go
+                shutil.rmtree(where, ignore_errors=True)
+
+        reporter.segment = self._segment = _Segment(fit)
+        self._restart, self._source = False, None
+
+
+def _same_run(a: config.JobConfig, b: config.JobConfig) -> bool:
+    """Whether a trainer built for job ``a`` can run job ``b``: the same model, data (and so
+    batch plan), dtype, device and seed; the optimizer may differ."""
+    keys = ("model", "data", "dtype", "device", "seed", "precision")
+    return all(a.raw.get(k) == b.raw.get(k) for k in keys)
+
+
+def _rearm(trainer: Any, cfg: config.JobConfig, source: Any, log: Any, on_event: Any) -> None:
+    """Make ``trainer`` run ``cfg`` next, from ``source`` (None: fresh): its net, data, batch
+    plan and compiled kernels stay, its job, optimizer and start change (what
+    :class:`Trainer`'s constructor sets for them)."""
+    from raysinga.obs.console import hub_for  # noqa: PLC0415
+    from raysinga.optim.optimizers import make_optimizer  # noqa: PLC0415
+
+    trainer.cfg = cfg
+    trainer.resume, trainer.init_from, trainer.fresh = False, None, False
+    trainer.fork_from, trainer.until = source, None
+    trainer.optimizer = make_optimizer(cfg.optimizer)
+    trainer.run_dir = Path(cfg.run_path)
+    trainer.hub = hub_for(log, on_event)
+    trainer.graphs = None

@@ -1,0 +1,105 @@
+"""The in-place class trainable (raysinga.tune.in_place): a real asynchronous population-based
+training search on the embedded local Ray, whose exploits keep the receiving trial's process
+(the same pid reports before and after), whose reports hand Tune pointers only, and whose
+trials' lineages replay bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from raysinga import config
+from raysinga.checkpoint import Checkpoint
+from raysinga.tune import trials as rtune
+from raysinga.tune.inplace import in_place
+
+tune = pytest.importorskip("ray.tune")
+
+JOB = {
+    "name": "inplace",
+    "seed": 3,
+    "model": {
+        "input_shape": [64],
+        "layers": [
+            {"kind": "dense", "name": "fc1", "units": 32, "activation": "relu"},
+            {"kind": "dropout", "name": "drop", "rate": 0.1},
+            {"kind": "dense", "name": "out", "units": 10},
+        ],
+    },
+    "data": {"source": {"kind": "digits"}, "batch_size": 32},
+    "updater": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+    "train_steps": 60,
+    "disp_freq": 10,
+}
+
+
+def test_a_job_with_a_topology_or_bad_arguments_is_refused_before_any_trial():
+    with pytest.raises(config.ConfigError, match="set topology: null"):
+        in_place({**JOB, "topology": {"workers_per_group": 1}})
+    with pytest.raises(ValueError, match="report_every must be a positive"):
+        in_place(JOB, report_every=-1)
+    with pytest.raises(ValueError, match="keep must be a positive"):
+        in_place(JOB, keep=0)
+
+
+@pytest.mark.slow
+def test_pbt_exploits_in_place_and_a_lineage_replays_bit_exact(ray_session, tmp_path):
+    from ray.tune.schedulers import PopulationBasedTraining  # noqa: PLC0415
+
+    pbt = PopulationBasedTraining(
+        time_attr="training_iteration",
+        perturbation_interval=1,
+        hyperparam_mutations={"updater.lr": tune.loguniform(1e-3, 2e-1)},
+        quantile_fraction=0.25,
+        resample_probability=0.5,
+    )
+    tuner = tune.Tuner(
+        tune.with_resources(in_place(JOB, report_every=10), {"cpu": 1}),
+        param_space={"updater.lr": tune.grid_search([0.0002, 0.002, 0.02, 0.08])},
+        tune_config=tune.TuneConfig(
+            scheduler=pbt, metric="test_loss", mode="min", reuse_actors=True
+        ),
+        run_config=tune.RunConfig(name="inplace", storage_path=str(tmp_path / "tune"), verbose=0),
+    )
+    results = tuner.fit()
+    assert not results.errors, results.errors
+    assert len(results) == 4
+    finals = [rtune.read_pointer(r.checkpoint.path) for r in results]
+    assert [p["step"] for p in finals] == [60] * 4, finals
+    assert any(len(p["lineage"]) > 1 for p in finals), "PBT exploited no trial"
+    exploits, pids = 0, set()
+    for r in results:
+        df = r.metrics_dataframe
+        rows = list(zip(df["step"], df["segments"], df["pid"], strict=True))
+        pids |= {pid for *_, pid in rows}
+        print(r.metrics["trial_id"], rows)
+        for (_, before, pid0), (_, after, pid1) in zip(rows, rows[1:], strict=False):
+            if after > before:  # the trial took another's state between these two reports
+                exploits += 1
+                assert pid1 == pid0, f"trial {r.metrics['trial_id']}: restarted for an exploit"
+    assert exploits >= 1
+    assert len(pids) <= 4, f"{len(pids)} processes ran 4 trials: some restarted"
+    # reports handed Tune pointers: the only checkpoint files in storage are the final copies
+    shards = list((tmp_path / "tune").rglob("shard-0.arrow"))
+    assert len(shards) == 4 and all(
+        Path(r.checkpoint.path) in {s.parent for s in shards} for r in results
+    )
+    assert not list(Path(rtune.SHM_ROOT, "inplace").glob("*"))
+    # the trial with the longest lineage, replayed here, ends on its final state bit for bit
+    best = max(results, key=lambda r: len(rtune.read_pointer(r.checkpoint.path)["lineage"]))
+    pointer = rtune.read_pointer(best.checkpoint.path)
+    want = rtune.fetch(pointer)
+    stored = Checkpoint.open(best.checkpoint.path)  # the final copy Tune keeps
+    got = rtune.replay(pointer["lineage"], JOB, tmp_path / "replay", until=pointer["step"])
+    for name in want.names("param"):
+        np.testing.assert_array_equal(got.params[name], want.array(name))
+        np.testing.assert_array_equal(got.params[name], stored.array(name))
+    import ray  # noqa: PLC0415
+
+    from raysinga.checkpoint import objstore  # noqa: PLC0415
+
+    held = [e["run"] for e in ray.get(objstore.registry().list.remote()) if "/inplace/" in e["run"]]
+    assert all(held.count(k) <= 2 for k in held), sorted(held)
+    assert rtune.release("inplace") >= 4
