@@ -7,12 +7,13 @@ trial, which replays bit-exact (:mod:`.lineage`). Needs Ray Tune (``pip install
 
 from __future__ import annotations
 
-from .inplace import InPlaceTrial, TrialReported, in_place
+from .inplace import InPlaceTrial, TrialLog, TrialReported, in_place
 from .lineage import read_pointer, replay
 from .trials import ReleaseStopped, TrialSpec, fetch, fetch_newest, release, trainable
 
 __all__ = [
     "InPlaceTrial",
+    "TrialLog",
     "TrialReported",
     "in_place",
     "ReleaseStopped",

@@ -38,7 +38,7 @@ from typing import Any
 from raysinga import config
 from raysinga.checkpoint import Checkpoint, CheckpointError
 from raysinga.checkpoint.format import MANIFEST
-from raysinga.obs.events import Event
+from raysinga.obs.events import Event, RunStarted, TrainStep
 from raysinga.run.state import run_info
 
 from .handover import Handover, held_steps
@@ -52,7 +52,7 @@ except ImportError as e:  # Ray without its tune extra
         f"raysinga.tune needs Ray Tune: pip install 'raysinga[tune]' ({type(e).__name__}: {e})"
     ) from None
 
-__all__ = ["InPlaceTrial", "TrialReported", "in_place"]
+__all__ = ["InPlaceTrial", "TrialLog", "TrialReported", "in_place"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,30 @@ class TrialReported:
     step: int
     pid: int
     held: float
+    segments: int  # the length of the trial's lineage
+
+
+@dataclass(frozen=True)
+class TrialLog:
+    """An ``on_event`` for :func:`in_place` (and :func:`~raysinga.tune.trainable`) that appends
+    one JSON line per run start, training window and report of every trial to ``path`` (a file
+    every trial's node can write), each with the wall-clock time and the trial's process id:
+    where a trial ran and when, to time searches by."""
+
+    path: str
+
+    def __call__(self, trial: str, ev: Event) -> None:
+        line: dict[str, Any] = {"t": time.time(), "trial": trial, "pid": os.getpid()}
+        if isinstance(ev, TrialReported):
+            line.update(kind="report", step=ev.step, held=ev.held, segments=ev.segments)
+        elif isinstance(ev, RunStarted):
+            line.update(kind="start", step=ev.step)
+        elif isinstance(ev, TrainStep):
+            line.update(kind="step", step=ev.step)
+        else:
+            return
+        with open(self.path, "a") as f:  # one short write: lines of several processes do not mix
+            f.write(json.dumps(line) + "\n")
 
 
 def in_place(
@@ -186,7 +210,8 @@ class _HeldReporter(_Reporter):
             "_pointer": pointer,
             "_path": path,
         }
-        self.emit(TrialReported(self.trial, step, os.getpid(), time.perf_counter() - t0))
+        held = time.perf_counter() - t0
+        self.emit(TrialReported(self.trial, step, os.getpid(), held, len(self.lineage)))
         self.segment.hold(result)
 
 
