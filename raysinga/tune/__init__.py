@@ -7,11 +7,14 @@ trial, which replays bit-exact (:mod:`.lineage`). Needs Ray Tune (``pip install
 
 from __future__ import annotations
 
-from .inplace import InPlaceTrial, TrialLog, TrialReported, in_place
+from .events import TrialLog, TrialReported
+from .inplace import InPlaceTrial, in_place
 from .lineage import read_pointer, replay
+from .pbt import InPlacePBT
 from .trials import ReleaseStopped, TrialSpec, fetch, fetch_newest, release, trainable
 
 __all__ = [
+    "InPlacePBT",
     "InPlaceTrial",
     "TrialLog",
     "TrialReported",

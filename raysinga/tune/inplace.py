@@ -31,16 +31,16 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from raysinga import config
 from raysinga.checkpoint import Checkpoint, CheckpointError
 from raysinga.checkpoint.format import MANIFEST
-from raysinga.obs.events import Event, RunStarted, TrainStep
+from raysinga.obs.events import Event
 from raysinga.run.state import run_info
 
+from .events import TrialReported
 from .handover import Handover, held_steps
 from .lineage import POINTER, continue_lineage, job_for, last_metrics
 from .trials import SHM_ROOT, TrialSpec, _drop_earlier, _Reporter, fetch_newest, trial_spec
@@ -52,42 +52,7 @@ except ImportError as e:  # Ray without its tune extra
         f"raysinga.tune needs Ray Tune: pip install 'raysinga[tune]' ({type(e).__name__}: {e})"
     ) from None
 
-__all__ = ["InPlaceTrial", "TrialLog", "TrialReported", "in_place"]
-
-
-@dataclass(frozen=True)
-class TrialReported:
-    """A trial's report handed to Tune (``on_event``'s last event of a report): ``held`` is
-    how long the report held the training thread, from the checkpoint's commit on."""
-
-    trial: str
-    step: int
-    pid: int
-    held: float
-    segments: int  # the length of the trial's lineage
-
-
-@dataclass(frozen=True)
-class TrialLog:
-    """An ``on_event`` for :func:`in_place` (and :func:`~raysinga.tune.trainable`) that appends
-    one JSON line per run start, training window and report of every trial to ``path`` (a file
-    every trial's node can write), each with the wall-clock time and the trial's process id:
-    where a trial ran and when, to time searches by."""
-
-    path: str
-
-    def __call__(self, trial: str, ev: Event) -> None:
-        line: dict[str, Any] = {"t": time.time(), "trial": trial, "pid": os.getpid()}
-        if isinstance(ev, TrialReported):
-            line.update(kind="report", step=ev.step, held=ev.held, segments=ev.segments)
-        elif isinstance(ev, RunStarted):
-            line.update(kind="start", step=ev.step)
-        elif isinstance(ev, TrainStep):
-            line.update(kind="step", step=ev.step)
-        else:
-            return
-        with open(self.path, "a") as f:  # one short write: lines of several processes do not mix
-            f.write(json.dumps(line) + "\n")
+__all__ = ["InPlaceTrial", "in_place"]
 
 
 def in_place(
@@ -109,7 +74,9 @@ def in_place(
     checkpoint holds the checkpoint's files, which Tune copies to its storage. ``on_event``
     (picklable; it runs in the trial's process): ``on_event(trial_id, event)`` for every event
     of the trial's runs and a :class:`TrialReported` at each report."""
-    spec = trial_spec(job, overrides, report_every, keep, checkpoint_dir, log, "object_store")
+    spec = trial_spec(
+        job, overrides, report_every, keep, checkpoint_dir, log, "object_store", on_event
+    )
     if config.from_dict(spec.job).topology is not None:
         raise config.ConfigError(
             "raysinga.tune.in_place runs each trial in its own process: set topology: null "
@@ -118,7 +85,7 @@ def in_place(
     return type(
         "RaysingaTrial",
         (InPlaceTrial,),
-        {"spec": spec, "final_copy": final_copy, "observer": staticmethod(on_event)},
+        {"spec": spec, "final_copy": final_copy},
     )
 
 
@@ -220,7 +187,6 @@ class InPlaceTrial(tune.Trainable):
 
     spec: TrialSpec
     final_copy: bool = True
-    observer: Callable[[str, Event], None] | None = None
 
     # ------------------------------------------------------------------ Tune's calls
     def setup(self, config: dict[str, Any]) -> None:
@@ -232,8 +198,12 @@ class InPlaceTrial(tune.Trainable):
         self._restart = True  # the next step starts a run (fresh, or from self._source)
         self._last: dict[str, Any] | None = None  # the newest report
         self._say = print if self.spec.log else (lambda line: None)
+        self._failure: Exception | None = None  # of an exploit, raised by the next step
 
     def step(self) -> dict[str, Any]:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
         if self._restart:
             self._start()
         assert self._segment is not None
@@ -270,6 +240,20 @@ class InPlaceTrial(tune.Trainable):
         else:
             source, used, _ = fetch_newest(pointer, self._say)
         self._source, self._restart = (source, used), True
+
+    def exploit(self, new_config: dict[str, Any], checkpoint: Any, metrics: dict) -> None:
+        """Take another trial's state (its Tune ``checkpoint``, with the ``metrics`` of its
+        report) under ``new_config``, in this process (:class:`~raysinga.tune.InPlacePBT`): the
+        run is ended at its report and the next step starts from that state. An error is
+        raised by that step."""
+        try:
+            self.config = dict(new_config)
+            self.reset_config(new_config)
+            with checkpoint.as_directory() as d:
+                self.load_checkpoint(d)
+            self._iteration = metrics.get("training_iteration", self._iteration)
+        except Exception as e:  # noqa: BLE001 - raised by the next step, which fails the trial
+            self._failure = e
 
     def reset_config(self, new_config: dict[str, Any]) -> bool:
         """Another trial's hyperparameters (PBT's exploit, or Tune handing this process to
@@ -324,7 +308,7 @@ class InPlaceTrial(tune.Trainable):
         if source is not None:  # until its own first report: the metrics of the state it took
             reporter.metrics = last_metrics(run_info(source)["history"])
         handover = reporter.handover = self._handover
-        observer = self.observer
+        observer = spec.on_event
         reporter.emit = (lambda ev: observer(trial, ev)) if observer else (lambda ev: None)
 
         def on_event(ev: Event) -> None:

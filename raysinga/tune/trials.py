@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ except ImportError as e:  # Ray without its tune extra
     raise ImportError(
         f"raysinga.tune needs Ray Tune: pip install 'raysinga[tune]' ({type(e).__name__}: {e})"
     ) from None
+from .events import TrialReported
 from .handover import KEEPER_PREFIX  # noqa: F401 - where tests and tools look for it
 from .handover import held_steps as _held_steps
 from .handover import keeper as _keeper
@@ -88,6 +90,7 @@ class TrialSpec:
     checkpoint_dir: str | None = None
     log: bool = False
     handover: str = "object_store"
+    on_event: Callable[[str, Event], None] | None = None  # (trial id, event), in the trial
 
 
 def trainable(
@@ -99,6 +102,7 @@ def trainable(
     checkpoint_dir: str | None = None,
     log: bool = False,
     handover: str = "object_store",
+    on_event: Callable[[str, Event], None] | None = None,
 ) -> Callable[[dict[str, Any]], None]:
     """A Ray Tune function trainable running ``job`` (a job file or dict, with ``overrides``
     as ``--set`` takes them) once per trial, with the trial's ``param_space`` values applied as
@@ -111,10 +115,12 @@ def trainable(
     ``log``: print the runs' console lines. ``handover``: how a checkpoint goes from trial to
     trial, ``"object_store"`` (a pointer to it is the Tune checkpoint) or ``"tune_storage"``
     (the checkpoint directory is the Tune checkpoint, which Tune copies to its storage; Tune's
-    ``CheckpointConfig`` then decides how many are kept). The job is checked here, before any
-    trial starts.
+    ``CheckpointConfig`` then decides how many are kept). ``on_event`` (picklable; it runs in
+    the trial's process): ``on_event(trial_id, event)`` for every event of the trial's runs and
+    a :class:`~raysinga.tune.events.TrialReported` as each report goes to Tune. The job is
+    checked here, before any trial starts.
     """
-    spec = trial_spec(job, overrides, report_every, keep, checkpoint_dir, log, handover)
+    spec = trial_spec(job, overrides, report_every, keep, checkpoint_dir, log, handover, on_event)
 
     def raysinga_trial(params: dict[str, Any]) -> None:
         run_trial(spec, params)
@@ -204,6 +210,7 @@ class _Reporter:
     total: int = 0  # the job's train_steps
     metrics: dict[str, Any] = field(default_factory=dict)
     held: list[int] = field(default_factory=list)
+    emit: Callable[[Event], None] = lambda ev: None  # noqa: E731 - an on_event of the trial
 
     def __call__(self, ev: Event) -> None:
         if isinstance(ev, TrainStep):
@@ -216,6 +223,7 @@ class _Reporter:
     def report(self, step: int, path: str) -> None:
         from ray import tune  # noqa: PLC0415
 
+        t0 = time.perf_counter()
         pointer = self.hand_over(step, path)
         parent = self.lineage[-1]["from"]
         metrics = {
@@ -231,6 +239,8 @@ class _Reporter:
         # beside the checkpoint: on the same file system, so that its files can be linked
         with tempfile.TemporaryDirectory(prefix=".tune-report-", dir=Path(path).parent) as d:
             tune_checkpoint(d, pointer, path, self.handover)
+            held = time.perf_counter() - t0  # and Tune's copy to its storage, in tune.report
+            self.emit(TrialReported(self.trial, step, os.getpid(), held, len(self.lineage)))
             tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
 
     def hand_over(self, step: int, path: str) -> dict[str, Any]:
@@ -347,14 +357,19 @@ def _run(
     )
     if source is not None:  # until its own first report: the metrics of the state it took
         reporter.metrics = last_metrics(run_info(source)["history"])
+    subscribers: list[Callable[[Event], None]] = [reporter]
+    if spec.on_event is not None:
+        observer = spec.on_event
+        reporter.emit = lambda ev: observer(trial, ev)
+        subscribers.insert(0, reporter.emit)
     if spec.handover == "object_store":  # what earlier starts of this trial left count too
         reporter.held = _held_steps(key)
     try:
         if cfg.topology is None:
-            Trainer(cfg, log=say, on_event=reporter, fork_from=source).fit()
+            Trainer(cfg, log=say, on_event=subscribers, fork_from=source).fit()
         else:  # the servers read the checkpoint themselves, from the object store or a path
             run = DistributedTrainer(
-                cfg, log=say, on_event=reporter, fork_from=source_at, gather=False
+                cfg, log=say, on_event=subscribers, fork_from=source_at, gather=False
             )
             # an earlier start of this trial, stopped by Tune, left its placement group
             run.placement_name = f"raysinga-tune:{experiment}/{trial}"

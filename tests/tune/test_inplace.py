@@ -14,7 +14,9 @@ import pytest
 from raysinga import config
 from raysinga.checkpoint import Checkpoint
 from raysinga.tune import trials as rtune
-from raysinga.tune.inplace import TrialLog, in_place
+from raysinga.tune.events import TrialLog
+from raysinga.tune.inplace import in_place
+from raysinga.tune.pbt import InPlacePBT
 
 tune = pytest.importorskip("ray.tune")
 
@@ -47,9 +49,7 @@ def test_a_job_with_a_topology_or_bad_arguments_is_refused_before_any_trial():
 
 @pytest.mark.slow
 def test_pbt_exploits_in_place_and_a_lineage_replays_bit_exact(ray_session, tmp_path):
-    from ray.tune.schedulers import PopulationBasedTraining  # noqa: PLC0415
-
-    pbt = PopulationBasedTraining(
+    pbt = InPlacePBT(
         time_attr="training_iteration",
         perturbation_interval=1,
         hyperparam_mutations={"updater.lr": tune.loguniform(1e-3, 2e-1)},
@@ -73,24 +73,25 @@ def test_pbt_exploits_in_place_and_a_lineage_replays_bit_exact(ray_session, tmp_
     finals = [rtune.read_pointer(r.checkpoint.path) for r in results]
     assert [p["step"] for p in finals] == [60] * 4, finals
     assert any(len(p["lineage"]) > 1 for p in finals), "PBT exploited no trial"
-    # no process started after the first four, and none for an exploit: the receiving trial
-    # went on in a process already running, with its trainer (its own process where Tune gave
-    # it back, or that of a trial Tune paused meanwhile: Tune's actor cache hands out the
-    # oldest it holds)
+    # no process started after the first four, and each exploit kept the receiving trial's
+    # process: the same pid reported before and after it
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     first = {}
     for e in events:
         first.setdefault(e["trial"], e["pid"])
     assert {e["pid"] for e in events} == set(first.values()) and len(first) == 4
     last: dict[str, dict] = {}
-    exploits = []
+    exploits = 0
     for e in (e for e in events if e["kind"] == "report"):
         before = last.get(e["trial"])
         if before is not None and e["segments"] > before["segments"]:
-            exploits.append((before["pid"], e["pid"]))
+            exploits += 1
+            assert e["pid"] == before["pid"], f"trial {e['trial']} restarted for an exploit"
         last[e["trial"]] = e
     assert exploits, "no exploit seen in the trials' reports"
-    print(f"{len(exploits)} exploits, {sum(a == b for a, b in exploits)} in the same process")
+    # the receiving trial's process started its run once, and again for each exploit
+    starts = [e for e in events if e["kind"] == "start"]
+    assert len(starts) == 4 + exploits, starts
     # reports handed Tune pointers: the only checkpoint files in storage are the final copies
     shards = list((tmp_path / "tune").rglob("shard-0.arrow"))
     assert len(shards) == 4 and all(

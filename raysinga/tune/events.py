@@ -1,0 +1,48 @@
+"""What the trials of a search tell an ``on_event`` of :func:`raysinga.tune.trainable` or
+:func:`raysinga.tune.in_place` besides their runs' events (:mod:`raysinga.obs.events`), and a
+subscriber that writes them down."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from raysinga.obs.events import Event, RunStarted, TrainStep
+
+
+@dataclass(frozen=True)
+class TrialReported:
+    """A trial's report handed to Tune (``on_event``'s last event of a report): ``held`` is
+    how long the report held the training thread, from the checkpoint's commit on."""
+
+    trial: str
+    step: int
+    pid: int
+    held: float
+    segments: int  # the length of the trial's lineage
+
+
+@dataclass(frozen=True)
+class TrialLog:
+    """An ``on_event`` for :func:`in_place` (and :func:`~raysinga.tune.trainable`) that appends
+    one JSON line per run start, training window and report of every trial to ``path`` (a file
+    every trial's node can write), each with the wall-clock time and the trial's process id:
+    where a trial ran and when, to time searches by."""
+
+    path: str
+
+    def __call__(self, trial: str, ev: Event) -> None:
+        line: dict[str, Any] = {"t": time.time(), "trial": trial, "pid": os.getpid()}
+        if isinstance(ev, TrialReported):
+            line.update(kind="report", step=ev.step, held=ev.held, segments=ev.segments)
+        elif isinstance(ev, RunStarted):
+            line.update(kind="start", step=ev.step)
+        elif isinstance(ev, TrainStep):
+            line.update(kind="step", step=ev.step)
+        else:
+            return
+        with open(self.path, "a") as f:  # one short write: lines of several processes do not mix
+            f.write(json.dumps(line) + "\n")
