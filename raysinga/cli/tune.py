@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from raysinga import config
+from raysinga.checkpoint.format import MANIFEST
 from raysinga.config import ConfigError
 from raysinga.tune.lineage import POINTER, job_for, load_job, read_pointer
 
@@ -155,9 +156,10 @@ def make_scheduler(args: argparse.Namespace, searches: list[Search], reports: in
 
         return ASHAScheduler(time_attr="training_iteration", max_t=reports, grace_period=1)
     if args.scheduler == "pbt":
-        from ray.tune.schedulers import PopulationBasedTraining  # noqa: PLC0415
+        from raysinga.tune import InPlacePBT  # noqa: PLC0415
 
-        return PopulationBasedTraining(
+        # Tune's PBT, exploiting in-place trials (raysinga.tune.in_place) in their process
+        return InPlacePBT(
             time_attr="training_iteration",
             perturbation_interval=interval,
             synch=args.synch,
@@ -223,8 +225,15 @@ def search(args: argparse.Namespace, job: config.JobConfig) -> int:
             f"not at every report (every {every} steps); make --report-every a multiple of it, "
             "or --set test_freq=0 (each trial then evaluates at every report)"
         )
-    kw = {"keep": args.keep, "checkpoint_dir": args.checkpoint_dir, "handover": args.handover}
-    trainable = rtune.trainable(args.config, args.set, report_every=every, **kw)
+    kw = {"keep": args.keep, "checkpoint_dir": args.checkpoint_dir}
+    # a trial in one process keeps it across exploits; a distributed trial (a topology) and
+    # Tune's storage hand-over run as a function trainable, one run per trial start
+    in_place = job.topology is None and args.handover == "object_store"
+    if in_place:
+        trainable = rtune.in_place(args.config, args.set, report_every=every, **kw)
+    else:
+        kw["handover"] = args.handover
+        trainable = rtune.trainable(args.config, args.set, report_every=every, **kw)
     scheduler = make_scheduler(args, searches, -(-job.train_steps // every))
     name = args.name or f"{job.name}-tune-{time.strftime('%Y%m%d-%H%M%S')}"
     storage = str(Path(args.storage).resolve()) if "://" not in args.storage else args.storage
@@ -245,7 +254,13 @@ def search(args: argparse.Namespace, job: config.JobConfig) -> int:
             trainable,
             param_space={s.key: s.domain() for s in searches},
             tune_config=tune.TuneConfig(
-                scheduler=scheduler, metric=metric, mode=mode, num_samples=args.trials
+                scheduler=scheduler,
+                metric=metric,
+                mode=mode,
+                num_samples=args.trials,
+                # an in-place trial that Tune pauses and starts again (synchronous PBT, PB2, too
+                # few CPUs) goes on in a process already running
+                reuse_actors=in_place,
             ),
             run_config=tune.RunConfig(
                 name=name,
@@ -382,7 +397,11 @@ def replay_trial(args: argparse.Namespace, job: config.JobConfig) -> int:
     with tempfile.TemporaryDirectory(prefix="raysinga-replay-") as d:
         result = rtune.replay(lineage, job.raw, d, until=until)
     want, why = None, "--until is not the checkpoint's step"
-    if until == step:
+    here = where if where.is_dir() else where.parent
+    if until == step and (here / MANIFEST).is_file():
+        # an in-place trial's final result: the checkpoint's files are in Tune's storage
+        want = Checkpoint.open(here, verify="full")
+    elif until == step:
         import ray  # noqa: PLC0415
 
         if ray.is_initialized() or joins_cluster(args.address):

@@ -104,6 +104,13 @@ class Handover:
         self.pending[step] = (pointer, (refs, done))
         return pointer
 
+    def pointer(self, step: int) -> dict[str, Any]:
+        """The pointer of ``step``, at once: where the checkpoint is still on its way into the
+        object store it says ``pending``, and a reader waits for it (:func:`.trials.fetch`)."""
+        if step in self.pending:
+            return {**self.pending[step][0], "pending": True}
+        return self.finish(step)
+
     def finish(self, step: int, disk: bool = False) -> dict[str, Any]:
         """The pointer of ``step`` once the object store holds it (and, with ``disk``, once its
         disk copy is whole)."""

@@ -14,9 +14,10 @@ into the arrays the optimizer updates), under the new hyperparameters. Nothing r
 A report costs the training path the commit of the checkpoint into the node's shared memory:
 the node's keeper puts it into the object store while the next steps run, and a disk copy
 (``checkpoint_dir=``) is written in the background too. Tune receives the pointer when it asks
-for a checkpoint (PBT's save of a good trial, a pause, the final result), by which time the
-object is registered. The final result's Tune checkpoint holds the checkpoint's files too
-(``final_copy``), so a search's results outlive the Ray that ran it.
+for a checkpoint (PBT's save of a good trial, a pause, the final result) at once; a trial that
+reads it before the keeper is done waits for the keeper. The final result's Tune checkpoint
+holds the checkpoint's files too (``final_copy``), so a search's results outlive the Ray that
+ran it.
 
 Lineage, retention (``keep``) and replay are those of :func:`raysinga.tune.trainable`.
 """
@@ -217,7 +218,11 @@ class InPlaceTrial(tune.Trainable):
         if self._last is None:
             raise CheckpointError(f"trial {self.trial_id}: no report yet, nothing to save")
         assert self._handover is not None
-        pointer = self._handover.finish(self._last["step"])
+        step = self._last["step"]
+        if not self._last["finished"]:  # PBT's save of a good trial: the reader waits, if any
+            pointer = self._handover.pointer(step)
+        else:  # the search's result: whole where it ends
+            pointer = self._handover.finish(step, disk=True)
         if self.final_copy and self._last["finished"]:
             for f in Path(self._last["_path"]).iterdir():
                 shutil.copyfile(f, Path(checkpoint_dir, f.name))

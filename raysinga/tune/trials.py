@@ -170,6 +170,8 @@ def fetch_newest(
     try:
         reg = objstore.registry()
         entry = ray.get(reg.lookup.remote(key, step))
+        if entry is None and pointer.get("pending"):  # handed out while on its way in
+            entry = _registered(reg, key, step)
         if entry is None and newest and not uri:
             entry = ray.get(reg.lookup.remote(key, None))
             if entry is not None and entry["step"] > step and entry.get("meta"):
@@ -191,6 +193,22 @@ def fetch_newest(
         f"{key} step {step}: the object-store copy is lost ({why}) and there is no disk copy "
         "(set checkpoint_dir= of raysinga.tune.trainable to keep one)"
     )
+
+
+def _registered(reg: Any, key: str, step: int, wait: float = 120.0) -> dict[str, Any] | None:
+    """The registry's entry of a checkpoint that an in-place trial handed out before its
+    node's keeper had it in the object store (:mod:`.handover`), once it is there."""
+    import ray  # noqa: PLC0415
+
+    deadline = time.monotonic() + wait
+    while (entry := ray.get(reg.lookup.remote(key, step))) is None:
+        newest = ray.get(reg.lookup.remote(key, None))
+        if newest is not None and newest["step"] > step:
+            return None  # registered in order: it was there, and has been released since
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"{key} step {step}: not in the object store after {wait:.0f} s")
+        time.sleep(0.01)
+    return entry
 
 
 # ------------------------------------------------------------------------ one trial
