@@ -186,15 +186,15 @@ def measure(events: list[dict]) -> tuple[list[float], list[float], list[float]]:
         by_trial.setdefault(e["trial"], []).append(e)
     exploits, reports, steps = [], [], []
     for evs in by_trial.values():
-        segments = 1
+        forked = ""  # where the trial's state last came from (TRIAL@STEP)
         last_step: dict | None = None  # the end of the trial's newest step
         pending: dict | None = None  # a start whose kind (exploit or not) its report tells
         reported: set[int] = set()
         for e in evs:
             if e["kind"] == "report":
-                if pending is not None and e["segments"] > segments:
+                if pending is not None and e["forked_from"] != forked:  # took another's state
                     exploits.append(pending["t"] - pending["from"])
-                pending, segments = None, e["segments"]
+                pending, forked = None, e["forked_from"]
                 reported.add(e["step"])
             elif e["kind"] == "start" and last_step is not None:
                 pending = {"t": e["t"], "from": last_step["t"]}

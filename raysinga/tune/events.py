@@ -23,6 +23,7 @@ class TrialReported:
     pid: int
     held: float
     segments: int  # the length of the trial's lineage
+    forked_from: str = ""  # TRIAL@STEP its state's newest segment started from ("": none)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class TrialLog:
         line: dict[str, Any] = {"t": time.time(), "trial": trial, "pid": os.getpid()}
         if isinstance(ev, TrialReported):
             line.update(kind="report", step=ev.step, held=ev.held, segments=ev.segments)
+            line["forked_from"] = ev.forked_from
         elif isinstance(ev, RunStarted):
             line.update(kind="start", step=ev.step)
         elif isinstance(ev, TrainStep):

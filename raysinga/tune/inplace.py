@@ -165,11 +165,12 @@ class _HeldReporter(_Reporter):
         t0 = time.perf_counter()
         pointer = self.handover.start(step, path, self.lineage)
         parent = self.lineage[-1]["from"]
+        forked_from = "" if parent is None else f"{parent['trial']}@{parent['step']}"
         result = {
             **self.metrics,
             "step": step,
             "segments": len(self.lineage),
-            "forked_from": "" if parent is None else f"{parent['trial']}@{parent['step']}",
+            "forked_from": forked_from,
             "finished": step >= self.total,
             "done": step >= self.total,
             "pid": os.getpid(),
@@ -179,7 +180,9 @@ class _HeldReporter(_Reporter):
             "_path": path,
         }
         held = time.perf_counter() - t0
-        self.emit(TrialReported(self.trial, step, os.getpid(), held, len(self.lineage)))
+        self.emit(
+            TrialReported(self.trial, step, os.getpid(), held, len(self.lineage), forked_from)
+        )
         self.segment.hold(result)
 
 

@@ -257,8 +257,8 @@ class _Reporter:
         # beside the checkpoint: on the same file system, so that its files can be linked
         with tempfile.TemporaryDirectory(prefix=".tune-report-", dir=Path(path).parent) as d:
             tune_checkpoint(d, pointer, path, self.handover)
-            held = time.perf_counter() - t0  # and Tune's copy to its storage, in tune.report
-            self.emit(TrialReported(self.trial, step, os.getpid(), held, len(self.lineage)))
+            fork, held = metrics["forked_from"], time.perf_counter() - t0  # Tune's copy follows
+            self.emit(TrialReported(self.trial, step, os.getpid(), held, len(self.lineage), fork))
             tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
 
     def hand_over(self, step: int, path: str) -> dict[str, Any]:

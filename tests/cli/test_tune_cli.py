@@ -15,7 +15,7 @@ from helpers import cli_error
 
 from raysinga import cli, config
 from raysinga.cli import tune as tune_cli
-from raysinga.cli.tune import parse_search
+from raysinga.cli.tune_search import parse_search
 from raysinga.config import ConfigError
 
 tune = pytest.importorskip("ray.tune")
