@@ -163,8 +163,11 @@ def search(mode: str, spec: dict, args: argparse.Namespace, work: Path, s3) -> l
             storage_path=storage,
             storage_filesystem=s3 if on_s3 else None,
             stop={"step": spec["train_steps"]},
-            # PBT restores a donor's checkpoint that the donor may have reported past meanwhile
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=3),
+            # PBT restores a donor's checkpoint that the donor may have reported past meanwhile:
+            # Tune's storage keeps 3 a trial on local disk; on S3, where reports are slow, it
+            # was seen to delete one that an exploit then read (moto keeps every object in
+            # memory: 6 reports of 2 trials hold 6 GiB)
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=None if on_s3 else 3),
             verbose=0,
         ),
     )
@@ -210,7 +213,7 @@ def measure(events: list[dict]) -> tuple[list[float], list[float], list[float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reports", type=int, default=10, help="reports a trial")
+    ap.add_argument("--reports", type=int, default=6, help="reports a trial")
     ap.add_argument("--every", type=int, default=2, help="steps between reports")
     ap.add_argument("--width", type=int, default=8154, help="the MLP's two hidden widths")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)

@@ -203,6 +203,7 @@ class InPlaceTrial(tune.Trainable):
         self._last: dict[str, Any] | None = None  # the newest report
         self._say = print if self.spec.log else (lambda line: None)
         self._failure: Exception | None = None  # of an exploit, raised by the next step
+        self._tidying: list[threading.Thread] = []  # ended runs' working copies, on their way
 
     def step(self) -> dict[str, Any]:
         if self._failure is not None:
@@ -273,6 +274,8 @@ class InPlaceTrial(tune.Trainable):
     def cleanup(self) -> None:
         if self._segment is not None:
             self._segment.halt()
+        for t in self._tidying:
+            t.join()
 
     # ------------------------------------------------------------------ one run
     def _start(self) -> None:
@@ -288,7 +291,8 @@ class InPlaceTrial(tune.Trainable):
         spec = self.spec
         lineage = continue_lineage(pointer, trial, self._params)
         incarnation = f"{trial}-{uuid.uuid4().hex[:8]}"
-        _drop_earlier(Path(SHM_ROOT, experiment), trial)
+        if self._segment is None:  # what earlier processes of this trial left on this node
+            _drop_earlier(Path(SHM_ROOT, experiment), trial)
         where = str(Path(SHM_ROOT, experiment, incarnation))
         base = config.from_dict(spec.job)
         cfg = job_for(
@@ -333,12 +337,22 @@ class InPlaceTrial(tune.Trainable):
         def fit() -> None:
             try:
                 trainer.fit()
-            finally:
-                handover.close()  # the keeper has read the working copies before they go
-                shutil.rmtree(where, ignore_errors=True)
+            finally:  # the next run (an exploit's) need not wait for the keeper
+                tidy = threading.Thread(target=_tidy, args=(handover, where), daemon=True)
+                tidy.start()
+                self._tidying.append(tidy)
 
         reporter.segment = self._segment = _Segment(fit)
         self._restart, self._source = False, None
+
+
+def _tidy(handover: Handover, where: str) -> None:
+    """After a run: its checkpoints on their way into the object store arrive (the keeper reads
+    them from ``where``), then its working copies go."""
+    try:
+        handover.close()
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def _same_run(a: config.JobConfig, b: config.JobConfig) -> bool:
