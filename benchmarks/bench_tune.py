@@ -144,6 +144,7 @@ def search(mode: str, spec: dict, args: argparse.Namespace, work: Path, s3) -> l
     pbt = (rtune.InPlacePBT if ours else PopulationBasedTraining)(
         time_attr="training_iteration",
         perturbation_interval=1,
+        burn_in_period=1,  # both trials have started by their second report
         quantile_fraction=0.5,
         # resampled from a list that is mostly poor: the receiving trial is often the worse at
         # its next report, and is exploited again (more exploits a search)
@@ -240,6 +241,8 @@ def main() -> None:
         include_dashboard=False,
         log_to_driver=False,
     )
+    # the machine may be shared: its load, before and after, goes into the results
+    load = {"load_before": os.getloadavg()[0]}
     got: dict[str, tuple[list[float], list[float], list[float]]] = {}
     try:
         with moto_server() as s3:
@@ -258,7 +261,14 @@ def main() -> None:
 
     report = Report(
         "bench_tune",
-        {**vars(args), "parameters": n_params, "cpus": os.cpu_count(), "s3": "moto server mode"},
+        {
+            **vars(args),
+            "parameters": n_params,
+            "cpus": os.cpu_count(),
+            "s3": "moto server mode on 127.0.0.1",
+            **load,
+            "load_after": os.getloadavg()[0],
+        },
     )
     for mode, (e, r, s) in got.items():
         print(f"\n{mode}:")

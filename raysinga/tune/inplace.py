@@ -29,7 +29,6 @@ import os
 import queue
 import shutil
 import threading
-import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import Any
 from raysinga import config
 from raysinga.checkpoint import Checkpoint, CheckpointError
 from raysinga.checkpoint.format import MANIFEST
-from raysinga.obs.events import Event
+from raysinga.obs.events import Evaluated, Event, TrainStep
 from raysinga.run.state import run_info
 
 from .events import TrialReported
@@ -97,14 +96,17 @@ class _Halt(BaseException):
 
 class _Segment:
     """One run of the trial's trainer on a thread of its own, from a start (fresh, or forked
-    from a checkpoint) to its end; held at every report until :meth:`next_report` asks for the
-    next one, or :meth:`halt` ends it there."""
+    from a checkpoint) to its end. At every report it holds before the checkpoint's commit:
+    :meth:`next_report` lets it go on (to commit, and on to the next report), :meth:`commit`
+    lets it commit and hold again (Tune asks for the checkpoint), :meth:`halt` ends it there (an
+    exploit: the checkpoint of a state about to be replaced is never written)."""
 
     def __init__(self, fit: Callable[[], Any]) -> None:
         self.reports: queue.Queue = queue.Queue()
         self.orders: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, args=(fit,), daemon=True)
-        self.held = False  # waiting at a report
+        self.held: str | None = None  # "report" (before its commit) or "committed"
+        self.committed: dict[str, Any] | None = None  # the held report's checkpoint
         self.over = False
 
     def _run(self, fit: Callable[[], Any]) -> None:
@@ -117,14 +119,26 @@ class _Segment:
         else:
             self.reports.put(("finished", None))
 
-    def hold(self, result: dict[str, Any]) -> None:
-        """In the run's thread, at a report: hand ``result`` over and wait for the order."""
-        self.held = True
-        self.reports.put(("report", result))
+    def hold(self, kind: str, value: dict[str, Any]) -> str:
+        """In the run's thread: hand ``value`` over (a ``report`` or the ``committed``
+        checkpoint of one) and wait for the order, which is returned ("go", "commit")."""
+        self.held = kind
+        self.reports.put((kind, value))
         order = self.orders.get()
-        self.held = False
+        self.held = None
         if order == "halt":
             raise _Halt
+        return order
+
+    def _next(self, kind: str) -> dict[str, Any] | None:
+        got, value = self.reports.get()
+        if got == kind:
+            return value
+        self.over = True
+        self.thread.join()
+        if got == "error":
+            raise value
+        return None
 
     def next_report(self) -> dict[str, Any] | None:
         """Run on to the next report and return it (None where the run ended without one)."""
@@ -134,39 +148,51 @@ class _Segment:
             self.thread.start()
         else:
             self.orders.put("go")
-        kind, value = self.reports.get()
-        if kind == "report":
-            return value
-        self.over = True
-        self.thread.join()
-        if kind == "error":
-            raise value
-        return None
+        self.committed = None
+        return self._next("report")
+
+    def commit(self) -> dict[str, Any] | None:
+        """The held report's checkpoint (``step``, ``path``), committed now where it is not."""
+        if self.committed is None and self.held == "report":
+            self.orders.put("commit")
+            self.committed = self._next("committed")
+        return self.committed
 
     def halt(self) -> None:
         if self.thread.ident is None or self.over:
             return
         self.orders.put("halt")
-        while self.reports.get()[0] == "report":  # a last report under way is dropped
+        while self.reports.get()[0] in ("report", "committed"):  # one under way is dropped
             self.orders.put("halt")
         self.over = True
         self.thread.join()
 
 
 class _HeldReporter(_Reporter):
-    """A report of an in-place trial: the checkpoint goes to the object store in the
-    background (:class:`.handover.Handover`) and the run waits for Tune at the report."""
+    """The reports of an in-place trial's run. At a report step the run holds after the
+    step's last event (its evaluation, or its training window) and before the checkpoint's
+    commit; the committed checkpoint goes to the object store in the background
+    (:class:`.handover.Handover`). Where a report step shows no event, the run holds after
+    the commit instead."""
 
     segment: _Segment
     handover: Handover
     emit: Callable[[Event], None]
+    # the kind of event a report step's last before its commit is (None: it shows none)
+    hold_point: Callable[[int], type | None]
+    commit_next: bool = False  # hold once the next checkpoint is committed
 
-    def report(self, step: int, path: str) -> None:
-        t0 = time.perf_counter()
-        pointer = self.handover.start(step, path, self.lineage)
+    def __call__(self, ev: Event) -> None:
+        super().__call__(ev)  # metrics; a commit goes to report()
+        if isinstance(ev, (TrainStep, Evaluated)) and type(ev) is self.hold_point(ev.step):
+            order = self.segment.hold("report", self.result(ev.step))
+            self.commit_next = order == "commit"
+
+    def result(self, step: int) -> dict[str, Any]:
         parent = self.lineage[-1]["from"]
         forked_from = "" if parent is None else f"{parent['trial']}@{parent['step']}"
-        result = {
+        self.emit(TrialReported(self.trial, step, os.getpid(), 0.0, len(self.lineage), forked_from))
+        return {
             **self.metrics,
             "step": step,
             "segments": len(self.lineage),
@@ -176,14 +202,18 @@ class _HeldReporter(_Reporter):
             "pid": os.getpid(),
             # Tune asks for the final checkpoint; PBT asks for the others it needs
             **({"should_checkpoint": True} if step >= self.total else {}),
-            "_pointer": pointer,
-            "_path": path,
         }
-        held = time.perf_counter() - t0
-        self.emit(
-            TrialReported(self.trial, step, os.getpid(), held, len(self.lineage), forked_from)
-        )
-        self.segment.hold(result)
+
+    def report(self, step: int, path: str) -> None:
+        self.handover.start(step, path, self.lineage)
+        committed = {"step": step, "path": path}
+        if self.commit_next:  # Tune waits for this checkpoint
+            self.commit_next = False
+            self.segment.hold("committed", committed)
+        elif self.hold_point(step) is None:  # no event to hold at before the commit: here
+            order = self.segment.hold("report", self.result(step))
+            if order == "commit":
+                self.segment.hold("committed", committed)
 
 
 class InPlaceTrial(tune.Trainable):
@@ -216,19 +246,30 @@ class InPlaceTrial(tune.Trainable):
         if result is None:
             raise RuntimeError(f"trial {self.trial_id}: its run ended without a report")
         self._last = result
-        return {k: v for k, v in result.items() if not k.startswith("_")}
+        return result
 
     def save_checkpoint(self, checkpoint_dir: str) -> None:
+        if self._restart and self._source is not None:
+            # taken over and not stepped since (Tune pauses a trial it has just exploited where
+            # others wait): its state is the checkpoint it took
+            Path(checkpoint_dir, POINTER).write_text(json.dumps(self._source[1]))
+            return
         if self._last is None:
             raise CheckpointError(f"trial {self.trial_id}: no report yet, nothing to save")
-        assert self._handover is not None
-        step = self._last["step"]
+        assert self._handover is not None and self._segment is not None
+        committed = self._segment.commit()
+        if committed is None or committed["step"] != self._last["step"]:
+            raise CheckpointError(
+                f"trial {self.trial_id}: its run ended before step {self._last['step']}'s "
+                "checkpoint was committed"
+            )
+        step = committed["step"]
         if not self._last["finished"]:  # PBT's save of a good trial: the reader waits, if any
             pointer = self._handover.pointer(step)
         else:  # the search's result: whole where it ends
             pointer = self._handover.finish(step, disk=True)
         if self.final_copy and self._last["finished"]:
-            for f in Path(self._last["_path"]).iterdir():
+            for f in Path(committed["path"]).iterdir():
                 shutil.copyfile(f, Path(checkpoint_dir, f.name))
         Path(checkpoint_dir, POINTER).write_text(json.dumps(pointer))
 
@@ -240,7 +281,8 @@ class InPlaceTrial(tune.Trainable):
         if (
             not self._restart
             and last is not None
-            and last["_pointer"]["key"] == pointer["key"]
+            and self._handover is not None
+            and self._handover.key == pointer["key"]
             and int(last["step"]) == int(pointer["step"])
         ):
             return  # its own newest report, under the same hyperparameters: it goes on
@@ -342,6 +384,14 @@ class InPlaceTrial(tune.Trainable):
                 tidy.start()
                 self._tidying.append(tidy)
 
+        def hold_point(step: int) -> type | None:  # as the trainer's loop decides
+            if not cfg.checkpoint_due(step) and step != cfg.train_steps:
+                return None
+            if cfg.evaluation_due(step) and trainer.splits.held_out():
+                return Evaluated
+            return TrainStep if step % cfg.disp_freq == 0 or step == cfg.train_steps else None
+
+        reporter.hold_point = hold_point
         reporter.segment = self._segment = _Segment(fit)
         self._restart, self._source = False, None
 

@@ -52,6 +52,10 @@ def test_pbt_exploits_in_place_and_a_lineage_replays_bit_exact(ray_session, tmp_
     pbt = InPlacePBT(
         time_attr="training_iteration",
         perturbation_interval=1,
+        # no perturbation at the first two reports: every trial has started by then, so that
+        # asynchronous PBT does not pause the first to report for one still starting (Tune's
+        # PBT pauses a trial while another waits), and the trials' processes stay theirs
+        burn_in_period=2,
         hyperparam_mutations={"updater.lr": tune.loguniform(1e-3, 2e-1)},
         quantile_fraction=0.25,
         resample_probability=0.5,
