@@ -1,18 +1,22 @@
 """Trials that keep their process: a raysinga job as a Ray Tune class trainable whose exploits
 happen in place.
 
-``tune.Tuner(raysinga.tune.in_place("job.yaml"), tune_config=tune.TuneConfig(reuse_actors=True,
-...))``. Each trial's process builds one :class:`~raysinga.run.trainer.Trainer` (the net, the
-data, the compiled kernels) and runs it on a thread of its own, held at every report until Tune
-asks for the next one. When population-based training (PBT) copies a better trial into this one,
-Tune keeps the process (``reuse_actors``) and calls :meth:`InPlaceTrial.reset_config` with the
-new hyperparameters and :meth:`InPlaceTrial.load_checkpoint` with the better trial's pointer:
-the trial's run is stopped at its report, and a new run of the same trainer starts from the
-better trial's tensors, read from Ray's object store (zero-copy on the same node, copied once
-into the arrays the optimizer updates), under the new hyperparameters. Nothing restarts.
+``tune.Tuner(raysinga.tune.in_place("job.yaml"), tune_config=tune.TuneConfig(
+scheduler=raysinga.tune.InPlacePBT(...), reuse_actors=True))``. Each trial's process builds one
+:class:`~raysinga.run.trainer.Trainer` (the net, the data, the compiled kernels) and runs it on a
+thread of its own, held at every report until Tune asks for the next one. When
+:class:`~raysinga.tune.InPlacePBT` copies a better trial into this one, it calls
+:meth:`InPlaceTrial.exploit` in this process with the new hyperparameters and the better trial's
+pointer: the trial's run is ended at its report, and a new run of the same trainer starts from
+the better trial's tensors, read from Ray's object store (zero-copy on the same node, copied once
+into the arrays the optimizer updates), under the new hyperparameters. Nothing restarts. Tune's
+own way (a pause, then :meth:`InPlaceTrial.reset_config` and :meth:`InPlaceTrial.load_checkpoint`
+on a process it reuses) works too, and loads nothing where the trial goes on in its own process
+from its own newest report.
 
-A report costs the training path the commit of the checkpoint into the node's shared memory:
-the node's keeper puts it into the object store while the next steps run, and a disk copy
+A report holds the run before the checkpoint's commit; the next step, or Tune's save, lets the
+commit into the node's shared memory happen, and an exploit skips it. The node's keeper puts a
+committed checkpoint into the object store while the next steps run, and a disk copy
 (``checkpoint_dir=``) is written in the background too. Tune receives the pointer when it asks
 for a checkpoint (PBT's save of a good trial, a pause, the final result) at once; a trial that
 reads it before the keeper is done waits for the keeper. The final result's Tune checkpoint
