@@ -7,7 +7,7 @@ trial, which replays bit-exact (:mod:`.lineage`). Needs Ray Tune (``pip install
 
 from __future__ import annotations
 
-from .events import TrialLog, TrialReported
+from .events import TrialLog, TrialReported, TrialStarted
 from .inplace import InPlaceTrial, in_place
 from .lineage import read_pointer, replay
 from .pbt import InPlacePBT
@@ -18,6 +18,7 @@ __all__ = [
     "InPlaceTrial",
     "TrialLog",
     "TrialReported",
+    "TrialStarted",
     "in_place",
     "ReleaseStopped",
     "TrialSpec",

@@ -27,6 +27,19 @@ class TrialReported:
 
 
 @dataclass(frozen=True)
+class TrialStarted:
+    """An in-place trial's run starts in process ``pid`` at ``step``: ``how`` is "fresh", or
+    "exploit" (:class:`~raysinga.tune.InPlacePBT` gave it another trial's state in its
+    process), or "restore" (Tune started the trial from a checkpoint: after a pause, or a
+    failure, or Tune's own exploit)."""
+
+    trial: str
+    step: int
+    pid: int
+    how: str
+
+
+@dataclass(frozen=True)
 class TrialLog:
     """An ``on_event`` for :func:`in_place` (and :func:`~raysinga.tune.trainable`) that appends
     one JSON line per run start, training window and report of every trial to ``path`` (a file
@@ -40,6 +53,8 @@ class TrialLog:
         if isinstance(ev, TrialReported):
             line.update(kind="report", step=ev.step, held=ev.held, segments=ev.segments)
             line["forked_from"] = ev.forked_from
+        elif isinstance(ev, TrialStarted):
+            line.update(kind="run", step=ev.step, how=ev.how)
         elif isinstance(ev, RunStarted):
             line.update(kind="start", step=ev.step)
         elif isinstance(ev, TrainStep):

@@ -44,7 +44,7 @@ from raysinga.checkpoint.format import MANIFEST
 from raysinga.obs.events import Evaluated, Event, TrainStep
 from raysinga.run.state import run_info
 
-from .events import TrialReported
+from .events import TrialReported, TrialStarted
 from .handover import Handover, held_steps
 from .lineage import POINTER, continue_lineage, job_for, last_metrics
 from .trials import SHM_ROOT, TrialSpec, _drop_earlier, _Reporter, fetch_newest, trial_spec
@@ -237,6 +237,7 @@ class InPlaceTrial(tune.Trainable):
         self._last: dict[str, Any] | None = None  # the newest report
         self._say = print if self.spec.log else (lambda line: None)
         self._failure: Exception | None = None  # of an exploit, raised by the next step
+        self._how = "fresh"  # how the next run starts (TrialStarted)
         self._tidying: list[threading.Thread] = []  # ended runs' working copies, on their way
 
     def step(self) -> dict[str, Any]:
@@ -294,7 +295,7 @@ class InPlaceTrial(tune.Trainable):
             source, used = Checkpoint.open(checkpoint_dir, verify="full"), pointer
         else:
             source, used, _ = fetch_newest(pointer, self._say)
-        self._source, self._restart = (source, used), True
+        self._source, self._restart, self._how = (source, used), True, "restore"
 
     def exploit(self, new_config: dict[str, Any], checkpoint: Any, metrics: dict) -> None:
         """Take another trial's state (its Tune ``checkpoint``, with the ``metrics`` of its
@@ -306,6 +307,7 @@ class InPlaceTrial(tune.Trainable):
             self.reset_config(new_config)
             with checkpoint.as_directory() as d:
                 self.load_checkpoint(d)
+            self._how = "exploit"
             self._iteration = metrics.get("training_iteration", self._iteration)
         except Exception as e:  # noqa: BLE001 - raised by the next step, which fails the trial
             self._failure = e
@@ -314,7 +316,7 @@ class InPlaceTrial(tune.Trainable):
         """Another trial's hyperparameters (PBT's exploit, or Tune handing this process to
         another trial): the run is ended at its report, the trainer kept."""
         self._params = dict(new_config)
-        self._source, self._restart, self._last = None, True, None
+        self._source, self._restart, self._last, self._how = None, True, None, "fresh"
         return True
 
     def cleanup(self) -> None:
@@ -396,6 +398,8 @@ class InPlaceTrial(tune.Trainable):
             return TrainStep if step % cfg.disp_freq == 0 or step == cfg.train_steps else None
 
         reporter.hold_point = hold_point
+        step = 0 if pointer is None else int(pointer["step"])
+        reporter.emit(TrialStarted(trial, step, os.getpid(), self._how))
         reporter.segment = self._segment = _Segment(fit)
         self._restart, self._source = False, None
 

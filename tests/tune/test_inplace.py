@@ -84,18 +84,19 @@ def test_pbt_exploits_in_place_and_a_lineage_replays_bit_exact(ray_session, tmp_
     for e in events:
         first.setdefault(e["trial"], e["pid"])
     assert {e["pid"] for e in events} == set(first.values()) and len(first) == 4
+    # every exploit started the receiving trial's next run in the process of its last report
+    # (Tune may also pause a trial where another waits, and start it again in any process it
+    # reuses: such runs say "restore")
     last: dict[str, dict] = {}
     exploits = 0
-    for e in (e for e in events if e["kind"] == "report"):
-        before = last.get(e["trial"])
-        if before is not None and e["forked_from"] != before["forked_from"]:
+    for e in events:
+        if e["kind"] == "report":
+            last[e["trial"]] = e
+        elif e["kind"] == "run" and e["how"] == "exploit":
             exploits += 1
-            assert e["pid"] == before["pid"], f"trial {e['trial']} restarted for an exploit"
-        last[e["trial"]] = e
-    assert exploits, "no exploit seen in the trials' reports"
-    # the receiving trial's process started its run once, and again for each exploit
-    starts = [e for e in events if e["kind"] == "start"]
-    assert len(starts) == 4 + exploits, starts
+            assert e["pid"] == last[e["trial"]]["pid"], f"{e['trial']} restarted for an exploit"
+    assert exploits, "no exploit in place"
+    print(f"{exploits} exploits in place")
     # reports handed Tune pointers: the only checkpoint files in storage are the final copies
     shards = list((tmp_path / "tune").rglob("shard-0.arrow"))
     assert len(shards) == 4 and all(
