@@ -1,72 +1,70 @@
-"""One population-based-training exploit of a 256 MiB model: raysinga's object-store hand-over
-against Tune's storage checkpoints on local disk, in one run::
+"""Population-based training of a 256 MiB model end to end, with Tune's own scheduling: what a
+user feels of an exploit and of a report, raysinga's in-place trials against Tune's storage
+checkpoints, in one run::
 
-    python benchmarks/bench_tune.py [--rounds 5] [--width 8154] [--dir DIR] [--json FILE]
+    python benchmarks/bench_tune.py [--reports 8] [--width 8154] [--modes ...] [--json FILE]
 
 The model is a dense MLP on the digits (64 -> W -> W -> 10; W = 8154 gives 256.0 MiB of float32
-parameters) trained by SGD with momentum, so a checkpoint holds 512 MiB of tensors. Two Ray
-actors on this node play the two trials (one CPU each, as ``tune.with_resources(..., {"cpu":
-1})`` gives a trial). Each round, for each hand-over (their order alternating from round to
-round), with the same code a trial of ``raysinga.tune.trainable`` runs:
+parameters) trained by SGD with momentum, so a checkpoint holds 512 MiB of tensors. Each mode
+runs one search: two trials of one CPU each, PBT (asynchronous, ``quantile_fraction=0.5``,
+perturbing at every report: the worse trial takes the better one's state, with a learning
+rate drawn from a list that is mostly poor, so that it is often the worse again), a report
+every ``--every`` steps, ``--reports`` reports a trial. The modes:
 
-- the donor trains one step of a fresh run and commits its checkpoint in ``/dev/shm``, as every
-  trial does at a report; then it hands it over as ``_Reporter.report`` does
-  (``_Reporter.hand_over`` and ``tune_checkpoint``) and Tune's function-trainable session
-  persists the reported directory (``StorageContext.persist_current_checkpoint``, a pyarrow
-  copy into ``storage_path`` on local disk, as ``tune.report`` does):
+- ``raysinga-local`` / ``raysinga-s3``: :func:`raysinga.tune.in_place` trials under
+  :class:`raysinga.tune.InPlacePBT` (PBT's choices, made by Tune's PBT code; the exploit in the
+  trial's process), ``reuse_actors`` on (what ``raysinga tune`` runs): reports hand Tune
+  pointers, tensors go through the object store; Tune's ``storage_path`` on local disk / S3;
+- ``tune-local``: Tune's storage path (``raysinga.tune.trainable(handover="tune_storage")``:
+  every report's checkpoint directory is the Tune checkpoint, copied to ``storage_path``, and a
+  receiving trial starts from the copy) on local disk, with Tune's defaults (a new process per
+  exploit);
+- ``tune-local-reuse``: the same with ``reuse_actors=True`` (the process is kept, raysinga's
+  trainer is built again);
+- ``tune-s3``: Tune's storage path with ``storage_path`` on an S3 server on loopback (moto's
+  server mode, in a process of its own), Tune's defaults.
 
-  - ``object_store`` (the default): the node's keeper actor packs the checkpoint (every file
-    read and hashed) into the object store and the registry records it; Tune persists only the
-    pointer, a few hundred bytes;
-  - ``tune_storage`` (``handover="tune_storage"``): Tune persists the checkpoint directory.
+Every trial writes its run starts, steps and reports with wall-clock times
+(:class:`raysinga.tune.TrialLog`). Measured from them:
 
-- the receiver is given the persisted ``tune.Checkpoint`` (as ``tune.get_checkpoint()`` returns
-  it after an exploit) and does what a trial does: ``start_from`` (``fetch_newest`` from the
-  object store, mapped zero-copy; or the persisted directory opened with every byte hashed:
-  on a local ``storage_path``, ``as_directory()`` gives that directory itself, no download, the
-  best case of Tune's path), then ``Trainer(cfg, fork_from=...)`` under a new learning rate
-  until its first step is done.
+- **exploit**: from the end of the receiving trial's last step before its state is replaced (its
+  report begins) to the start of its first step with the donor's state (the state loaded in the
+  trial's process, :class:`RunStarted`). It holds the receiver's report, Tune's decision, the
+  stop and start (or reset) of the trial, the donor's save where PBT asks for it, the transfer
+  and the load.
+- **report**: the time between the end of a reported step and the end of the next, less the
+  median of the steps without a report in the same search: what a report adds to training.
+  Reports followed by an exploit or a pause are left out.
 
-Timed, with wall-clock stamps taken in the two processes: the exploit, from the end of the
-donor's step (its checkpoint save starts) to the donor's report being done, plus from the
-receiver's start to its first step done (Trainer set-up, the data opened, the checkpoint's
-tensors copied into the run, one step). The gap between the two, Tune's scheduling (a PBT
-exploit stops the receiving trial and starts it again), is the same for both hand-overs and
-left out. Also printed: the donor's report alone and the receiver's
-fetch alone. The storage copy is read warm (just written, as in an exploit right after the
-report), and every round ends with the copies removed, the objects released, ``sync``.
-
-Goal: the exploit through the object store at least 5x faster than through Tune's storage
-(the per-round ratio's median).
+Goals: the exploit at least 10x faster than Tune's storage path on the S3 server and at least
+2x faster than Tune's on local disk with ``reuse_actors``; one report at least 10x cheaper than
+Tune's on the S3 server (ratios of medians, raysinga on the same storage as the peer).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
+import json
 import os
 import shutil
+import socket
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import ray
-from report import Figure, Report, add_json_option, fs_type
+from report import Figure, Report, add_json_option
 
-SHM = "/dev/shm/raysinga-bench-tune"
-MODES = ("object_store", "tune_storage")
-STEP = 1  # the donor's step whose checkpoint is handed over
-LABELS = {
-    "exploit": "exploit (donor's save to receiver's first step)",
-    "save": "donor: checkpoint commit in /dev/shm",
-    "report": "donor: hand-over and Tune's persist",
-    "fetch": "receiver: checkpoint in hand",
-    "receiver": "receiver: start to first step done",
-}
+MODES = ("raysinga-local", "tune-local", "tune-local-reuse", "raysinga-s3", "tune-s3")
+BUCKET = "bench-tune"
+KEYS = {"access_key": "testing", "secret_key": "testing"}
 
 
-def job(width: int) -> dict:
+def job(width: int, steps: int) -> dict:
     return {
         "name": "bench-tune",
         "seed": 0,
@@ -80,172 +78,243 @@ def job(width: int) -> dict:
         },
         "data": {"source": {"kind": "digits"}, "batch_size": 64},
         "updater": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
-        "train_steps": 100,
-        "test_freq": 0,
+        "train_steps": steps,
+        # one evaluation, at the end: a report is then a checkpoint and its hand-over only
+        "test_freq": steps,
         "disp_freq": 1,
     }
 
 
-def trial_job(spec: dict, name: str, lr: float, run_dir: str):
-    from raysinga.tune.lineage import job_for
+@contextlib.contextmanager
+def moto_server():
+    """An S3 server on loopback in a process of its own (moto's server mode); yields the
+    pyarrow filesystem that talks to it, its bucket made."""
+    import pyarrow.fs as pafs
 
-    return job_for(
-        spec,
-        {"updater.lr": lr},
-        name=name,
-        run_dir=run_dir,
-        **{"checkpoint.dir": f"{SHM}/{name}", "checkpoint.keep_last": 1},
-        **{"checkpoint.object_store": False},
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen(
+        [str(exe), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
-
-
-class Trial:
-    """One process playing a trial: donor or receiver, as the round asks."""
-
-    def __init__(self, spec: dict, work: str) -> None:
-        self.spec, self.work = spec, work
-
-    def donate(self, mode: str, name: str, index: int) -> dict:
-        """Train one step, commit, hand over and persist as a trial's report does; returns the
-        persisted Tune checkpoint's path and the time stamps."""
-        from ray import tune
-        from ray.train._internal.storage import StorageContext
-
-        from raysinga.obs.events import CheckpointCommitted, TrainStep
-        from raysinga.run import Trainer
-        from raysinga.tune.lineage import segment
-        from raysinga.tune.trials import _Reporter, tune_checkpoint
-
-        out: dict = {}
-        lineage = [segment(name, {"updater.lr": 0.01}, 0, None)]
-        reporter = _Reporter(f"tune/bench/{name}", name, lineage, 1, False, handover=mode)
-        storage = StorageContext(
-            self.work + "/storage", "bench", trial_dir_name=name, current_checkpoint_index=index
+    try:
+        fs = pafs.S3FileSystem(
+            endpoint_override=f"127.0.0.1:{port}", scheme="http", region="us-east-1", **KEYS
         )
-
-        def on_event(ev) -> None:
-            if isinstance(ev, TrainStep) and ev.step == STEP:
-                out["step_done"] = time.time()
-            elif isinstance(ev, CheckpointCommitted):
-                out["committed"] = time.time()
-                pointer = reporter.hand_over(ev.step, ev.path)
-                with tempfile.TemporaryDirectory(dir=Path(ev.path).parent) as d:
-                    tune_checkpoint(d, pointer, ev.path, mode)
-                    ck = storage.persist_current_checkpoint(tune.Checkpoint.from_directory(d))
-                out["reported"], out["path"] = time.time(), ck.path
-
-        cfg = trial_job(self.spec, name, 0.01, f"{self.work}/{name}")
-        Trainer(cfg, log=None, on_event=on_event, until=STEP).fit()
-        shutil.rmtree(f"{SHM}/{name}", ignore_errors=True)
-        return out
-
-    def take_over(self, path: str, name: str) -> dict:
-        """Start from the persisted Tune checkpoint at ``path`` as a trial does after an
-        exploit, under a new learning rate, until its first step is done."""
-        from ray import tune
-
-        from raysinga.obs.events import TrainStep
-        from raysinga.run import Trainer
-        from raysinga.tune.trials import start_from
-
-        out: dict = {"start": time.time()}
-        with contextlib.ExitStack() as stack:
-            source, pointer, _ = start_from(tune.Checkpoint(path), stack, lambda line: None)
-            out["fetched"] = time.time()
-            first = int(pointer["step"]) + 1
-
-            def on_event(ev) -> None:
-                if isinstance(ev, TrainStep) and ev.step == first:
-                    out["first_step"] = time.time()
-
-            cfg = trial_job(self.spec, name, 0.02, f"{self.work}/{name}")
-            Trainer(cfg, log=None, on_event=on_event, fork_from=source, until=first).fit()
-            del source
-        gc.collect()
-        shutil.rmtree(f"{SHM}/{name}", ignore_errors=True)
-        return out
+        for _ in range(100):
+            try:
+                pafs.S3FileSystem(
+                    endpoint_override=f"127.0.0.1:{port}",
+                    scheme="http",
+                    region="us-east-1",
+                    allow_bucket_creation=True,
+                    **KEYS,
+                ).create_dir(BUCKET)
+                break
+            except OSError:
+                time.sleep(0.2)
+        yield fs
+    finally:
+        proc.terminate()
+        proc.wait()
 
 
-def settle() -> None:
-    """Let write-back of the previous round finish, so that no one pays for another's."""
-    os.sync()
-    time.sleep(0.5)
+def search(mode: str, spec: dict, args: argparse.Namespace, work: Path, s3) -> list[dict]:
+    """One PBT search of two trials; returns every trial's logged events, oldest first."""
+    from ray import tune
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    from raysinga import tune as rtune
+
+    log = work / f"{mode}.jsonl"
+    ours = mode.startswith("raysinga")
+    if ours:
+        trainable = rtune.in_place(spec, report_every=args.every, on_event=rtune.TrialLog(str(log)))
+    else:
+        trainable = rtune.trainable(
+            spec,
+            report_every=args.every,
+            handover="tune_storage",
+            on_event=rtune.TrialLog(str(log)),
+        )
+    # raysinga's trials are exploited in their process (InPlacePBT), Tune's as Tune does it
+    pbt = (rtune.InPlacePBT if ours else PopulationBasedTraining)(
+        time_attr="training_iteration",
+        perturbation_interval=1,
+        burn_in_period=1,  # both trials have started by their second report
+        quantile_fraction=0.5,
+        # resampled from a list that is mostly poor: the receiving trial is often the worse at
+        # its next report, and is exploited again (more exploits a search)
+        resample_probability=1.0,
+        hyperparam_mutations={"updater.lr": [0.0002, 0.0005, 0.02]},
+    )
+    on_s3 = mode.endswith("s3")
+    storage = f"{BUCKET}/{mode}" if on_s3 else str(work / "storage")
+    tuner = tune.Tuner(
+        tune.with_resources(trainable, {"cpu": 1}),
+        param_space={"updater.lr": tune.grid_search([0.02, 0.0005])},
+        tune_config=tune.TuneConfig(
+            scheduler=pbt, metric="loss", mode="min", reuse_actors=ours or mode.endswith("reuse")
+        ),
+        run_config=tune.RunConfig(
+            name=mode,
+            storage_path=storage,
+            storage_filesystem=s3 if on_s3 else None,
+            stop={"step": spec["train_steps"]},
+            # PBT restores a donor's checkpoint that the donor may have reported past meanwhile:
+            # Tune's storage keeps 3 a trial on local disk; on S3, where reports are slow, it
+            # was seen to delete one that an exploit then read (moto keeps every object in
+            # memory: 6 reports of 2 trials hold 6 GiB)
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=None if on_s3 else 3),
+            verbose=0,
+        ),
+    )
+    results = tuner.fit()
+    if results.errors:
+        raise RuntimeError(f"{mode}: {results.errors}")
+    rtune.release(mode)
+    if args.logs:
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
+        shutil.copy(log, Path(args.logs, log.name))
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    return sorted(events, key=lambda e: e["t"])
 
 
-def one_exploit(donor, receiver, mode: str, r: int, work: Path) -> dict[str, float]:
-    from raysinga.checkpoint import objstore
-    from raysinga.tune.trials import _keeper
-
-    settle()
-    name = f"r{r}-{mode}"
-    d = ray.get(donor.donate.remote(mode, f"{name}-donor", r))
-    t = ray.get(receiver.take_over.remote(d["path"], f"{name}-receiver"))
-    key = f"tune/bench/{name}-donor"
-    ray.get([objstore.registry().delete.remote(key, STEP), _keeper().delete.remote(key, STEP)])
-    shutil.rmtree(work / "storage", ignore_errors=True)
-    donor_s, receiver_s = d["reported"] - d["step_done"], t["first_step"] - t["start"]
-    return {
-        "exploit": donor_s + receiver_s,
-        "report": d["reported"] - d["committed"],
-        "save": d["committed"] - d["step_done"],
-        "fetch": t["fetched"] - t["start"],
-        "receiver": receiver_s,
-    }
+def measure(events: list[dict]) -> tuple[list[float], list[float], list[float]]:
+    """Exploit times, report costs and plain step times of one search's events."""
+    by_trial: dict[str, list[dict]] = {}
+    for e in events:
+        by_trial.setdefault(e["trial"], []).append(e)
+    exploits, reports, steps = [], [], []
+    for evs in by_trial.values():
+        forked = ""  # where the trial's state last came from (TRIAL@STEP)
+        last_step: dict | None = None  # the end of the trial's newest step
+        pending: dict | None = None  # a start whose kind (exploit or not) its report tells
+        reported: set[int] = set()
+        for e in evs:
+            if e["kind"] == "report":
+                if pending is not None and e["forked_from"] != forked:  # took another's state
+                    exploits.append(pending["t"] - pending["from"])
+                pending, forked = None, e["forked_from"]
+                reported.add(e["step"])
+            elif e["kind"] == "start" and last_step is not None:
+                pending = {"t": e["t"], "from": last_step["t"]}
+                last_step = None
+            elif e["kind"] == "step":
+                if last_step is not None and last_step["step"] + 1 == e["step"]:
+                    gap = e["t"] - last_step["t"]
+                    (reports if last_step["step"] in reported else steps).append(gap)
+                last_step = e
+    plain = statistics.median(steps) if steps else 0.0
+    return exploits, [r - plain for r in reports], steps
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reports", type=int, default=6, help="reports a trial")
+    ap.add_argument("--every", type=int, default=2, help="steps between reports")
     ap.add_argument("--width", type=int, default=8154, help="the MLP's two hidden widths")
-    ap.add_argument("--dir", default=None, help="Tune's storage_path (default: a temporary dir)")
-    ap.add_argument("--verbose", action="store_true", help="print every round's times")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--dir", default=None, help="where local storage goes (default: /tmp)")
+    ap.add_argument("--logs", default=None, help="keep the trials' event logs (JSON lines) here")
     add_json_option(ap)
     args = ap.parse_args()
 
-    spec = job(args.width)
     w = args.width
     n_params = 64 * w + w + w * w + w + 10 * w + 10
+    spec = job(w, args.every * args.reports)
     work = Path(tempfile.mkdtemp(prefix="bench-tune-", dir=args.dir)).resolve()
     print(
         f"MLP 64-{w}-{w}-10: {n_params:,} parameters, {n_params * 4 / (1 << 20):.1f} MiB "
-        f"(checkpoint {2 * n_params * 4 / (1 << 20):.0f} MiB with momentum); Tune storage under "
-        f"{work} ({fs_type(work)}); {os.cpu_count()} CPUs; {args.rounds} rounds",
+        f"(checkpoint {2 * n_params * 4 / (1 << 20):.0f} MiB with momentum); 2 trials, "
+        f"{args.reports} reports of {args.every} steps each; {os.cpu_count()} CPUs; "
+        "S3: moto's server mode on 127.0.0.1",
         flush=True,
     )
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    times: dict[str, dict[str, list[float]]] = {m: {} for m in MODES}
+    ray.init(
+        address="local",
+        num_cpus=2,
+        object_store_memory=4 << 30,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    # the machine may be shared: its load, before and after, goes into the results
+    load = {"load_before": os.getloadavg()[0]}
+    got: dict[str, tuple[list[float], list[float], list[float]]] = {}
     try:
-        actor = ray.remote(num_cpus=1)(Trial)
-        donor, receiver = actor.remote(spec, str(work)), actor.remote(spec, str(work))
-        one_exploit(donor, receiver, "object_store", -1, work)  # warm-up, not timed
-        for r in range(args.rounds):
-            for mode in MODES if r % 2 == 0 else MODES[::-1]:
-                got = one_exploit(donor, receiver, mode, r, work)
-                for k, v in got.items():
-                    times[mode].setdefault(k, []).append(v)
-                if args.verbose:
-                    print(
-                        f"  round {r} {mode}: "
-                        + ", ".join(f"{k} {v:.3f} s" for k, v in got.items())
-                    )
+        with moto_server() as s3:
+            for mode in args.modes:
+                t0 = time.perf_counter()
+                got[mode] = measure(search(mode, spec, args, work, s3))
+                e, r, _ = got[mode]
+                print(
+                    f"  {mode}: {len(e)} exploits, {len(r)} reports measured "
+                    f"({time.perf_counter() - t0:.0f} s)",
+                    flush=True,
+                )
     finally:
         ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(SHM, ignore_errors=True)
 
-    report = Report("bench_tune", {**vars(args), "parameters": n_params, "cpus": os.cpu_count()})
-    for mode in MODES:
-        print(f"\n{mode}:")
-        for k, label in LABELS.items():
-            report.add(Figure(f"{mode} {label}", times[mode][k], " s"))
-    print()
-    ours, theirs = times["object_store"]["exploit"], times["tune_storage"]["exploit"]
-    speed = [t / o for t, o in zip(theirs, ours, strict=True)]
-    report.add(
-        Figure("exploit speed-up of the object store over Tune storage", speed, "x", 5.0, "higher")
+    report = Report(
+        "bench_tune",
+        {
+            **vars(args),
+            "parameters": n_params,
+            "cpus": os.cpu_count(),
+            "s3": "moto server mode on 127.0.0.1",
+            **load,
+            "load_after": os.getloadavg()[0],
+        },
     )
-    saved = [t - o for t, o in zip(theirs, ours, strict=True)]
-    report.add(Figure("time saved per exploit", saved, " s"))
+    for mode, (e, r, s) in got.items():
+        print(f"\n{mode}:")
+        if e:
+            report.add(
+                Figure(f"{mode}: exploit, last report to first step with the donor's", e, " s")
+            )
+        if r:
+            report.add(Figure(f"{mode}: one report, added to training", r, " s"))
+        report.add(Figure(f"{mode}: one step without a report", s, " s"))
+    print()
+    med = {
+        m: (statistics.median(e) if e else None, statistics.median(r) if r else None)
+        for m, (e, r, _) in got.items()
+    }
+
+    def ratio(name: str, theirs: float | None, ours: float | None, goal: float | None) -> None:
+        if theirs is None or ours is None:
+            print(f"{name}: not measured")
+            return
+        report.add(Figure(name, [theirs / max(ours, 1e-3)], "x", goal, "higher"))
+
+    ratio(
+        "exploit: raysinga's speed-up over Tune's storage on S3",
+        med.get("tune-s3", (None,))[0],
+        med.get("raysinga-s3", (None,))[0],
+        10.0,
+    )
+    ratio(
+        "exploit: raysinga's speed-up over Tune on local disk with reuse_actors",
+        med.get("tune-local-reuse", (None,))[0],
+        med.get("raysinga-local", (None,))[0],
+        2.0,
+    )
+    ratio(
+        "exploit: raysinga's speed-up over Tune on local disk, Tune's defaults",
+        med.get("tune-local", (None,))[0],
+        med.get("raysinga-local", (None,))[0],
+        None,
+    )
+    ratio(
+        "report: raysinga's saving over Tune's storage on S3",
+        med.get("tune-s3", (None, None))[1],
+        med.get("raysinga-s3", (None, None))[1],
+        10.0,
+    )
     report.write(args.json)
 
 

@@ -1,13 +1,14 @@
 """Population-based training of the character-level GRU with Ray Tune, against a random
 search of the same budget.
 
-Both searches run the same raysinga trainable (``raysinga.tune.trainable``: SINGA's char-RNN of
+Both searches run the same raysinga trainable (``raysinga.tune.in_place``: SINGA's char-RNN of
 ``examples/chargru.yaml``, in one process per trial, on the first million characters of the
 standard library's source, under a constant learning rate drawn log-uniformly) with the same
 number of trials and steps and the same first draws. The random search only draws; population-
 based training (PBT) also, at every report, copies the state of a trial in the top quarter by
-validation loss into each trial in the bottom quarter, handed over through Ray's object store,
-and goes on with its learning rate perturbed (times 0.8 or 1.2, or drawn again). Prints each
+validation loss into each trial in the bottom quarter, handed over through Ray's object store
+into the receiving trial's own process (``raysinga.tune.InPlacePBT``), which goes on with its
+learning rate perturbed (times 0.8 or 1.2, or drawn again). Prints each
 search's best trial at the end (validation loss in bits per character) and draws every trial's
 validation loss over the steps for both searches (needs matplotlib, the ``plot`` extra)::
 
@@ -38,7 +39,6 @@ from pathlib import Path
 
 import ray
 from ray import tune
-from ray.tune.schedulers import PopulationBasedTraining
 from ray.tune.search import BasicVariantGenerator
 
 from raysinga import tune as rtune
@@ -54,7 +54,7 @@ def search(name: str, pbt: bool, args: argparse.Namespace, storage: str) -> tune
     """``args.trials`` trials of ``args.steps`` steps each, with PBT or without a scheduler."""
     scheduler = None
     if pbt:
-        scheduler = PopulationBasedTraining(
+        scheduler = rtune.InPlacePBT(
             time_attr="training_iteration",
             perturbation_interval=1,
             hyperparam_mutations={"updater.lr": tune.loguniform(*LR)},
@@ -62,7 +62,7 @@ def search(name: str, pbt: bool, args: argparse.Namespace, storage: str) -> tune
             resample_probability=0.25,
         )
         random.seed(args.seed)  # PBT's own draws (which trial, which perturbation)
-    trainable = rtune.trainable(
+    trainable = rtune.in_place(
         JOB,
         # one process per trial, on the CPU Tune gives it (the job file's topology asks for more)
         ["topology=null", f"train_steps={args.steps}", *DATA]
@@ -78,6 +78,7 @@ def search(name: str, pbt: bool, args: argparse.Namespace, storage: str) -> tune
             num_samples=args.trials,
             scheduler=scheduler,
             search_alg=BasicVariantGenerator(random_state=args.seed),  # the same first draws
+            reuse_actors=True,
         ),
         run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0),
     )

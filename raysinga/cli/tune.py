@@ -13,110 +13,17 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
-import re
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from raysinga import config
+from raysinga.checkpoint.format import MANIFEST
 from raysinga.config import ConfigError
-from raysinga.tune.lineage import POINTER, job_for, load_job, read_pointer
+from raysinga.tune.lineage import POINTER, load_job, read_pointer
 
-SAMPLERS = ("loguniform", "uniform", "choice", "randint", "grid")
-# keys each trial sets itself (its name, run directory and checkpoints)
-TRIAL_KEYS = ("name", "run_dir", "checkpoint", "checkpoint_frequency")
-EXPRESSION = re.compile(r"\s*([A-Za-z_][\w.]*)\s*=\s*([a-z]+)\s*\((.*)\)\s*", re.DOTALL)
-
-
-@dataclass(frozen=True)
-class Search:
-    """One searched job key: ``sampler`` over ``args`` (as in ``--search``)."""
-
-    key: str
-    sampler: str
-    args: tuple[Any, ...]
-    text: str
-
-    @property
-    def values(self) -> tuple[Any, ...]:
-        """The values the job is checked with: both ends of a range, every listed value."""
-        if self.sampler == "randint":
-            return (self.args[0], self.args[1] - 1)  # Tune's upper bound is exclusive
-        return self.args
-
-    def domain(self, mutation: bool = False) -> Any:
-        """The Ray Tune sampler (``mutation``: as PBT's ``hyperparam_mutations`` takes it, a
-        grid there being a choice of its values)."""
-        from ray import tune  # noqa: PLC0415
-
-        if self.sampler == "grid":
-            return tune.choice(list(self.args)) if mutation else tune.grid_search(list(self.args))
-        if self.sampler == "choice":
-            return tune.choice(list(self.args))
-        return getattr(tune, self.sampler)(*self.args)
-
-
-def parse_search(text: str) -> Search:
-    """``KEY=SAMPLER(ARGS)`` as a :class:`Search`; a :class:`ConfigError` naming the
-    expression where it is not one."""
-    m = EXPRESSION.fullmatch(text)
-    if not m:
-        raise ConfigError(
-            f"--search {text!r}: expected KEY=SAMPLER(ARGS), SAMPLER one of {', '.join(SAMPLERS)}"
-            " (e.g. updater.lr=loguniform(1e-4,1e-1))"
-        )
-    key, sampler, inner = m.groups()
-    if sampler not in SAMPLERS:
-        raise ConfigError(
-            f"--search {text!r}: unknown sampler {sampler!r}; one of {', '.join(SAMPLERS)}"
-        )
-    try:
-        args = config.parse_yaml(f"[{inner}]")
-    except Exception as e:  # noqa: BLE001 - any YAML error: the expression is what is wrong
-        first = str(e).strip().splitlines()[0]
-        raise ConfigError(
-            f"--search {text!r}: its arguments are not YAML values ({first})"
-        ) from None
-    if key.split(".")[0] in TRIAL_KEYS:
-        raise ConfigError(f"--search {text!r}: {key} is set by each trial, not searched")
-    _check_args(text, sampler, args)
-    return Search(key, sampler, tuple(args), text)
-
-
-def _check_args(text: str, sampler: str, args: list[Any]) -> None:
-    def number(v: Any) -> bool:
-        return isinstance(v, int | float) and not isinstance(v, bool)
-
-    if sampler in ("choice", "grid"):
-        if not args:
-            raise ConfigError(f"--search {text!r}: {sampler} takes one value or more")
-        return
-    if len(args) != 2 or not all(map(number, args)) or not args[0] < args[1]:
-        raise ConfigError(f"--search {text!r}: {sampler} takes two numbers, low < high")
-    if sampler == "loguniform" and args[0] <= 0:
-        raise ConfigError(f"--search {text!r}: loguniform takes 0 < low < high")
-    if sampler == "randint" and not all(isinstance(v, int) for v in args):
-        raise ConfigError(f"--search {text!r}: randint takes two integers, low < high (exclusive)")
-
-
-def check_searches(texts: list[str], job: config.JobConfig) -> list[Search]:
-    """The ``--search`` expressions, each checked against ``job`` with every value it names."""
-    if not texts:
-        raise ConfigError("give at least one --search KEY=SAMPLER(ARGS)")
-    searches = [parse_search(t) for t in texts]
-    seen: set[str] = set()
-    for s in searches:
-        if s.key in seen:
-            raise ConfigError(f"--search {s.text!r}: {s.key} is searched twice")
-        seen.add(s.key)
-        for v in s.values:
-            try:
-                job_for(job.raw, {s.key: v})
-            except ConfigError as e:
-                raise ConfigError(f"--search {s.text!r}: with {s.key}={v!r}: {e}") from None
-    return searches
+from .tune_search import Search, check_searches
 
 
 def choose_metric(job: config.JobConfig, metric: str | None, mode: str | None) -> tuple[str, str]:
@@ -155,9 +62,10 @@ def make_scheduler(args: argparse.Namespace, searches: list[Search], reports: in
 
         return ASHAScheduler(time_attr="training_iteration", max_t=reports, grace_period=1)
     if args.scheduler == "pbt":
-        from ray.tune.schedulers import PopulationBasedTraining  # noqa: PLC0415
+        from raysinga.tune import InPlacePBT  # noqa: PLC0415
 
-        return PopulationBasedTraining(
+        # Tune's PBT, exploiting in-place trials (raysinga.tune.in_place) in their process
+        return InPlacePBT(
             time_attr="training_iteration",
             perturbation_interval=interval,
             synch=args.synch,
@@ -223,8 +131,15 @@ def search(args: argparse.Namespace, job: config.JobConfig) -> int:
             f"not at every report (every {every} steps); make --report-every a multiple of it, "
             "or --set test_freq=0 (each trial then evaluates at every report)"
         )
-    kw = {"keep": args.keep, "checkpoint_dir": args.checkpoint_dir, "handover": args.handover}
-    trainable = rtune.trainable(args.config, args.set, report_every=every, **kw)
+    kw = {"keep": args.keep, "checkpoint_dir": args.checkpoint_dir}
+    # a trial in one process keeps it across exploits; a distributed trial (a topology) and
+    # Tune's storage hand-over run as a function trainable, one run per trial start
+    in_place = job.topology is None and args.handover == "object_store"
+    if in_place:
+        trainable = rtune.in_place(args.config, args.set, report_every=every, **kw)
+    else:
+        kw["handover"] = args.handover
+        trainable = rtune.trainable(args.config, args.set, report_every=every, **kw)
     scheduler = make_scheduler(args, searches, -(-job.train_steps // every))
     name = args.name or f"{job.name}-tune-{time.strftime('%Y%m%d-%H%M%S')}"
     storage = str(Path(args.storage).resolve()) if "://" not in args.storage else args.storage
@@ -245,7 +160,13 @@ def search(args: argparse.Namespace, job: config.JobConfig) -> int:
             trainable,
             param_space={s.key: s.domain() for s in searches},
             tune_config=tune.TuneConfig(
-                scheduler=scheduler, metric=metric, mode=mode, num_samples=args.trials
+                scheduler=scheduler,
+                metric=metric,
+                mode=mode,
+                num_samples=args.trials,
+                # an in-place trial that Tune pauses and starts again (synchronous PBT, PB2, too
+                # few CPUs) goes on in a process already running
+                reuse_actors=in_place,
             ),
             run_config=tune.RunConfig(
                 name=name,
@@ -382,7 +303,11 @@ def replay_trial(args: argparse.Namespace, job: config.JobConfig) -> int:
     with tempfile.TemporaryDirectory(prefix="raysinga-replay-") as d:
         result = rtune.replay(lineage, job.raw, d, until=until)
     want, why = None, "--until is not the checkpoint's step"
-    if until == step:
+    here = where if where.is_dir() else where.parent
+    if until == step and (here / MANIFEST).is_file():
+        # an in-place trial's final result: the checkpoint's files are in Tune's storage
+        want = Checkpoint.open(here, verify="full")
+    elif until == step:
         import ray  # noqa: PLC0415
 
         if ray.is_initialized() or joins_cluster(args.address):

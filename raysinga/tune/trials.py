@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,11 +43,16 @@ from raysinga.obs.events import CheckpointCommitted, Evaluated, Event, TrainStep
 from raysinga.run.state import run_info
 
 try:
-    from ray.tune import Callback
+    import ray.tune  # noqa: F401 - the error below where Ray lacks its tune extra
 except ImportError as e:  # Ray without its tune extra
     raise ImportError(
         f"raysinga.tune needs Ray Tune: pip install 'raysinga[tune]' ({type(e).__name__}: {e})"
     ) from None
+from .events import TrialReported
+from .handover import KEEPER_PREFIX  # noqa: F401 - where tests and tools look for it
+from .handover import held_steps as _held_steps
+from .handover import keeper as _keeper
+from .handover import keepers as _keepers
 from .lineage import (
     FORMAT,
     POINTER,
@@ -58,18 +64,17 @@ from .lineage import (
     read_pointer,
     replay,
 )
+from .release import SHM_ROOT, drop_earlier
 
 __all__ = [
     "POINTER",
     "fetch",
     "flat_overrides",
     "read_pointer",
-    "release",
     "replay",
     "trainable",
 ]
 
-SHM_ROOT = "/dev/shm/raysinga-tune"
 HANDOVERS = ("object_store", "tune_storage")
 
 
@@ -84,6 +89,7 @@ class TrialSpec:
     checkpoint_dir: str | None = None
     log: bool = False
     handover: str = "object_store"
+    on_event: Callable[[str, Event], None] | None = None  # (trial id, event), in the trial
 
 
 def trainable(
@@ -95,6 +101,7 @@ def trainable(
     checkpoint_dir: str | None = None,
     log: bool = False,
     handover: str = "object_store",
+    on_event: Callable[[str, Event], None] | None = None,
 ) -> Callable[[dict[str, Any]], None]:
     """A Ray Tune function trainable running ``job`` (a job file or dict, with ``overrides``
     as ``--set`` takes them) once per trial, with the trial's ``param_space`` values applied as
@@ -107,9 +114,31 @@ def trainable(
     ``log``: print the runs' console lines. ``handover``: how a checkpoint goes from trial to
     trial, ``"object_store"`` (a pointer to it is the Tune checkpoint) or ``"tune_storage"``
     (the checkpoint directory is the Tune checkpoint, which Tune copies to its storage; Tune's
-    ``CheckpointConfig`` then decides how many are kept). The job is checked here, before any
-    trial starts.
+    ``CheckpointConfig`` then decides how many are kept). ``on_event`` (picklable; it runs in
+    the trial's process): ``on_event(trial_id, event)`` for every event of the trial's runs and
+    a :class:`~raysinga.tune.events.TrialReported` as each report goes to Tune. The job is
+    checked here, before any trial starts.
     """
+    spec = trial_spec(job, overrides, report_every, keep, checkpoint_dir, log, handover, on_event)
+
+    def raysinga_trial(params: dict[str, Any]) -> None:
+        run_trial(spec, params)
+
+    return raysinga_trial
+
+
+def trial_spec(
+    job: Any,
+    overrides: Sequence[str],
+    report_every: Any,
+    keep: Any,
+    checkpoint_dir: str | None,
+    log: bool,
+    handover: str,
+    on_event: Callable[[str, Event], None] | None,
+) -> TrialSpec:
+    """The job checked and the arguments of :func:`trainable` as a :class:`TrialSpec`, each
+    mistake an error naming it."""
     cfg = load_job(job, overrides)
     every = report_every or cfg.checkpoint_frequency or cfg.test_freq or -(-cfg.train_steps // 10)
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -118,12 +147,7 @@ def trainable(
         raise ValueError(f"keep must be a positive number of checkpoints, got {keep!r}")
     if handover not in HANDOVERS:
         raise ValueError(f"handover must be one of {HANDOVERS}, got {handover!r}")
-    spec = TrialSpec(cfg.raw, every, keep, checkpoint_dir, log, handover)
-
-    def raysinga_trial(params: dict[str, Any]) -> None:
-        run_trial(spec, params)
-
-    return raysinga_trial
+    return TrialSpec(cfg.raw, every, keep, checkpoint_dir, log, handover, on_event)
 
 
 # ------------------------------------------------------------------------ pointers
@@ -152,6 +176,8 @@ def fetch_newest(
     try:
         reg = objstore.registry()
         entry = ray.get(reg.lookup.remote(key, step))
+        if entry is None and pointer.get("pending"):  # handed out while on its way in
+            entry = _registered(reg, key, step)
         if entry is None and newest and not uri:
             entry = ray.get(reg.lookup.remote(key, None))
             if entry is not None and entry["step"] > step and entry.get("meta"):
@@ -175,6 +201,22 @@ def fetch_newest(
     )
 
 
+def _registered(reg: Any, key: str, step: int, wait: float = 120.0) -> dict[str, Any] | None:
+    """The registry's entry of a checkpoint that an in-place trial handed out before its
+    node's keeper had it in the object store (:mod:`.handover`), once it is there."""
+    import ray  # noqa: PLC0415
+
+    deadline = time.monotonic() + wait
+    while (entry := ray.get(reg.lookup.remote(key, step))) is None:
+        newest = ray.get(reg.lookup.remote(key, None))
+        if newest is not None and newest["step"] > step:
+            return None  # registered in order: it was there, and has been released since
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"{key} step {step}: not in the object store after {wait:.0f} s")
+        time.sleep(0.01)
+    return entry
+
+
 # ------------------------------------------------------------------------ one trial
 
 
@@ -192,6 +234,7 @@ class _Reporter:
     total: int = 0  # the job's train_steps
     metrics: dict[str, Any] = field(default_factory=dict)
     held: list[int] = field(default_factory=list)
+    emit: Callable[[Event], None] = lambda ev: None  # noqa: E731 - an on_event of the trial
 
     def __call__(self, ev: Event) -> None:
         if isinstance(ev, TrainStep):
@@ -204,6 +247,7 @@ class _Reporter:
     def report(self, step: int, path: str) -> None:
         from ray import tune  # noqa: PLC0415
 
+        t0 = time.perf_counter()
         pointer = self.hand_over(step, path)
         parent = self.lineage[-1]["from"]
         metrics = {
@@ -219,6 +263,8 @@ class _Reporter:
         # beside the checkpoint: on the same file system, so that its files can be linked
         with tempfile.TemporaryDirectory(prefix=".tune-report-", dir=Path(path).parent) as d:
             tune_checkpoint(d, pointer, path, self.handover)
+            fork, held = metrics["forked_from"], time.perf_counter() - t0  # Tune's copy follows
+            self.emit(TrialReported(self.trial, step, os.getpid(), held, len(self.lineage), fork))
             tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
 
     def hand_over(self, step: int, path: str) -> dict[str, Any]:
@@ -306,7 +352,7 @@ def _run(
         where = f"{spec.checkpoint_dir.rstrip('/')}/{experiment}/{incarnation}"
         keep_last = spec.keep
     else:
-        _drop_earlier(Path(SHM_ROOT, experiment), trial)
+        drop_earlier(Path(SHM_ROOT, experiment), trial)
         where, keep_last = str(Path(SHM_ROOT, experiment, incarnation)), 1
     base = config.from_dict(spec.job)
     cfg = job_for(
@@ -335,14 +381,19 @@ def _run(
     )
     if source is not None:  # until its own first report: the metrics of the state it took
         reporter.metrics = last_metrics(run_info(source)["history"])
+    subscribers: list[Callable[[Event], None]] = [reporter]
+    if spec.on_event is not None:
+        observer = spec.on_event
+        reporter.emit = lambda ev: observer(trial, ev)
+        subscribers.insert(0, reporter.emit)
     if spec.handover == "object_store":  # what earlier starts of this trial left count too
         reporter.held = _held_steps(key)
     try:
         if cfg.topology is None:
-            Trainer(cfg, log=say, on_event=reporter, fork_from=source).fit()
+            Trainer(cfg, log=say, on_event=subscribers, fork_from=source).fit()
         else:  # the servers read the checkpoint themselves, from the object store or a path
             run = DistributedTrainer(
-                cfg, log=say, on_event=reporter, fork_from=source_at, gather=False
+                cfg, log=say, on_event=subscribers, fork_from=source_at, gather=False
             )
             # an earlier start of this trial, stopped by Tune, left its placement group
             run.placement_name = f"raysinga-tune:{experiment}/{trial}"
@@ -350,98 +401,3 @@ def _run(
     finally:
         if not spec.checkpoint_dir:
             shutil.rmtree(where, ignore_errors=True)
-
-
-KEEPER_PREFIX = "raysinga-keeper-"
-
-
-def _keeper(node: str | None = None) -> Any:
-    """The checkpoint keeper of this node (or ``node``): a detached actor pinned to it that puts
-    the node's trial checkpoints into the object store and owns them (a registry of its own)."""
-    import ray  # noqa: PLC0415
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
-
-    node = node or ray.get_runtime_context().get_node_id()
-    return (
-        ray.remote(objstore.CheckpointRegistry)
-        .options(
-            name=f"{KEEPER_PREFIX}{node}",
-            namespace=objstore.REGISTRY_NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        )
-        .remote()
-    )
-
-
-def _held_steps(key: str) -> list[int]:
-    """The steps of run ``key`` in the registry, oldest first."""
-    import ray  # noqa: PLC0415
-
-    return sorted(e["step"] for e in ray.get(objstore.registry().list.remote(key)))
-
-
-def _keepers() -> list[Any]:
-    import ray  # noqa: PLC0415
-
-    names = ray.util.list_named_actors(all_namespaces=True)
-    return [
-        ray.get_actor(a["name"], namespace=a["namespace"])
-        for a in names
-        if a["namespace"] == objstore.REGISTRY_NAMESPACE and a["name"].startswith(KEEPER_PREFIX)
-    ]
-
-
-def _drop_earlier(root: Path, trial: str) -> None:
-    """Remove this trial's earlier working copies on this node (a trial that Tune stopped and
-    started again cannot clean up after itself)."""
-    for d in root.glob(f"{trial}-*") if root.is_dir() else ():
-        shutil.rmtree(d, ignore_errors=True)
-
-
-class ReleaseStopped(Callback):
-    """A Ray Tune callback (``RunConfig(callbacks=[ReleaseStopped()])``) that drops a trial's
-    object-store checkpoints as soon as Tune drops the trial: stopped early by its scheduler
-    (ASHA, a stopper) or failed. A trial that ran to its last step keeps its final checkpoints
-    (its result) until :func:`release`; ``at_end`` releases the whole search when it ends."""
-
-    def __init__(self, at_end: bool = False) -> None:
-        self.at_end = at_end
-        self.released: list[str] = []
-
-    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        if not (trial.last_result or {}).get("finished", False):
-            self._drop(trial)
-
-    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self._drop(trial)
-
-    def on_experiment_end(self, trials: list, **info: Any) -> None:
-        for t in trials if self.at_end else ():
-            self._drop(t)
-
-    def _drop(self, trial: Any) -> None:
-        release(trial.storage.experiment_dir_name, trial.trial_id)
-        self.released.append(trial.trial_id)
-
-
-def release(experiment: str, trial: str | None = None) -> int:
-    """Drop the object-store checkpoints of a search (or of one of its trials) from the
-    registry, and the working copies on this node; returns how many objects were dropped."""
-    import ray  # noqa: PLC0415
-
-    prefix = f"tune/{experiment}/" + (trial or "")
-    gone = 0
-    for i, reg in enumerate([objstore.registry(), *_keepers()]):
-        for e in ray.get(reg.list.remote()):
-            if e["run"].startswith(prefix) and (trial is None or e["run"] == prefix):
-                dropped = bool(ray.get(reg.delete.remote(e["run"], e["step"])))
-                gone += dropped and i == 0
-    shm = Path(SHM_ROOT, experiment)
-    if trial is None:
-        shutil.rmtree(shm, ignore_errors=True)
-    else:
-        _drop_earlier(shm, trial)
-    return gone

@@ -12,6 +12,7 @@ import pytest
 
 from raysinga.checkpoint import Checkpoint, CheckpointError
 from raysinga.tune import trials as rtune
+from raysinga.tune.release import SHM_ROOT, ReleaseStopped, release
 
 tune = pytest.importorskip("ray.tune")
 
@@ -93,7 +94,7 @@ def test_pbt_hands_checkpoints_over_in_memory_and_a_lineage_replays_bit_exact(
     assert all(p["uri"] is None for p in finals)  # no disk copy: the exploits read objects
     # no checkpoint directory anywhere on disk, none left in shared memory
     assert not list((tmp_path / "tune").rglob("step-*"))
-    assert not list(Path(rtune.SHM_ROOT, "pbt").glob("*"))
+    assert not list(Path(SHM_ROOT, "pbt").glob("*"))
     # the trial with the longest lineage, replayed here, ends on its final state bit for bit
     pointer = max(finals, key=lambda p: len(p["lineage"]))
     want = rtune.fetch(pointer)
@@ -107,7 +108,7 @@ def test_pbt_hands_checkpoints_over_in_memory_and_a_lineage_replays_bit_exact(
     held = [e["run"] for e in ray.get(objstore.registry().list.remote()) if "/pbt/" in e["run"]]
     # keep=2 per trial, counting what each earlier start of a restored trial left
     assert all(held.count(k) <= 2 for k in held), sorted(held)
-    assert rtune.release("pbt") >= 4  # the final checkpoints, one per trial
+    assert release("pbt") >= 4  # the final checkpoints, one per trial
 
 
 def _one_trial(trainable, tmp_path, name: str, stop: int):
@@ -147,7 +148,7 @@ def test_tune_storage_handover_forks_from_the_directory_tune_persisted(ray_sessi
     tune_ck = _one_trial(trainable, tmp_path, "pbt-disk", 30)
     ck = Checkpoint.open(tune_ck.path)  # a whole raysinga checkpoint, pointer beside it
     assert ck.step == 30 and rtune.read_pointer(tune_ck.path)["step"] == 30
-    assert rtune.release("pbt-disk") == 0  # nothing went into the object store
+    assert release("pbt-disk") == 0  # nothing went into the object store
     with contextlib.ExitStack() as stack:  # what a trial Tune starts from it does
         source, pointer, where = rtune.start_from(tune_ck, stack, print)
         assert source.step == 30 and Path(where).is_dir()
@@ -178,7 +179,7 @@ def test_a_distributed_trial_hands_its_checkpoint_to_servers_through_the_object_
     want = _straight(job, tmp_path, DistributedTrainer)
     for name in want.params:
         assert got.params[name].tobytes() == want.params[name].tobytes(), name
-    rtune.release("pbt-dist")
+    release("pbt-dist")
 
 
 @pytest.mark.slow
@@ -187,7 +188,7 @@ def test_asha_stops_trials_and_their_checkpoints_leave_the_object_store(ray_sess
 
     from raysinga.checkpoint import objstore  # noqa: PLC0415
 
-    release = rtune.ReleaseStopped()
+    releaser = ReleaseStopped()
     asha = ASHAScheduler(
         time_attr="training_iteration", max_t=6, grace_period=1, reduction_factor=2
     )
@@ -199,7 +200,7 @@ def test_asha_stops_trials_and_their_checkpoints_leave_the_object_store(ray_sess
             scheduler=asha, metric="test_loss", mode="min", max_concurrent_trials=1
         ),
         run_config=tune.RunConfig(
-            name="asha", storage_path=str(tmp_path), verbose=0, callbacks=[release]
+            name="asha", storage_path=str(tmp_path), verbose=0, callbacks=[releaser]
         ),
     )
     results = tuner.fit()
@@ -213,7 +214,7 @@ def test_asha_stops_trials_and_their_checkpoints_leave_the_object_store(ray_sess
     # the stopped trials hold nothing; each finished one its final checkpoint only (keep=1)
     assert sorted(e["run"].rsplit("/", 1)[1] for e in held) == sorted(set(steps) - stopped)
     assert all(e["step"] == 60 for e in held)
-    rtune.release("asha")
+    release("asha")
 
 
 @pytest.mark.cluster
