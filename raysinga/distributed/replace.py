@@ -14,11 +14,11 @@ data (about a second on two loaded cores), so each group keeps a spare worker, a
 a spare of each server on its node, idle until one takes over; a new spare is then spawned in
 the background.
 
-A spare worker or server, once up, runs one step of its kind on scratch data and drops the
-result (:meth:`Worker.warm`, :meth:`ParamServer.warm`), so that it takes over ready. That
-matters most for a GPU role, which costs more to start: a CUDA context, its kernels compiled or
-loaded, its memory pool grown. Its spare sees the same GPU as the roles it may replace (holding
-no GPU of Ray's, it takes the share the lost role leaves).
+A GPU role costs more to start: a CUDA context, its kernels compiled or loaded, its memory pool
+grown. Its spare sees the same GPU as the roles it may replace (holding no GPU of Ray's, it
+takes the share the lost role leaves) and, once up, runs one step of its kind on scratch data
+and drops the result (:meth:`Worker.warm`, :meth:`ParamServer.warm`), so that it takes over
+ready.
 """
 
 from __future__ import annotations
@@ -81,13 +81,14 @@ class Replacer:
         self.spare_stub[g] = self._spare("stub", roles.stub_infos[g]["node"], *roles.stub_args(g))
 
     def _spare(self, role: str, node: str, *args: Any, gpus: str | None = None) -> Spare:
-        """A spare ``role`` on ``node`` (of a GPU role: seeing ``gpus``); a worker or server
-        warms up once started (its calls run in order: a take-over waits for the warm-up)."""
+        """A spare ``role`` on ``node``; one of a GPU worker or server (seeing ``gpus``) warms
+        up once started (its calls run in order: a take-over waits for the warm-up). A CPU
+        spare has nothing to compile and starts its first step at once."""
         actor = self.roles.spawn_spare(role, node, *args, gpus=gpus)
         described, warmed = actor.describe.remote(), None
-        if role == "server":
+        if gpus is not None and role == "server":
             warmed = actor.warm.remote(self.roles.plan.updater)
-        elif role == "worker":
+        elif gpus is not None and role == "worker":
             warmed = actor.warm.remote()
         return Spare(actor, described, node, warmed)
 
