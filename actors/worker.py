@@ -165,12 +165,11 @@ class Worker(Abortable):
 
     @reports_role
     def warm(self) -> float:
-        """A spare's: run one training step of the model's initial parameters on the run's
-        first batch (the group's whole batch), so that what a step needs is ready before it
-        takes over: on a GPU its kernels compiled and loaded and its memory pool grown, on the
-        CPU its data read and its arrays' pages mapped. Nothing of it stays: the state is put
-        back and the gradients are dropped, not written to the shared buffer. Returns the
-        seconds taken."""
+        """A GPU worker's spare: run one training step of the model's initial parameters on
+        the run's first batch (the group's whole batch), so that its kernels are compiled and
+        loaded and its memory pool grown before it takes over. Nothing of it stays: the state
+        is put back and the gradients are dropped, not written to the shared buffer. Returns
+        the seconds taken."""
         t0 = time.perf_counter()
         kept = {k: v.copy() for k, v in self.state.items()}
         params = self.net.init_params(self.seed)
