@@ -363,3 +363,24 @@ train_steps: 12
 disp_freq: 6
 test_freq: 0
 """
+
+
+def tune_job(name: str) -> dict:
+    """The small digits job the Tune tests search over (a dict, as trials on any node take
+    it), named ``name`` (Tune's experiment and the trials' run names follow it)."""
+    return {
+        "name": name,
+        "seed": 3,
+        "model": {
+            "input_shape": [64],
+            "layers": [
+                {"kind": "dense", "name": "fc1", "units": 32, "activation": "relu"},
+                {"kind": "dropout", "name": "drop", "rate": 0.1},
+                {"kind": "dense", "name": "out", "units": 10},
+            ],
+        },
+        "data": {"source": {"kind": "digits"}, "batch_size": 32},
+        "updater": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+        "train_steps": 60,
+        "disp_freq": 10,
+    }

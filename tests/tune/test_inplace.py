@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import tune_job
 
 import raysinga.tune as rtune
 from raysinga import config
@@ -21,22 +22,7 @@ from raysinga.tune.release import SHM_ROOT
 
 tune = pytest.importorskip("ray.tune")
 
-JOB = {
-    "name": "inplace",
-    "seed": 3,
-    "model": {
-        "input_shape": [64],
-        "layers": [
-            {"kind": "dense", "name": "fc1", "units": 32, "activation": "relu"},
-            {"kind": "dropout", "name": "drop", "rate": 0.1},
-            {"kind": "dense", "name": "out", "units": 10},
-        ],
-    },
-    "data": {"source": {"kind": "digits"}, "batch_size": 32},
-    "updater": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
-    "train_steps": 60,
-    "disp_freq": 10,
-}
+JOB = tune_job("inplace")
 
 
 def test_a_job_with_a_topology_or_bad_arguments_is_refused_before_any_trial():

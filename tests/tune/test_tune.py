@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import tune_job
 
 from raysinga.checkpoint import Checkpoint, CheckpointError
 from raysinga.tune import trials as rtune
@@ -16,22 +17,7 @@ from raysinga.tune.release import SHM_ROOT, ReleaseStopped, release
 
 tune = pytest.importorskip("ray.tune")
 
-JOB = {
-    "name": "pbt",
-    "seed": 3,
-    "model": {
-        "input_shape": [64],
-        "layers": [
-            {"kind": "dense", "name": "fc1", "units": 32, "activation": "relu"},
-            {"kind": "dropout", "name": "drop", "rate": 0.1},
-            {"kind": "dense", "name": "out", "units": 10},
-        ],
-    },
-    "data": {"source": {"kind": "digits"}, "batch_size": 32},
-    "updater": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
-    "train_steps": 60,
-    "disp_freq": 10,
-}
+JOB = tune_job("pbt")
 
 
 def test_lineage_continues_or_branches():
