@@ -127,8 +127,55 @@ def _port_free(port: int, host: str = "127.0.0.1") -> bool:
 @pytest.fixture
 def ray_session():
     """The embedded Ray shared by the session (``ray.init`` costs seconds), started on first
-    use. Eight logical CPUs, so topologies of up to four workers fit a two-core machine."""
-    return start_ray()
+    use. Eight logical CPUs, so topologies of up to four workers fit a two-core machine.
+
+    After the test, every CPU must come back to the session (Ray frees a killed role's CPUs a
+    moment after it is killed) before the next test asks for them: a test whose actors or
+    placement groups keep holding CPUs fails, naming what holds them."""
+    ray = start_ray()
+    yield ray
+    if ray.is_initialized():
+        held = cpus_held(ray, wait_s=CPU_RELEASE_S)
+        if held:
+            pytest.fail(f"the test left Ray CPUs held: {held}", pytrace=False)
+
+
+CPU_RELEASE_S = 60.0  # how long a finished test's CPUs may take to come back
+
+
+def cpus_held(ray, wait_s: float) -> str:
+    """What still holds CPUs of the session's Ray after ``wait_s`` seconds ("" once none is):
+    the CPUs in use, the placement groups not removed and the actors not dead (detached ones,
+    which hold no CPU here, left out)."""
+    import time  # noqa: PLC0415
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        total = ray.cluster_resources().get("CPU", 0.0)
+        free = ray.available_resources().get("CPU", 0.0)
+        if free >= total or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if free >= total:
+        return ""
+    from ray.util import placement_group_table  # noqa: PLC0415
+
+    groups = [
+        f"{g.get('name') or g.get('placement_group_id')} ({g.get('state')})"
+        for g in placement_group_table().values()
+        if g.get("state") != "REMOVED"
+    ]
+    actors = []
+    with contextlib.suppress(Exception):  # Ray's actor table (no public getter without a dashboard)
+        from ray._private import state  # noqa: PLC0415
+
+        for a in state.actors().values():
+            if a.get("State") != "DEAD" and not a.get("IsDetached"):
+                actors.append(f"{a.get('ActorClassName')} (pid {a.get('Pid')}, {a.get('State')})")
+    return (
+        f"{total - free:g} of {total:g} CPUs in use {wait_s:g} s after it ended; placement "
+        f"groups {groups or 'none'}; live actors {actors or 'none'}"
+    )
 
 
 @pytest.fixture

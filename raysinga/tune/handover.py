@@ -74,11 +74,13 @@ class Handover:
         self.pending: dict[int, tuple[dict[str, Any], Any]] = {}  # step -> pointer, calls
         self.copies: dict[int, Future] = {}  # step -> its disk copy under way
         self.pointers: dict[int, dict[str, Any]] = {}
+        self.shm: dict[int, dict[str, str]] = {}  # step -> where its committed files are
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="ckpt-copy") if disk else None
 
     def start(self, step: int, path: str, lineage: list[dict[str, Any]]) -> dict[str, Any]:
         """Send the checkpoint committed at ``path`` on its way; returns its pointer. The
         checkpoints before the previous one must be read by then (the run prunes them)."""
+        import ray  # noqa: PLC0415
 
         for s in sorted(self.pending)[:-1]:
             self._settle(s)
@@ -102,13 +104,17 @@ class Handover:
             src, dst = ck_storage.resolve(path), ck_storage.resolve(pointer["uri"])
             self.copies[step] = self.copier.submit(copy_dir, src, dst)
         self.pending[step] = (pointer, (refs, done))
+        self.shm[step] = {"node": ray.get_runtime_context().get_node_id(), "path": str(path)}
         return pointer
 
     def pointer(self, step: int) -> dict[str, Any]:
         """The pointer of ``step``, at once: where the checkpoint is still on its way into the
-        object store it says ``pending``, and a reader waits for it (:func:`.trials.fetch`)."""
+        object store it says ``pending``, with where its committed files are (``shm``: this
+        node and the directory in its shared memory). A reader on this node maps those files at
+        once; one elsewhere waits for the keeper (:func:`.trials.fetch`)."""
         if step in self.pending:
-            return {**self.pending[step][0], "pending": True}
+            pointer, _ = self.pending[step]
+            return {**pointer, "pending": True, "shm": self.shm[step]}
         return self.finish(step)
 
     def finish(self, step: int, disk: bool = False) -> dict[str, Any]:
@@ -126,6 +132,7 @@ class Handover:
         import ray  # noqa: PLC0415
 
         pointer, (refs, done) = self.pending.pop(step)
+        self.shm.pop(step, None)
         got = ray.get(refs)
         ray.get(done)
         if not got:

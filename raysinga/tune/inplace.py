@@ -295,7 +295,7 @@ class InPlaceTrial(tune.Trainable):
         if Path(checkpoint_dir, MANIFEST).is_file():  # a final copy (mapped: Tune may delete it)
             source, used = Checkpoint.open(checkpoint_dir, verify="full"), pointer
         else:
-            source, used, _ = fetch_newest(pointer, self._say)
+            source, used, _ = fetch_newest(pointer, self._say, here=True)
         self._source, self._restart, self._how = (source, used), True, "restore"
 
     def exploit(self, new_config: dict[str, Any], checkpoint: Any, metrics: dict) -> None:

@@ -64,7 +64,7 @@ from .lineage import (
     read_pointer,
     replay,
 )
-from .release import SHM_ROOT, drop_earlier
+from .release import SHM_ROOT, drop_earlier, placement_name
 
 __all__ = [
     "POINTER",
@@ -160,13 +160,18 @@ def fetch(pointer: Mapping[str, Any], log: Callable[[str], None] = print) -> Che
 
 
 def fetch_newest(
-    pointer: Mapping[str, Any], log: Callable[[str], None] = print, newest: bool = True
+    pointer: Mapping[str, Any],
+    log: Callable[[str], None] = print,
+    newest: bool = True,
+    here: bool = False,
 ) -> tuple[Checkpoint, dict[str, Any], Any]:
     """As :func:`fetch`, with the pointer that was read and where the checkpoint is (its
     object-store ref, or its disk copy's URI), for roles in other processes to read.
     ``newest``: where the trial has released the step named (it kept training, and only its
     newest ``keep`` stay), its newest checkpoint instead, with that one's lineage: PBT copies
-    the better trial as it is now."""
+    the better trial as it is now. ``here``: only this process reads the checkpoint (an
+    in-place trial), so a checkpoint still on its way into the object store is mapped from this
+    node's shared memory where its trial wrote it here, instead of waited for."""
     import ray  # noqa: PLC0415
     from ray.exceptions import RayError  # noqa: PLC0415
 
@@ -177,6 +182,10 @@ def fetch_newest(
         reg = objstore.registry()
         entry = ray.get(reg.lookup.remote(key, step))
         if entry is None and pointer.get("pending"):  # handed out while on its way in
+            mapped = _mapped(pointer) if here else None
+            if mapped is not None:
+                used = {k: v for k, v in pointer.items() if k not in ("pending", "shm")}
+                return mapped, used, mapped.location.path
             entry = _registered(reg, key, step)
         if entry is None and newest and not uri:
             entry = ray.get(reg.lookup.remote(key, None))
@@ -199,6 +208,22 @@ def fetch_newest(
         f"{key} step {step}: the object-store copy is lost ({why}) and there is no disk copy "
         "(set checkpoint_dir= of raysinga.tune.trainable to keep one)"
     )
+
+
+def _mapped(pointer: Mapping[str, Any]) -> Checkpoint | None:
+    """The committed files of a checkpoint still on its way into the object store, mapped from
+    this node's shared memory where its trial ran here (no copy, no wait for the keeper), with
+    the checks a resume makes; None where they are elsewhere or gone (the trial went on and
+    pruned them: a mapped file outlives that, a file not yet mapped does not)."""
+    import ray  # noqa: PLC0415
+
+    shm = pointer.get("shm")
+    if not isinstance(shm, dict) or shm.get("node") != ray.get_runtime_context().get_node_id():
+        return None
+    try:
+        return Checkpoint.open(str(shm["path"]), verify="fast")
+    except (OSError, CheckpointError):
+        return None
 
 
 def _registered(reg: Any, key: str, step: int, wait: float = 120.0) -> dict[str, Any] | None:
@@ -396,7 +421,7 @@ def _run(
                 cfg, log=say, on_event=subscribers, fork_from=source_at, gather=False
             )
             # an earlier start of this trial, stopped by Tune, left its placement group
-            run.placement_name = f"raysinga-tune:{experiment}/{trial}"
+            run.placement_name = placement_name(experiment, trial)
             run.fit()
     finally:
         if not spec.checkpoint_dir:

@@ -6,6 +6,9 @@ trials' lineages replay bit for bit."""
 from __future__ import annotations
 
 import json
+import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -15,14 +18,42 @@ from helpers import tune_job
 import raysinga.tune as rtune
 from raysinga import config
 from raysinga.checkpoint import Checkpoint
-from raysinga.tune.events import TrialLog
+from raysinga.tune.events import TrialLog, TrialStarted
 from raysinga.tune.inplace import in_place
+from raysinga.tune.lineage import FORMAT
 from raysinga.tune.pbt import InPlacePBT
 from raysinga.tune.release import SHM_ROOT
 
 tune = pytest.importorskip("ray.tune")
+from ray import cloudpickle  # noqa: E402 - after the skip where Ray lacks tune
 
 JOB = tune_job("inplace")
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # StartTogether, in the trials
+
+
+@dataclass(frozen=True)
+class StartTogether:
+    """A :class:`TrialLog` whose trials take their first step together: each waits at its
+    fresh start until ``n`` have started (up to ``wait_s``). Otherwise a trial whose process
+    started first could reach its last report before the others report at all, and asynchronous
+    PBT, which compares a trial with the others' reports so far, would have nothing to exploit
+    (seen on a loaded machine)."""
+
+    log: TrialLog
+    started: str  # a directory every trial can write
+    n: int
+    wait_s: float = 120.0
+
+    def __call__(self, trial: str, ev) -> None:
+        self.log(trial, ev)
+        if isinstance(ev, TrialStarted) and ev.how == "fresh" and ev.step == 0:
+            Path(self.started, trial).touch()
+            deadline = time.monotonic() + self.wait_s
+            while len(list(Path(self.started).iterdir())) < self.n:
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.05)
 
 
 def test_a_job_with_a_topology_or_bad_arguments_is_refused_before_any_trial():
@@ -47,9 +78,11 @@ def test_pbt_exploits_in_place_and_a_lineage_replays_bit_exact(ray_session, tmp_
         quantile_fraction=0.25,
         resample_probability=0.5,
     )
+    (tmp_path / "started").mkdir()
+    together = StartTogether(TrialLog(str(tmp_path / "events.jsonl")), str(tmp_path / "started"), 4)
     tuner = tune.Tuner(
         tune.with_resources(
-            in_place(JOB, report_every=10, on_event=TrialLog(str(tmp_path / "events.jsonl"))),
+            in_place(JOB, report_every=10, on_event=together),
             {"cpu": 1},
         ),
         param_space={"updater.lr": tune.grid_search([0.0002, 0.002, 0.02, 0.08])},
@@ -106,3 +139,38 @@ def test_pbt_exploits_in_place_and_a_lineage_replays_bit_exact(ray_session, tmp_
     held = [e["run"] for e in ray.get(objstore.registry().list.remote()) if "/inplace/" in e["run"]]
     assert all(held.count(k) <= 2 for k in held), sorted(held)
     assert rtune.release("inplace") >= 4
+
+
+def test_a_checkpoint_on_its_way_to_the_object_store_is_mapped_where_its_trial_wrote_it(
+    ray_session, tmp_path
+):
+    """An exploit that reads a pointer the donor handed out before its node's keeper had the
+    checkpoint in the object store maps the committed files in this node's shared memory: no
+    wait for the keeper (the key below is never registered, so a wait would last its whole
+    timeout), the tensors as written, and a pointer without the hand-over's notes. Files
+    written on another node, or gone, are not read there."""
+    import ray  # noqa: PLC0415
+
+    from raysinga.checkpoint import save  # noqa: PLC0415
+    from raysinga.tune.trials import _mapped, fetch_newest  # noqa: PLC0415
+
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    path = str(save(tmp_path / "trial", 7, {"fc/W": w}, meta={"step": 7}))
+    node = ray.get_runtime_context().get_node_id()
+    pointer = {
+        "format": FORMAT,
+        "key": "tune/never-registered/t0",
+        "step": 7,
+        "trial": "t0",
+        "uri": None,
+        "lineage": [],
+        "pending": True,
+        "shm": {"node": node, "path": path},
+    }
+    ck, used, where = fetch_newest(pointer, here=True)
+    np.testing.assert_array_equal(ck.array("fc/W"), w)
+    assert where == path and "pending" not in used and "shm" not in used
+    assert used["key"] == pointer["key"] and used["step"] == 7
+    elsewhere = {**pointer, "shm": {"node": "f" * len(node), "path": path}}
+    assert _mapped(elsewhere) is None
+    assert _mapped({**pointer, "shm": {"node": node, "path": str(tmp_path / "gone")}}) is None
