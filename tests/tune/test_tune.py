@@ -165,7 +165,18 @@ def test_a_distributed_trial_hands_its_checkpoint_to_servers_through_the_object_
     want = _straight(job, tmp_path, DistributedTrainer)
     for name in want.params:
         assert got.params[name].tobytes() == want.params[name].tobytes(), name
+    # Tune stopped the trial at step 20, before its run freed its placement group, which Ray
+    # keeps while the Tune job (this process) lives: release removes it (ray_session checks
+    # that every CPU comes back)
     release("pbt-dist")
+    from ray.util import placement_group_table  # noqa: PLC0415
+
+    left = [
+        g["name"]
+        for g in placement_group_table().values()
+        if (g["name"] or "").startswith("raysinga-tune:pbt-dist/") and g["state"] != "REMOVED"
+    ]
+    assert not left, left
 
 
 @pytest.mark.slow
