@@ -131,12 +131,15 @@ def ray_session():
 
     After the test, every CPU must come back to the session (Ray frees a killed role's CPUs a
     moment after it is killed) before the next test asks for them: a test whose actors or
-    placement groups keep holding CPUs fails, naming what holds them."""
+    placement groups keep holding CPUs fails, naming what holds them, and the session's Ray is
+    started again for the next test."""
     ray = start_ray()
     yield ray
     if ray.is_initialized():
         held = cpus_held(ray, wait_s=CPU_RELEASE_S)
         if held:
+            # the next test gets a whole Ray of its own: one leak fails one test
+            ray.shutdown()
             pytest.fail(f"the test left Ray CPUs held: {held}", pytrace=False)
 
 
@@ -174,8 +177,25 @@ def cpus_held(ray, wait_s: float) -> str:
                 actors.append(f"{a.get('ActorClassName')} (pid {a.get('Pid')}, {a.get('State')})")
     return (
         f"{total - free:g} of {total:g} CPUs in use {wait_s:g} s after it ended; placement "
-        f"groups {groups or 'none'}; live actors {actors or 'none'}"
+        f"groups {groups or 'none'}; live actors {actors or 'none'}; Ray workers busy here "
+        f"{_busy_workers() or 'none'}"
     )
+
+
+RAY_OWN = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent")  # not a task's
+
+
+def _busy_workers() -> list[str]:
+    """This machine's Ray worker processes that run a task or an actor (their process titles:
+    ``ray::IDLE`` for a pooled worker), with their pids: what holds CPUs when neither a group
+    nor an actor does, such as a task whose caller went away."""
+    busy = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            if title.startswith("ray::") and not title.startswith(RAY_OWN):
+                busy.append(f"{title} (pid {proc.name})")
+    return busy
 
 
 @pytest.fixture

@@ -79,9 +79,10 @@ def make_scheduler(args: argparse.Namespace, searches: list[Search], reports: in
         raise ConfigError(
             f"--scheduler pb2 needs {' and '.join(missing)} (pip install GPy scikit-learn)"
         )
-    from ray.tune.schedulers.pb2 import PB2  # noqa: PLC0415
+    from raysinga.tune.pb2 import InPlacePB2  # noqa: PLC0415
 
-    return PB2(
+    # Tune's PB2, exploiting in-place trials in their process as InPlacePBT does
+    return InPlacePB2(
         time_attr="training_iteration",
         perturbation_interval=interval,
         synch=args.synch,

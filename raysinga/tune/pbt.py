@@ -38,12 +38,40 @@ class InPlacePBT(PopulationBasedTraining):
         is slow to start would set every other trial pausing and resuming, each time in any
         process Tune reuses). A population larger than the cluster runs its pending trials as
         others end; one paused still makes the others take turns, as in Tune's PBT."""
+        if self._synch:  # a trial that failed is no longer waited for
+            return super().on_trial_result(_Unfinished(tune_controller), trial, result)
         decision = super().on_trial_result(tune_controller, trial, result)
-        if decision != TrialScheduler.PAUSE or self._synch:
+        if decision != TrialScheduler.PAUSE:
             return decision
         others = [t for t in tune_controller.get_trials() if t is not trial]
         paused = any(t.status == Trial.PAUSED for t in others)
         return decision if paused else TrialScheduler.CONTINUE
+
+    def choose_trial_to_run(self, tune_controller: Any) -> Trial | None:
+        """PBT's choice. Synchronous PBT perturbs when the last live trial reports at the point,
+        and until then runs none that has reached it: where that last trial failed or was
+        stopped instead, every other would wait for it for ever. They are perturbed then, as
+        its report would have done, and go on."""
+        chosen = super().choose_trial_to_run(tune_controller)
+        if chosen is not None or not self._synch:
+            return chosen
+        live = _Unfinished(tune_controller).get_live_trials()
+        if not live or any(t.status not in (Trial.PAUSED, Trial.PENDING) for t in live):
+            return None  # a running trial's report decides
+        states = [self._trial_state.get(t) for t in live]
+        if any(s is None or not s.last_result for s in states):
+            return None
+        last = max(live, key=lambda t: self._trial_state[t].last_train_time)
+        point = self._next_perturbation_sync
+        self.on_trial_result(tune_controller, last, self._trial_state[last].last_result)
+        if self._next_perturbation_sync == point:
+            return None
+        logger.info(
+            "[InPlacePBT] the %d live trials waited at %s for a trial that ended: perturbed",
+            len(live),
+            point,
+        )
+        return super().choose_trial_to_run(tune_controller)
 
     def _exploit(self, tune_controller: Any, trial: Trial, trial_to_clone: Trial) -> None:
         actor = trial.temporary_state.ray_actor
@@ -76,6 +104,21 @@ class InPlacePBT(PopulationBasedTraining):
         self._num_perturbations += 1
         trial_state.last_perturbation_time = new_state.last_perturbation_time
         trial_state.last_train_time = new_state.last_train_time
+
+
+class _Unfinished:
+    """The Tune controller that PBT's scheduler is handed, except that its live trials leave
+    out the trials that failed or ended: Tune counts a failed trial live, and synchronous PBT
+    would wait for it to reach the perturbation point."""
+
+    def __init__(self, controller: Any) -> None:
+        self._controller = controller
+
+    def get_live_trials(self) -> list[Trial]:
+        return [t for t in self._controller.get_live_trials() if not t.is_finished()]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._controller, name)
 
 
 def _restore_point(trial: Trial, checkpoint: Any, metrics: dict[str, Any]) -> None:

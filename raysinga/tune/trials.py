@@ -183,9 +183,8 @@ def fetch_newest(
         entry = ray.get(reg.lookup.remote(key, step))
         if entry is None and pointer.get("pending"):  # handed out while on its way in
             mapped = _mapped(pointer) if here else None
-            if mapped is not None:
-                used = {k: v for k, v in pointer.items() if k not in ("pending", "shm")}
-                return mapped, used, mapped.location.path
+            if mapped is not None:  # a save of the state read says it is still on its way
+                return mapped, dict(pointer), mapped.location.path
             entry = _registered(reg, key, step)
         if entry is None and newest and not uri:
             entry = ray.get(reg.lookup.remote(key, None))
@@ -204,9 +203,13 @@ def fetch_newest(
     if uri:
         log(f"raysinga: the object-store copy of {key} step {step} is lost ({why}); reading {uri}")
         return Checkpoint.open(uri, verify="full"), dict(pointer), uri
+    held = ""
+    with contextlib.suppress(Exception):  # what the registry holds of the trial, for the reader
+        steps = [e["step"] for e in ray.get(objstore.registry().list.remote(key))]
+        held = f"; the registry holds steps {steps} of it" if steps else "; none of it"
     raise CheckpointError(
-        f"{key} step {step}: the object-store copy is lost ({why}) and there is no disk copy "
-        "(set checkpoint_dir= of raysinga.tune.trainable to keep one)"
+        f"{key} step {step}: the object-store copy is lost ({why}{held}) and there is no disk "
+        "copy (set checkpoint_dir= of raysinga.tune.trainable to keep one)"
     )
 
 

@@ -147,8 +147,8 @@ def test_a_checkpoint_on_its_way_to_the_object_store_is_mapped_where_its_trial_w
     """An exploit that reads a pointer the donor handed out before its node's keeper had the
     checkpoint in the object store maps the committed files in this node's shared memory: no
     wait for the keeper (the key below is never registered, so a wait would last its whole
-    timeout), the tensors as written, and a pointer without the hand-over's notes. Files
-    written on another node, or gone, are not read there."""
+    timeout) and the tensors as written. Files written on another node, or gone, are not read
+    there."""
     import ray  # noqa: PLC0415
 
     from raysinga.checkpoint import save  # noqa: PLC0415
@@ -169,8 +169,60 @@ def test_a_checkpoint_on_its_way_to_the_object_store_is_mapped_where_its_trial_w
     }
     ck, used, where = fetch_newest(pointer, here=True)
     np.testing.assert_array_equal(ck.array("fc/W"), w)
-    assert where == path and "pending" not in used and "shm" not in used
-    assert used["key"] == pointer["key"] and used["step"] == 7
+    # still on its way: the pointer that a save of the trial that took it writes says so, and
+    # a restore from that save (Tune resumes an exploited trial from it, in any process) maps
+    # the files again rather than find no entry for them
+    assert where == path and used == pointer
+    again, used_again, _ = fetch_newest(used, here=True)
+    np.testing.assert_array_equal(again.array("fc/W"), w)
+    assert used_again == pointer
     elsewhere = {**pointer, "shm": {"node": "f" * len(node), "path": path}}
     assert _mapped(elsewhere) is None
     assert _mapped({**pointer, "shm": {"node": node, "path": str(tmp_path / "gone")}}) is None
+
+
+class _FailsLate(tune.Trainable):
+    """A trial that counts its iterations; the one with ``fails`` set raises in its second
+    step, after the others have reached the perturbation point and wait there for it."""
+
+    def setup(self, config: dict) -> None:
+        self.x = 0
+
+    def step(self) -> dict:
+        self.x += 1
+        if self.config["fails"] and self.iteration == 1:
+            time.sleep(3.0)
+            raise RuntimeError("this trial fails at its second step")
+        return {"score": float(self.x), "done": self.iteration + 1 >= 6}
+
+    def save_checkpoint(self, checkpoint_dir: str) -> None:
+        Path(checkpoint_dir, "x").write_text(str(self.x))
+
+    def load_checkpoint(self, checkpoint_dir: str) -> None:
+        self.x = int(Path(checkpoint_dir, "x").read_text())
+
+
+def test_synchronous_pbt_goes_on_without_a_trial_that_failed_at_the_point(ray_session, tmp_path):
+    """Synchronous PBT perturbs when the last live trial reports at the point. The trial that
+    would have been last fails instead: the others are perturbed without it and run to the end
+    (Tune's PBT leaves them waiting for it until the search's time budget runs out)."""
+    scheduler = InPlacePBT(
+        time_attr="training_iteration",
+        metric="score",
+        mode="max",
+        perturbation_interval=2,
+        hyperparam_mutations={"lr": [0.1, 0.2]},
+        synch=True,
+    )
+    started = time.monotonic()
+    results = tune.Tuner(
+        _FailsLate,
+        param_space={"fails": tune.grid_search([False, False, True]), "lr": 0.1},
+        tune_config=tune.TuneConfig(scheduler=scheduler, time_budget_s=90),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), name="synch", verbose=0),
+    ).fit()
+    took = time.monotonic() - started
+    done = sorted(r.metrics.get("training_iteration", 0) for r in results if r.error is None)
+    assert [r.error is not None for r in results].count(True) == 1
+    assert done == [6, 6], done
+    assert took < 80, f"the search ran into its time budget ({took:.0f} s)"
