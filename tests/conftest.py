@@ -9,6 +9,7 @@ import gc
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -130,72 +131,94 @@ def ray_session():
     use. Eight logical CPUs, so topologies of up to four workers fit a two-core machine.
 
     After the test, every CPU must come back to the session (Ray frees a killed role's CPUs a
-    moment after it is killed) before the next test asks for them: a test whose actors or
-    placement groups keep holding CPUs fails, naming what holds them, and the session's Ray is
-    started again for the next test."""
+    moment after it is killed) before the next test asks for them. A test whose placement
+    groups, actors or tasks keep holding CPUs fails, naming them. Where nothing holds them,
+    Ray's own accounting lost them (Ray's raylet was seen to keep a CPU of a Tune trial ended
+    while its process started, on a loaded machine; ray-project/ray#47531 reports the same):
+    the test passes with a warning that says so. Either way the next test gets a Ray of its
+    own."""
     ray = start_ray()
     yield ray
-    if ray.is_initialized():
-        held = cpus_held(ray, wait_s=CPU_RELEASE_S)
-        if held:
-            # the next test gets a whole Ray of its own: one leak fails one test
-            ray.shutdown()
-            pytest.fail(f"the test left Ray CPUs held: {held}", pytrace=False)
+    if not ray.is_initialized():
+        return
+    held = cpus_held(ray, wait_s=CPU_RELEASE_S)
+    if held is None:
+        return
+    ray.shutdown()  # the next test starts a whole one
+    amount, holders = held
+    if holders:
+        pytest.fail(f"the test left Ray CPUs held: {amount}; {'; '.join(holders)}", pytrace=False)
+    warnings.warn(
+        f"Ray lost track of CPUs after this test: {amount}, and no placement group, actor or "
+        "task of the session holds them (Ray's accounting); the session's Ray is restarted",
+        stacklevel=1,
+    )
 
 
 CPU_RELEASE_S = 60.0  # how long a finished test's CPUs may take to come back
 
 
-def cpus_held(ray, wait_s: float) -> str:
-    """What still holds CPUs of the session's Ray after ``wait_s`` seconds ("" once none is):
-    the CPUs in use, the placement groups not removed and the actors not dead (detached ones,
-    which hold no CPU here, left out)."""
+def cpus_held(ray, wait_s: float) -> tuple[str, list[str]] | None:
+    """None once every CPU of the session's Ray is back (waiting up to ``wait_s`` seconds);
+    else how many are in use, and what holds them: the placement groups not removed, the
+    actors not dead (detached ones, which hold no CPU here, left out) and the Ray's worker
+    processes that run a task or an actor other than those."""
     import time  # noqa: PLC0415
 
     deadline = time.monotonic() + wait_s
     while True:
         total = ray.cluster_resources().get("CPU", 0.0)
         free = ray.available_resources().get("CPU", 0.0)
-        if free >= total or time.monotonic() > deadline:
+        if free >= total:
+            return None
+        if time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    if free >= total:
-        return ""
     from ray.util import placement_group_table  # noqa: PLC0415
 
-    groups = [
-        f"{g.get('name') or g.get('placement_group_id')} ({g.get('state')})"
+    holders = [
+        f"placement group {g.get('name') or g.get('placement_group_id')} ({g.get('state')})"
         for g in placement_group_table().values()
         if g.get("state") != "REMOVED"
     ]
-    actors = []
+    detached: set[int] = set()
     with contextlib.suppress(Exception):  # Ray's actor table (no public getter without a dashboard)
         from ray._private import state  # noqa: PLC0415
 
         for a in state.actors().values():
-            if a.get("State") != "DEAD" and not a.get("IsDetached"):
-                actors.append(f"{a.get('ActorClassName')} (pid {a.get('Pid')}, {a.get('State')})")
-    return (
-        f"{total - free:g} of {total:g} CPUs in use {wait_s:g} s after it ended; placement "
-        f"groups {groups or 'none'}; live actors {actors or 'none'}; Ray workers busy here "
-        f"{_busy_workers() or 'none'}"
-    )
+            if a.get("State") == "DEAD":
+                continue
+            if a.get("IsDetached"):
+                detached.add(int(a.get("Pid") or 0))
+            else:
+                name, pid, st = a.get("ActorClassName"), a.get("Pid"), a.get("State")
+                holders.append(f"actor {name} (pid {pid}, {st})")
+    holders += [f"worker {w}" for pid, w in _session_workers(ray) if pid not in detached]
+    return f"{total - free:g} of {total:g} in use {wait_s:g} s after it ended", holders
 
 
-RAY_OWN = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent")  # not a task's
+RAY_OWN = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent")  # no task's
 
 
-def _busy_workers() -> list[str]:
-    """This machine's Ray worker processes that run a task or an actor (their process titles:
-    ``ray::IDLE`` for a pooled worker), with their pids: what holds CPUs when neither a group
-    nor an actor does, such as a task whose caller went away."""
-    busy = []
+def _session_workers(ray) -> list[tuple[int, str]]:
+    """The session's Ray worker processes (the raylet's children) that run a task or an actor,
+    as (pid, process title): what holds CPUs when neither a group nor an actor does, such as a
+    task whose caller went away."""
+    try:
+        from ray._private import ray_constants  # noqa: PLC0415
+
+        node = ray._private.worker._global_node
+        raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    except Exception:  # noqa: BLE001 - Ray's internals moved: none named
+        return []
+    found = []
     for proc in Path("/proc").glob("[0-9]*"):
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
             title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-            if title.startswith("ray::") and not title.startswith(RAY_OWN):
-                busy.append(f"{title} (pid {proc.name})")
-    return busy
+            if ppid == raylet and title.startswith("ray::") and not title.startswith(RAY_OWN):
+                found.append((int(proc.name), f"{title} (pid {proc.name})"))
+    return found
 
 
 @pytest.fixture
