@@ -205,7 +205,7 @@ def fetch_newest(
         return Checkpoint.open(uri, verify="full"), dict(pointer), uri
     held = ""
     with contextlib.suppress(Exception):  # what the registry holds of the trial, for the reader
-        steps = [e["step"] for e in ray.get(objstore.registry().list.remote(key))]
+        steps = _held_steps(key)
         held = f"; the registry holds steps {steps} of it" if steps else "; none of it"
     raise CheckpointError(
         f"{key} step {step}: the object-store copy is lost ({why}{held}) and there is no disk "
