@@ -12,6 +12,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import hosts
 import pytest
 from helpers import (
     S3_BUCKET,
@@ -237,6 +238,42 @@ def small_fs(tmp_path):
         gc.collect()  # Checkpoints map their shards: let go of them before unmounting
         if subprocess.run(["umount", str(mnt)]).returncode != 0:
             subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def _lab(root: Path):
+    why = hosts.unavailable()
+    if why:
+        pytest.skip(why)
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()  # the session's embedded Ray: two cores hold one cluster at a time
+    return hosts.lab(root)
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """Emulated hosts (:mod:`hosts`): skipped, saying why, where they cannot be made; removed
+    after the test, which fails if anything of them is left."""
+    with _lab(tmp_path) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def module_lab(tmp_path_factory):
+    """:func:`lab` shared by a module's tests."""
+    with _lab(tmp_path_factory.mktemp("lab")) as made:
+        yield made
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """After the whole suite, nothing of the emulated hosts is left: no namespace, interface,
+    mount (they live in the hosts' namespaces) or process."""
+    if not hosts.ALL_NAMESPACES:
+        return
+    left = hosts.leftovers(hosts.SUITE_PREFIX, hosts.ALL_NAMESPACES)
+    if left:
+        print(f"\nthe suite's emulated hosts left: {'; '.join(left)}", file=sys.stderr)
+        session.exitstatus = 1
 
 
 @pytest.fixture(scope="module")

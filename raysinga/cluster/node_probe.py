@@ -29,3 +29,41 @@ def probe(modules: tuple[str, ...] = NEEDED) -> dict[str, str]:
             found.update(module=name, why=f"{type(e).__name__}: {e}")
             break
     return found
+
+
+def look(expect: list[dict[str, object]]) -> dict[str, object]:
+    """The node's address and, for each of ``expect``, what is wrong with the path it names
+    as this node sees it (empty where nothing is). An entry is ``{"path": P}`` plus one of
+    ``"token"`` (P must hold exactly that text: a file the driver wrote where storage should
+    be shared) or ``"size"`` and ``"head"`` (a data file: its size, and the SHA-256 of its first
+    ``HEAD_BYTES``, as the driver read them); ``"write": True`` also asks that P's directory
+    be writable here."""
+    import hashlib  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import socket  # noqa: PLC0415
+
+    found: list[str] = []
+    for e in expect:
+        path = str(e["path"])
+        try:
+            if "token" in e:
+                with open(path, encoding="utf-8") as f:
+                    why = "" if f.read() == e["token"] else "holds another file"
+            else:
+                with open(path, "rb") as f:
+                    head = hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()
+                    size = os.fstat(f.fileno()).st_size
+                why = (
+                    ""
+                    if (size, head) == (e["size"], e["head"])
+                    else f"is another file here ({size:,} bytes; the driver's has {e['size']:,})"
+                )
+            if not why and e.get("write") and not os.access(os.path.dirname(path), os.W_OK):
+                why = "cannot be written here"
+        except OSError as err:
+            why = f"is not there ({err.strerror or err})"
+        found.append(why)
+    return {"host": socket.gethostname(), "found": found}
+
+
+HEAD_BYTES = 1 << 20  # how much of a data file is compared: enough to tell two files apart

@@ -18,7 +18,7 @@ from raysinga.actors.server import ParamServer
 from raysinga.actors.slicing import plan_slices
 from raysinga.actors.stub import Stub
 from raysinga.actors.worker import Worker
-from raysinga.cluster import shipping
+from raysinga.cluster import reach, shipping
 from raysinga.cluster.connect import connect, joins_cluster
 from raysinga.config.job import JobConfig
 from raysinga.data import identity as data_identity
@@ -117,6 +117,8 @@ class DistributedTrainer:
         if joins:
             shipping.check_nodes()  # before any role: one line for a node that cannot run one
         cfg = self.cfg
+        # before anything of the run is written: storage and data every node sees
+        reach.check(cfg.checkpoint_dir, reach.local_data_files(cfg.data.source))
         self.session = RunSession(
             cfg,
             self.plan.shapes,

@@ -1,0 +1,476 @@
+"""Hosts that share nothing but a network, made of Linux namespaces on this machine.
+
+A host is a network namespace (one interface on the lab's bridge, an address from the benchmark
+range 198.18.0.0/15, no route anywhere else) plus a mount, PID and UTS namespace of its own:
+
+- its own ``/tmp``, ``/dev/shm``, ``/mnt``, ``/var/tmp`` and home directory (tmpfs), so its Ray
+  temp dir, shared-memory files and ``~/.cache`` are its own;
+- the rest of the machine's filesystem read-only, the checkout and its virtual environment
+  included: the image every host boots from;
+- a directory shared at the same path on every host that asks for it (as NFS would be), and
+  nothing else shared;
+- its link shaped with ``tc tbf`` to a rate the test chooses;
+- its processes in a PID namespace whose first process is a small init: killing that init
+  SIGKILLs every process of the host at once, as a machine that loses power.
+
+The test process stays outside the hosts (in the machine's own namespaces, where the bridge
+has the lab's first address) and runs commands in them through ``nsenter``, as an operator
+would over ssh. Its files are reached through ``/proc/<init>/root``.
+
+Everything a lab makes is named with its prefix and removed by :meth:`Lab.close`, which
+checks that nothing is left: no namespace, interface, mount or process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RANGE = ipaddress.ip_network("198.18.0.0/15")  # RFC 2544's benchmark range: never routed
+VENV = Path(sys.prefix)
+CHECKOUT = Path(__file__).resolve().parents[1]
+SHARED = "/mnt/shared"  # where a host that asks for it sees the lab's shared directory
+TOOLS = ("ip", "tc", "unshare", "nsenter")
+SUITE_PREFIX = "rsh"  # every lab's names start with it: the session's final check looks for it
+
+# The first process of a host: makes its filesystem, then reaps orphans until it is killed.
+# Run by the machine's Python (the host's view of it is made before it imports anything more).
+INIT = r"""
+import ctypes, json, os, signal, socket, sys
+cfg = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
+    1, 2, 4, 32, 4096, 16384, 1 << 18)
+
+def mount(src, dst, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    if libc.mount(enc(src), enc(dst), enc(fstype), flags, enc(data)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {src} on {dst}: {os.strerror(err)}")
+
+# what the host sees of the machine: opened before anything is covered
+binds = [(os.open(src, os.O_PATH), dst, ro) for src, dst, ro in cfg["binds"]]
+mount(None, "/", None, MS_REC | MS_PRIVATE)
+mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV)
+for path, opts in cfg["tmpfs"]:
+    mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, opts)
+for fd, dst, ro in binds:
+    os.makedirs(dst, exist_ok=True)
+    mount(f"/proc/self/fd/{fd}", dst, None, MS_BIND | MS_REC)
+    if ro:
+        mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
+    os.close(fd)
+mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY)
+socket.sethostname(cfg["name"])
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, signal.SIG_IGN)  # only the machine's SIGKILL ends a host
+sys.stdout.write("ready\n")
+sys.stdout.flush()
+os.close(1)
+import time
+while True:  # reap whatever ends; with nothing to reap, look again in a while
+    try:
+        os.wait()
+    except ChildProcessError:
+        time.sleep(0.5)
+"""
+
+
+def unavailable() -> str | None:
+    """Why hosts cannot be made here, or None where they can."""
+    if os.geteuid() != 0:
+        return "emulated hosts need root (network and mount namespaces)"
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if missing:
+        return f"emulated hosts need {', '.join(missing)} (iproute2, util-linux)"
+    probe = f"{SUITE_PREFIX}probe{os.getpid() % 100000}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"cannot make a network namespace: {r.stderr.strip() or r.returncode}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+    return r
+
+
+def _tc(*args: str) -> None:
+    r = subprocess.run(["tc", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"tc {' '.join(args)}: {r.stderr.strip()}")
+
+
+def _ns_id(pid: int, kind: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/{kind}")
+    except OSError:
+        return None
+
+
+def _pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+@dataclass
+class Host:
+    """One emulated machine of a :class:`Lab`."""
+
+    name: str
+    address: str
+    netns: str
+    port: str  # its link's end on the bridge
+    init: int  # the pid of its first process, as the machine sees it
+    ns: dict[str, str]  # its namespaces' ids (pid, mnt, net)
+    lab: Lab
+    env: dict[str, str] = field(default_factory=dict)  # what every command gets
+    lost: bool = False
+
+    # ------------------------------------------------------------------ its files
+    def path(self, p: str | Path) -> Path:
+        """``p`` as this host sees it, reached from the machine."""
+        return Path(f"/proc/{self.init}/root") / str(p).lstrip("/")
+
+    # ------------------------------------------------------------------ commands
+    def command(self, args: list[str]) -> list[str]:
+        """``args`` run inside this host (a new process of its PID namespace)."""
+        return [
+            "nsenter",
+            f"--target={self.init}",
+            "--mount",
+            "--uts",
+            "--net",
+            "--pid",
+            "--wd=/",
+            "--",
+            "env",
+            "-i",
+            *(f"{k}={v}" for k, v in self.env.items()),
+            *args,
+        ]
+
+    def popen(self, args: list[str], env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+        """Start ``args`` in this host; ``env`` adds to its environment."""
+        if self.lost:
+            raise RuntimeError(f"host {self.name} is lost")
+        extra = [f"{k}={v}" for k, v in (env or {}).items()]
+        cmd = self.command(["env", *extra, *args] if extra else args)
+        kw.setdefault("stdout", subprocess.PIPE)
+        kw.setdefault("stderr", subprocess.STDOUT)
+        kw.setdefault("text", True)
+        return subprocess.Popen(cmd, **kw)
+
+    def run(
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        timeout: float = 300,
+        check: bool = False,
+    ) -> subprocess.CompletedProcess:
+        """Run ``args`` in this host to its end, its output captured (stdout and stderr
+        together in ``stdout``)."""
+        p = self.popen(args, env)
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            what = f"{self.name}: {' '.join(args)} ran past {timeout} s:\n{out}"
+            raise AssertionError(what) from None
+        r = subprocess.CompletedProcess(args, p.returncode, out, "")
+        if check and r.returncode != 0:
+            raise AssertionError(f"{self.name}: {' '.join(args)} exited {r.returncode}:\n{out}")
+        return r
+
+    def python(self, code: str, env: dict[str, str] | None = None, timeout: float = 300):
+        """Run Python ``code`` with the image's virtual environment in this host."""
+        return self.run([str(VENV / "bin" / "python"), "-c", code], env, timeout)
+
+    # ------------------------------------------------------------------ its processes
+    def processes(self) -> list[int]:
+        """Its live processes, as the machine numbers them."""
+        return [p for p in _pids() if _ns_id(p, "pid") == self.ns["pid"]]
+
+    def pid_of(self, host_pid: int) -> int:
+        """The machine's number of the process this host numbers ``host_pid``."""
+        for p in self.processes():
+            with contextlib.suppress(OSError):
+                for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                    if line.startswith("NSpid:") and int(line.split()[-1]) == host_pid:
+                        return p
+        raise LookupError(f"host {self.name} has no process {host_pid}")
+
+    def kill(self, host_pid: int, sig: int = signal.SIGKILL) -> None:
+        """Signal a process this host numbers ``host_pid`` (an actor reports its own pid)."""
+        os.kill(self.pid_of(host_pid), sig)
+
+    # ------------------------------------------------------------------ its link
+    def link(self, up: bool) -> None:
+        """Take this host's link down (a partition: its processes live on) or up again."""
+        _ip("link", "set", self.port, "up" if up else "down")
+
+    def lose(self) -> None:
+        """The machine is gone at once: every process SIGKILLed and its link down."""
+        self.link(False)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.init, signal.SIGKILL)  # the kernel kills the rest of its namespace
+        self.lost = True
+        deadline = time.monotonic() + 15
+        while self.processes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def shape(self, mbit: float | None) -> None:
+        """Limit its link to ``mbit`` Mbit/s each way (token bucket), or lift the limit."""
+        ends = [[], ["-n", self.netns]]
+        devs = [self.port, "eth0"]
+        for ns, dev in zip(ends, devs, strict=True):
+            subprocess.run(["tc", *ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+            if mbit is not None:
+                burst = max(int(mbit * 1e6 / 8 / 250), 16 * 1024)  # 4 ms of the rate
+                _tc(*ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
+                    "burst", str(burst), "latency", "50ms")  # fmt: skip
+
+    def counters(self) -> dict[str, int]:
+        """Bytes and packets its interface has sent and received."""
+        stats = Path(f"/sys/class/net/{self.port}/statistics")
+        # the bridge end's counters, reversed: what the bridge end receives, the host sent
+        return {
+            "tx_bytes": int((stats / "rx_bytes").read_text()),
+            "rx_bytes": int((stats / "tx_bytes").read_text()),
+        }
+
+    # ------------------------------------------------------------------ Ray on it
+    def ray_start(
+        self, cpus: int, head: Host | None = None, object_store_mb: int = 256, *more: str
+    ) -> None:
+        """``ray start`` on this host, as a user starts it: the head of a cluster (``head``
+        None) or a node joining ``head``. Ray's token is copied from the head's home, as a
+        user copies it to each machine."""
+        ray = str(VENV / "bin" / "ray")
+        common = [
+            f"--node-ip-address={self.address}",
+            f"--num-cpus={cpus}",
+            f"--object-store-memory={object_store_mb * 2**20}",
+            "--disable-usage-stats",
+            *more,
+        ]
+        if head is None:
+            self.run([ray, "get-auth-token", "--generate"], check=True)
+            args = [ray, "start", "--head", "--port=6379", "--dashboard-host=0.0.0.0", *common]
+        else:
+            token = head.path("/root/.ray/auth_token")
+            if token.exists():
+                self.path("/root/.ray").mkdir(exist_ok=True)
+                shutil.copyfile(token, self.path("/root/.ray/auth_token"))
+            args = [ray, "start", f"--address={head.address}:6379", *common]
+        self.run(args, timeout=180, check=True)
+
+
+class Lab:
+    """Emulated hosts on one bridge, and what they share: removed whole by :meth:`close`."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root  # a directory of the machine's for what the lab keeps outside hosts
+        self.id = f"{SUITE_PREFIX}{os.getpid() % 1000:03d}{int(time.time() * 1000) % 1000:03d}"
+        self.bridge = f"{self.id}br"
+        self.net = self._free_subnet()
+        self.gateway = str(self.net.network_address + 1)  # the machine's end of the bridge
+        self.hosts: list[Host] = []
+        self.shared = root / "shared"
+        self._seen_ns: set[str] = set()
+        self._unshare: list[subprocess.Popen] = []
+        self._servers: list[subprocess.Popen] = []
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.gateway}/{self.net.prefixlen}", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+
+    @staticmethod
+    def _free_subnet() -> ipaddress.IPv4Network:
+        """A /24 of the benchmark range that no interface of the machine uses."""
+        used = _ip("-4", "-o", "addr", "show").stdout
+        for net in RANGE.subnets(new_prefix=24):
+            if f" {net.network_address + 1}/" not in used:
+                return net
+        raise RuntimeError("every /24 of 198.18.0.0/15 is in use")
+
+    def host(self, name: str, shared: bool = False, mbit: float | None = None) -> Host:
+        """A new host named ``name``; ``shared``: it sees the lab's shared directory at
+        ``SHARED``; ``mbit``: its link's rate."""
+        i = len(self.hosts) + 2
+        netns, port = f"{self.id}-{name}", f"{self.id}v{i}"
+        address = str(self.net.network_address + i)
+        _ip("netns", "add", netns)
+        _ip("link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", netns)
+        _ip("link", "set", port, "master", self.bridge, "up")
+        _ip("-n", netns, "addr", "add", f"{address}/{self.net.prefixlen}", "dev", "eth0")
+        _ip("-n", netns, "link", "set", "eth0", "up")
+        _ip("-n", netns, "link", "set", "lo", "up")
+        home = os.path.expanduser("~")
+        images = sorted({str(VENV), sys.base_prefix, str(CHECKOUT)})
+        binds = [(p, p, True) for p in images]
+        if shared:
+            self.shared.mkdir(parents=True, exist_ok=True)
+            binds.append((str(self.shared), SHARED, False))
+        cfg = {
+            "name": name,
+            "tmpfs": [
+                ("/tmp", "mode=1777,size=4g"),
+                ("/var/tmp", "mode=1777,size=256m"),
+                ("/dev/shm", "mode=1777,size=2g"),
+                ("/mnt", "mode=755"),
+                (home, "mode=700"),
+            ],
+            "binds": binds,
+        }
+        p = subprocess.Popen(
+            ["ip", "netns", "exec", netns, "unshare", "--mount", "--uts", "--pid", "--fork",
+             "--propagation", "private", sys.executable, "-S", "-c", INIT, json.dumps(cfg)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
+        self._unshare.append(p)
+        ready = p.stdout.readline() if p.stdout else ""
+        if ready.strip() != "ready":
+            p.kill()
+            raise RuntimeError(f"host {name} did not start: {p.stderr.read() if p.stderr else ''}")
+        init = self._child_of(p.pid)
+        ns = {k: _ns_id(init, k) or "" for k in ("pid", "mnt", "net")}
+        self._seen_ns.update(ns.values())
+        ALL_NAMESPACES.update(ns.values())
+        env = {
+            "HOME": home,
+            "PATH": f"{VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "LANG": "C.UTF-8",
+            "RAY_AUTH_MODE": "token",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_enable_metrics_collection": "0",
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
+        h = Host(name, address, netns, port, init, ns, self, env)
+        self.hosts.append(h)
+        if mbit is not None:
+            h.shape(mbit)
+        return h
+
+    @staticmethod
+    def _child_of(pid: int) -> int:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):
+                kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+                if kids:
+                    return int(kids[0])
+            time.sleep(0.01)
+        raise RuntimeError(f"unshare {pid} started no init")
+
+    # ------------------------------------------------------------------ services
+    def s3(self, host: Host, port: int = 9000) -> str:
+        """An S3 server (moto's server mode) on ``host``; returns its endpoint ``ip:port``."""
+        p = host.popen(
+            [str(VENV / "bin" / "python"), "-m", "moto.server", "-H", "0.0.0.0", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+        )
+        self._servers.append(p)
+        endpoint = f"{host.address}:{port}"
+        deadline = time.monotonic() + 60
+        import socket  # noqa: PLC0415
+
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection((host.address, port), 1):
+                return endpoint
+            time.sleep(0.2)
+        raise RuntimeError(f"moto's S3 server on {host.name} did not answer in 60 s")
+
+    # ------------------------------------------------------------------ the end
+    def close(self) -> list[str]:
+        """Remove every host, interface and namespace of the lab; returns what is left of it
+        (empty where nothing is)."""
+        for h in self.hosts:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(h.init, signal.SIGKILL)
+        for p in [*self._unshare, *self._servers]:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=15)
+        for h in self.hosts:
+            _ip("netns", "del", h.netns, check=False)
+        _ip("link", "del", self.bridge, check=False)
+        deadline = time.monotonic() + 15
+        while (left := self.leftovers()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return left
+
+    def leftovers(self) -> list[str]:
+        """What of this lab is still there: namespaces, interfaces, processes in its
+        namespaces (its mounts live in those and go with them)."""
+        return leftovers(self.id, self._seen_ns)
+
+
+def leftovers(prefix: str = SUITE_PREFIX, namespaces: set[str] | None = None) -> list[str]:
+    """Network namespaces and interfaces named with ``prefix``, and processes in any of
+    ``namespaces`` (as ``/proc/PID/ns/*`` name them: ``pid:[id]``), as found on the machine now."""
+    left = []
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        if line.split() and line.split()[0].startswith(prefix):
+            left.append(f"network namespace {line.split()[0]}")
+    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
+        if name.startswith(prefix):
+            left.append(f"interface {name}")
+    for pid in _pids() if namespaces else []:
+        ids = {_ns_id(pid, k) for k in ("pid", "mnt", "net")}
+        if ids & namespaces:  # type: ignore[operator]
+            with contextlib.suppress(OSError):
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:80]
+                left.append(f"process {pid} ({cmd.decode(errors='replace').strip()})")
+    return left
+
+
+def ray_cluster(lab: Lab, cpus: list[int], shared: bool = True) -> list[Host]:
+    """Hosts ``h1``, ``h2``, ... with Ray started on each as a user starts it: ``h1`` the
+    head, each with the CPUs ``cpus`` gives it; ``shared``: each sees the lab's shared
+    directory. Returns once every node has joined."""
+    made = [lab.host(f"h{i + 1}", shared=shared) for i in range(len(cpus))]
+    made[0].ray_start(cpus[0])
+    for h, n in zip(made[1:], cpus[1:], strict=True):
+        h.ray_start(n, head=made[0])
+    wait_nodes(made[0], len(made))
+    return made
+
+
+def wait_nodes(head: Host, n: int, timeout: float = 60) -> None:
+    """Until the cluster of ``head`` counts ``n`` live nodes."""
+    code = (
+        "import ray, time\n"
+        f"ray.init(address='{head.address}:6379', log_to_driver=False)\n"
+        f"t = time.monotonic() + {timeout}\n"
+        f"while len([x for x in ray.nodes() if x['Alive']]) != {n} and time.monotonic() < t:\n"
+        "    time.sleep(0.2)\n"
+        "print(len([x for x in ray.nodes() if x['Alive']]))\n"
+    )
+    r = head.python(code, timeout=timeout + 60)
+    assert r.returncode == 0 and r.stdout.strip().endswith(str(n)), r.stdout
+
+
+ALL_NAMESPACES: set[str] = set()  # of every lab of this process: the session's last check
+
+
+@contextlib.contextmanager
+def lab(root: Path):
+    """A :class:`Lab` removed at the end, failing if anything of it is left."""
+    made = Lab(root)
+    try:
+        yield made
+    finally:
+        left = made.close()
+        assert not left, f"the lab left: {left}"
