@@ -54,10 +54,11 @@ class GroupBells:
                 os.unlink(bell.path)
 
     def start_serving(
-        self, chunk: int, start: int, stop: int, summing: bool, grads: Any
+        self, chunk: int, start: int, stop: int, summing: bool, grads: Any, epoch: int = 0
     ) -> list[Any]:
         """Start every worker's and server's ``serve`` call for steps ``start .. stop-1`` of
-        chunk number ``chunk``; the servers read each step's gradient from ``grads``. Where
+        chunk number ``chunk``, stamped with the stub's ``epoch`` (:mod:`.fence`); the servers
+        read each step's gradient from ``grads``. Where
         the servers sum the gradients (``summing``) the roles ring one another (the stub
         starts the chunk, :meth:`run_alone`); else the stub rings every hand-over itself."""
         self.chunk = chunk
@@ -71,10 +72,13 @@ class GroupBells:
             to_w = [Wiring(chunk, p, self.done_w.path) for p in go_w]
             to_s = [Wiring(chunk, p, self.done_s.path) for p in go_s]
         refs = [
-            w.serve.remote(start, stop, i, n_w, to_w[i], *self.server_handles)
+            w.serve.remote(start, stop, i, n_w, to_w[i], *self.server_handles, epoch=epoch)
             for i, w in enumerate(self.workers)
         ]
-        refs += [s.serve.remote(start, stop, to_s[k], grads) for k, s in enumerate(self.servers)]
+        refs += [
+            s.serve.remote(start, stop, to_s[k], grads, epoch=epoch)
+            for k, s in enumerate(self.servers)
+        ]
         return refs
 
     def _ring(self, bells: list[Doorbell[Any]], step: int, times: int = 1) -> None:

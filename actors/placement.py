@@ -93,8 +93,11 @@ def _layout(topo: Topology) -> tuple[list[dict[str, float]], Placement]:
     return bundles, p
 
 
-def place(topo: Topology, timeout_s: float = 30.0, name: str = "") -> Placement:
-    """Reserve the topology's resources; ``allreduce`` puts server ``i`` with worker ``i``.
+def place(
+    topo: Topology, timeout_s: float = 30.0, name: str = "", avoid: frozenset[str] = frozenset()
+) -> Placement:
+    """Reserve the topology's resources; ``allreduce`` puts server ``i`` with worker ``i``;
+    nothing goes on nodes ``avoid`` (Ray's ids of nodes the run found unreachable).
 
     ``name``: one that only this run uses: a placement group of that name is left from an
     earlier start of it whose driver was stopped without freeing it (a Ray Tune trial, whose
@@ -109,7 +112,10 @@ def place(topo: Topology, timeout_s: float = 30.0, name: str = "") -> Placement:
             remove_placement_group(get_placement_group(name))
         except Exception:  # noqa: BLE001, S110 - none of that name (ValueError), or gone already
             pass
-    p.pg = placement_group(bundles, strategy="PACK", name=name)
+    selector = [{"ray.io/node-id": f"!in({','.join(sorted(avoid))})"}] * len(bundles)
+    p.pg = placement_group(
+        bundles, strategy="PACK", name=name, bundle_label_selector=selector if avoid else None
+    )
     ready, _ = ray.wait([p.pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(p.pg)
@@ -118,6 +124,22 @@ def place(topo: Topology, timeout_s: float = 30.0, name: str = "") -> Placement:
             f"{timeout_s:g} s: other jobs may hold them (ray status shows what is in use)"
         )
     return p
+
+
+def relocated(bundles: list[dict[str, float]], avoid: set[str], timeout_s: float) -> Any:
+    """A placement group of ``bundles`` on nodes other than ``avoid`` (Ray's node ids: nodes
+    the run found unreachable, which Ray still counts as alive), ready; None where the live
+    nodes have no room for them within ``timeout_s``."""
+    import ray  # noqa: PLC0415
+    from ray.util.placement_group import placement_group, remove_placement_group  # noqa: PLC0415
+
+    selector = [{"ray.io/node-id": f"!in({','.join(sorted(avoid))})"}] * len(bundles)
+    pg = placement_group(bundles, strategy="PACK", bundle_label_selector=selector)
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        return None
+    return pg
 
 
 def live_nodes() -> list[dict[str, float]]:
@@ -153,14 +175,14 @@ def shrunk(topo: Topology, min_groups: int, min_workers: int) -> list[Topology]:
     ]
 
 
-def spawn(cls: type, placement: Placement, bundle: int, res: Resources, *args: Any) -> Any:
-    """Make ``cls`` remote now, pinned to one bundle of the placement group."""
+def spawn(cls: type, pg: Any, bundle: int, res: Resources, *args: Any) -> Any:
+    """Make ``cls`` remote now, pinned to bundle ``bundle`` of placement group ``pg``."""
     from ray.util.scheduling_strategies import (  # noqa: PLC0415
         PlacementGroupSchedulingStrategy,
     )
 
     strategy = PlacementGroupSchedulingStrategy(
-        placement_group=placement.pg, placement_group_bundle_index=bundle
+        placement_group=pg, placement_group_bundle_index=bundle
     )
     opts: dict[str, Any] = {"num_cpus": res.cpus, "scheduling_strategy": strategy}
     if res.gpus:

@@ -31,6 +31,7 @@ from .copies import CopyBuffer, ServerCopies
 from .device import ServerDevice
 from .doorbell import Abortable, Steps
 from .errors import reports_role
+from .fence import Fence
 from .protocol import (
     ServerDone,
     ServerSpec,
@@ -43,7 +44,7 @@ from .protocol import (
 from .snapshots import Snapshots
 
 
-class ParamServer(Abortable):
+class ParamServer(Abortable, Fence):
     role = "server"
 
     def __init__(self, spec: ServerSpec) -> None:
@@ -126,11 +127,18 @@ class ParamServer(Abortable):
 
     @reports_role
     def serve(
-        self, start: int, stop: int, wiring: Wiring, grads: ShmHandle | SummedGrads
+        self,
+        start: int,
+        stop: int,
+        wiring: Wiring,
+        grads: ShmHandle | SummedGrads,
+        epoch: int = 0,
     ) -> list[tuple[float, float, float]]:
-        """Apply updates for steps ``start .. stop-1`` as they are rung for (same node only).
-        Returns, for each step, when it was rung for and when it was done (wall clock, before
-        its done message), and the seconds its update took."""
+        """Apply updates for steps ``start .. stop-1`` as they are rung for (same node only)
+        by a stub of ``epoch`` (an older one's is refused: :mod:`.fence`). Returns, for each
+        step, when it was rung for and when it was done (wall clock, before its done
+        message), and the seconds its update took."""
+        self.admit(epoch, f"serve steps {start}-{stop - 1} (server {self.index})")
         src = (
             self.sums.use(grads, self.slices, self.index)
             if isinstance(grads, SummedGrads)
@@ -146,8 +154,14 @@ class ParamServer(Abortable):
         return Steps(wiring, ServerDone, self.check_abort).run(start, stop, step_fn, failed)
 
     @reports_role
-    def update(self, step: int, grads: Any, group: int = 0) -> tuple[int, Any, float]:
-        return self._update(step, grads, group)  # a ShmHandle or an array (see there)
+    def update(
+        self, step: int, grads: Any, group: int = 0, epoch: int = 0
+    ) -> tuple[int, Any, float]:
+        """Apply group ``group``'s gradient of ``step`` sent by a stub of ``epoch`` (an older
+        one's is refused: :mod:`.fence`); ``grads``: a ShmHandle or an array (see
+        :meth:`_update`)."""
+        self.admit(epoch, f"update of step {step} from group {group} (server {self.index})")
+        return self._update(step, grads, group)
 
     def _update(
         self, step: int, grads: ShmHandle | np.ndarray | SumViews, group: int = 0

@@ -24,6 +24,7 @@ from raysinga.optim.grads import chunks, clip_grad_norm, on_threads, sum_into
 from .bells import GroupBells, step_record
 from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
 from .errors import ActorLost, get_all, lost_server, reports_role
+from .fence import Fence
 from .protocol import (
     StepStats,
     StubSpec,
@@ -37,7 +38,7 @@ from .protocol import (
 from .replay import ReplayLog
 
 
-class Stub:
+class Stub(Fence):
     """Runs its group's steps. Where the whole synchronous group shares this node, the
     per-step control goes through the group's doorbells (:class:`GroupBells`), else through
     Ray calls; where the servers can sum the gradients themselves, the roles ring one another
@@ -237,7 +238,7 @@ class Stub:
             if self.summing:
                 self.log.drop_unfinished()  # none writes now: a failed chunk's mark is stale
             serving = bells.start_serving(
-                self.chunks, start, stop, self.summing, self._server_grads()
+                self.chunks, start, stop, self.summing, self._server_grads(), self.epoch
             )
             if self.summing:
                 return bells.run_alone(start, serving, self._seal)
@@ -290,7 +291,7 @@ class Stub:
             self.refs = [r for _, r in latest]
         parts = len(self.workers)
         futs = [
-            w.compute.remote(step, i, parts, self.snapshot[i], *self._sources(i))
+            w.compute.remote(step, i, parts, self.snapshot[i], *self._sources(i), epoch=self.epoch)
             for i, w in enumerate(self.workers)
         ]
         with self._server_snapshots():
@@ -298,7 +299,7 @@ class Stub:
 
     def _call_servers(self, step: int) -> list[float]:
         ups = [
-            s.update.remote(step, self._update_arg(k), self.group)
+            s.update.remote(step, self._update_arg(k), self.group, self.epoch)
             for k, s in enumerate(self.servers)
         ]
         results = get_all(ups, "server")

@@ -29,6 +29,7 @@ from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, stable_c
 from .device import WorkerDevice
 from .doorbell import Abortable, Steps
 from .errors import reports_role
+from .fence import Fence
 from .protocol import (
     STATE_TAGS,
     Wiring,
@@ -100,7 +101,7 @@ class ParamReader:
         return lay.views(self._private[k])
 
 
-class Worker(Abortable):
+class Worker(Abortable, Fence):
     role = "worker"
 
     def __init__(self, spec: WorkerSpec) -> None:
@@ -213,23 +214,39 @@ class Worker(Abortable):
 
     @reports_role
     def compute(
-        self, step: int, part: int, parts: int, snapshot: bool, *sources: ShmHandle | np.ndarray
+        self,
+        step: int,
+        part: int,
+        parts: int,
+        snapshot: bool,
+        *sources: ShmHandle | np.ndarray,
+        epoch: int = 0,
     ) -> tuple[dict[str, float], np.ndarray | None]:
-        """Loss and gradient of part ``part`` of ``parts`` of the group's batch at ``step``.
+        """Loss and gradient of part ``part`` of ``parts`` of the group's batch at ``step``,
+        for a stub of ``epoch`` (an older one's is refused: :mod:`.fence`).
 
         The loss is divided by the group's batch size, so the group's gradient is the plain sum
         of its workers' gradients. Returns timings and, when the stub is on another node, a
         snapshot of the gradient buffer.
         """
+        self.admit(epoch, f"compute step {step} (worker {self.index} of group {self.group})")
         stats = self._compute(step, part, parts, sources)
         return stats, (self.grads.snapshot() if snapshot else None)
 
     @reports_role
     def serve(
-        self, start: int, stop: int, part: int, parts: int, wiring: Wiring, *sources: ShmHandle
+        self,
+        start: int,
+        stop: int,
+        part: int,
+        parts: int,
+        wiring: Wiring,
+        *sources: ShmHandle,
+        epoch: int = 0,
     ) -> list[dict[str, float]]:
-        """Compute steps ``start .. stop-1`` as they are rung for (same node only); returns
-        what each step measured (:attr:`WorkerDone.STATS`)."""
+        """Compute steps ``start .. stop-1`` as they are rung for (same node only) by a stub of
+        ``epoch``; returns what each step measured (:attr:`WorkerDone.STATS`)."""
+        self.admit(epoch, f"serve steps {start}-{stop - 1} (worker {self.index})")
         batch_scheduling()  # woken by a ring, this thread never preempts the ringer
 
         def step_fn(step: int) -> tuple[dict[str, float], WorkerDone]:

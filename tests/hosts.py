@@ -402,7 +402,8 @@ class Lab:
         for p in [*self._unshare, *self._servers]:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=15)
-        for h in self.hosts:
+        for h in self.hosts:  # a veth pair goes whole with either end, at once
+            _ip("link", "del", h.port, check=False)
             _ip("netns", "del", h.netns, check=False)
         _ip("link", "del", self.bridge, check=False)
         deadline = time.monotonic() + 15

@@ -183,6 +183,24 @@ class FaultConfig(Section):
     replay_mb: int = key(
         256, ge=1, description="at most this many MiB of logged gradients per group"
     )
+    unreachable_s: float = key(
+        0.5,
+        gt=0,
+        description="a role that has not answered the run's heartbeat for this long has its node "
+        "looked at: a node whose host does not answer a connection within as long is taken "
+        "as lost, with all its roles, without waiting for Ray's verdict",
+        expected="a number of seconds > 0",
+    )
+    silent_s: float = key(
+        10.0,
+        gt=0,
+        description="a role on a reachable node that has not answered the heartbeat for this "
+        "long, and for `silent_steps` steps, is taken as lost",
+        expected="a number of seconds > 0",
+    )
+    silent_steps: int = key(
+        100, ge=1, description="see `silent_s`: the steps (at the run's step time) a role may miss"
+    )
 
 
 class InitConfig(Section):

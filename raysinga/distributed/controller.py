@@ -47,8 +47,9 @@ from .coordinator import CheckpointCoordinator
 from .elastic import Elastic
 from .failures import FailureBook
 from .rebuild_async import rebuild_async
-from .replace import ReplaceFailed, Replacer, grad_nbytes, replay_steps
+from .replace import ReplaceFailed, Replacer, grad_nbytes, live_nodes, replay_steps
 from .role_group import RoleGroup
+from .silence import Silent, Watch
 from .stepping import StepRunner
 
 
@@ -99,6 +100,9 @@ class Controller:
         self.t_grow = self.t_ckpt = time.perf_counter()
         self._recording = contextlib.ExitStack()
         self.tag = ""  # names the shared-memory files of the roles spawned last
+        self.watch = Watch(cfg.fault)  # the heartbeat to the roles while groups run
+        self.epoch = 0  # raised at every launch and recovery: older roles are fenced off
+        self.unreachable: dict[str, str] = {}  # nodes found unreachable: Ray's id -> address
         self.state = State.PLACING
         self.handlers = {
             State.PLACING: self._placing,
@@ -188,6 +192,9 @@ class Controller:
                 f"{roles.replay // 2} steps and a log of {roles.replay} steps ({mib:.1f} MiB)"
             )
         self.replacer = Replacer(roles, spares=cfg.fault.spares) if replaceable else None
+        if self.replacer is not None:
+            self.replacer.avoid = self.unreachable
+        self._fence()
         source = start.source.label if start.source is not None else "the start"
         self.book.relaunched(source, self.progress, self.topo)
         self._begin_steps(start, steps0, cursor)
@@ -202,6 +209,7 @@ class Controller:
         self.result = TrainResult({}, {}, history)
         self.cursor = cursor
         self.steps = StepRunner(self.cfg, self.topo, self.plan, self.hub, steps0, history)
+        self.steps.watch = self.watch
         self.session.guard = self.steps.guard
         self._recording.enter_context(
             recording(self.hub, self.plan.run_dir, self.result, self.cfg.tensorboard)
@@ -271,6 +279,8 @@ class Controller:
         t0 = time.perf_counter()
         if self.steps is not None:
             self.progress = self.steps.progress
+        if isinstance(self.lost, Silent):
+            self._silenced(self.lost)
         rec = self.book.count(self.lost, self.progress)
         if self._replace(rec, t0):
             return State.RUNNING
@@ -318,6 +328,7 @@ class Controller:
         steps.interrupted = None
         steps.done[g] = done.at
         self.progress = steps.progress
+        self._fence()
         self.book.replaced(rec, t0, lost, done, redone, self.topo)
         return True
 
@@ -343,8 +354,38 @@ class Controller:
         for g, at in done.positions.items():
             steps.done[g] = at
         self.progress = steps.progress
+        self._fence()
         self.book.replaced(rec, t0, lost, done, redone, self.topo)
         return True
+
+    def _fence(self) -> None:
+        """A new epoch, told to every role before training goes on (a role replaced while cut
+        off is refused from now on, :mod:`raysinga.actors.fence`), and the heartbeat to the
+        roles as they now are. Nodes Ray has since marked dead need no avoiding."""
+        assert self.roles is not None
+        self.epoch += 1
+        self.roles.fence(self.epoch)
+        self.watch.arm(self.roles.watched())
+        gone = set(self.unreachable) - live_nodes()
+        for node in gone:
+            del self.unreachable[node]
+        self.elastic.avoid = frozenset(self.unreachable)
+
+    def _silenced(self, e: Silent) -> None:
+        """Roles that stopped answering: killed through Ray (calls waiting on them fail at
+        once; Ray ends their processes when it reaches them again), and their nodes, where
+        unreachable, avoided from now on by every placement of the run."""
+        import ray  # noqa: PLC0415
+
+        for r in e.roles:
+            ray.kill(r.actor)
+        self.unreachable.update(e.nodes)
+        self.elastic.avoid = frozenset(self.unreachable)
+        if e.nodes:
+            self.hub.notice(
+                f"raysinga: node(s) {', '.join(sorted(e.nodes.values()))} unreachable: "
+                f"{len(e.roles)} role(s) there taken as lost, without waiting for Ray's verdict"
+            )
 
     def _resizing(self) -> State:
         """At a step boundary with a committed checkpoint of it: stop every role and place

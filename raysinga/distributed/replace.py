@@ -48,6 +48,9 @@ class Replacer:
         self.spare_stub: dict[int, Spare] = {}
         # server index -> a spare on the stub's node, for a server rebuilt from its copy
         self.spare_server: dict[int, Spare] = {}
+        # nodes the run found unreachable (Ray's id -> address): Ray counts them alive, so it
+        # moves nothing off them; the replacement does (RoleGroup.relocate)
+        self.avoid: dict[str, str] = {}
 
     def prepare(self) -> None:
         """Spawn each group's missing spares, in the background (not waited for): a worker
@@ -128,7 +131,7 @@ class Replacer:
         stub_lost = not answers(roles.stubs[g], timeout_s)
         if lost_servers and stub_lost:
             return None  # the copies and the log went with the stub
-        alive = live_nodes()
+        alive = live_nodes() - set(self.avoid)
         self.drop_spares_off(alive)
         was_on = {roles.worker_infos[g][i]["node"] for i in lost}
         was_on |= {roles.server_infos[k]["node"] for k in lost_servers}
@@ -137,6 +140,8 @@ class Replacer:
         # A lost node's bundles move to live nodes with room (Ray does so at once), and the
         # new roles go where their bundles now are; with no room left, the elastic rules
         # place a smaller topology instead.
+        if was_on & set(self.avoid) and not roles.relocate(set(self.avoid), RESCHEDULE_S):
+            return None
         if nodes_lost and not _rescheduled(roles.placement.pg, RESCHEDULE_S):
             return None
         roles.replaced = True  # the lost roles' shared files go at shutdown, by tag

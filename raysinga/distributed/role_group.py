@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray.util.placement_group import remove_placement_group
+from ray.util.placement_group import placement_group_table, remove_placement_group
 
 from raysinga.actors import placement
 from raysinga.actors.errors import get_all
@@ -29,6 +29,8 @@ from raysinga.run import sources as run_sources
 from raysinga.run.graph_step import graphs_mode
 from raysinga.run.sources import Source
 from raysinga.run.state import worker_state
+
+from .silence import Role
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class RoleGroup:
         self.spares: list[Any] = []  # roles spawned to take over from lost ones (replace.py)
         self.replaced = False  # a role was replaced: its shared files are left to remove
         self.replay = 0  # steps a stub logs to rebuild a lost server (replace.replay_steps)
+        # bundles of the placement moved off nodes found unreachable: index -> (group, index)
+        self.moved: dict[int, tuple[Any, int]] = {}
+        self.extra_pgs: list[Any] = []
 
     @property
     def actors(self) -> list[Any]:
@@ -92,7 +97,60 @@ class RoleGroup:
 
     def _spawn(self, role: str, bundle: int, spec: Any, *more: Any) -> Any:
         res = getattr(self.topo, role)
-        return placement.spawn(self.classes[role], self.placement, bundle, res, spec, *more)
+        pg, index = self.moved.get(bundle, (self.placement.pg, bundle))
+        return placement.spawn(self.classes[role], pg, index, res, spec, *more)
+
+    def bundle_nodes(self) -> dict[int, str]:
+        """Where each bundle of the placement is now (Ray's node ids), moved ones included."""
+        tables: dict[Any, dict] = {}
+
+        def node(pg: Any, i: int) -> str:
+            if pg.id not in tables:
+                tables[pg.id] = placement_group_table(pg).get("bundles_to_node_id", {})
+            return tables[pg.id].get(i, "")
+
+        n = len(self.placement.pg.bundle_specs)
+        return {b: node(*self.moved.get(b, (self.placement.pg, b))) for b in range(n)}
+
+    def relocate(self, avoid: set[str], timeout_s: float) -> bool:
+        """Move the bundles on nodes ``avoid`` (found unreachable: Ray still counts them alive,
+        so it moves nothing itself) to a placement group of their own on other nodes; the
+        roles spawned in them from now on go there. False where no room was found."""
+        on = [b for b, node in self.bundle_nodes().items() if node in avoid]
+        if not on:
+            return True
+        specs = [self.placement.pg.bundle_specs[b] for b in on]
+        pg = placement.relocated(specs, avoid, timeout_s)
+        if pg is None:
+            return False
+        self.extra_pgs.append(pg)
+        for j, b in enumerate(on):
+            self.moved[b] = (pg, j)
+        return True
+
+    def watched(self) -> list[Role]:
+        """Every role, for the run's heartbeat (:class:`~.silence.Watch`)."""
+        out = [Role(s, "stub", g, g, self.stub_infos[g]["node"]) for g, s in enumerate(self.stubs)]
+        for g, row in enumerate(self.workers):
+            out += [
+                Role(w, "worker", i, g, self.worker_infos[g][i]["node"]) for i, w in enumerate(row)
+            ]
+        out += [
+            Role(s, "server", k, None, self.server_infos[k]["node"])
+            for k, s in enumerate(self.servers)
+        ]
+        return out
+
+    def fence(self, epoch: int, timeout_s: float = 20.0) -> None:
+        """Tell every role the run's epoch (:mod:`raysinga.actors.fence`): from now on each
+        stamps it on what it sends and refuses what an older one sends."""
+        for role, actors in (
+            ("stub", self.stubs),
+            ("worker", [w for row in self.workers for w in row]),
+            ("server", self.servers),
+        ):
+            calls = [a.fence.options(concurrency_group="control").remote(epoch) for a in actors]
+            get_all(calls, role, None, timeout_s)
 
     # ------------------------------------------------------------------ spawning
     def spawn_servers(self, seed: int) -> None:
@@ -283,5 +341,7 @@ class RoleGroup:
                 ray.get(ref, timeout=5)
         if self.placement is not None:
             remove_placement_group(self.placement.pg)
+        for pg in self.extra_pgs:
+            remove_placement_group(pg)
         self.servers, self.workers, self.stubs, self.spares = [], [], [], []
-        self.placement = None
+        self.placement, self.extra_pgs, self.moved = None, [], {}

@@ -19,6 +19,8 @@ from raysinga.actors.protocol import TIMINGS, StepStats
 from raysinga.obs.events import Evaluated, EventHub, TrainStep
 from raysinga.run.divergence import Guard, describe_topology
 
+from .silence import Silent, Watch
+
 
 class StepRunner:
     """The groups' progress through one launch of the roles: which steps each group has done,
@@ -45,6 +47,7 @@ class StepRunner:
         self.t_window = time.perf_counter()
         self.barrier = cfg.next_checkpoint(max(self.done))  # the next periodic checkpoint
         self.max_chunk = 1 << 30
+        self.watch: Watch | None = None  # the heartbeat to the roles while chunks run
 
     @property
     def progress(self) -> int:
@@ -70,7 +73,7 @@ class StepRunner:
                     self._launch(roles, g)
             if not self.chunks:
                 return
-            ready, _ = ray.wait(list(self.chunks), num_returns=1)
+            ready = self._wait()
             self.interrupted = self.chunks.pop(ready[0])
             g, _, e = self.interrupted
             stats: list[StepStats] = get_all(ready, "stub", g)[0]
@@ -82,6 +85,26 @@ class StepRunner:
             if g == 0:
                 self._report(roles, e)
             held = held or hold()
+
+    def _wait(self) -> list[Any]:
+        """The first chunk to end, while the watch (where there is one) listens to the roles:
+        a silent role ends the wait with :class:`Silent`, its group's chunk abandoned (it
+        waits on that role) and counted as interrupted."""
+        while True:
+            poll = self.watch.poll_s if self.watch is not None else None
+            ready, _ = ray.wait(list(self.chunks), num_returns=1, timeout=poll)
+            if ready:
+                return ready
+            assert self.watch is not None
+            try:
+                for line in self.watch.check():
+                    self.hub.notice(line)
+            except Silent as e:
+                g = e.group if e.group is not None else 0
+                for ref, chunk in list(self.chunks.items()):
+                    if chunk[0] == g or self.topo.n_groups == 1:
+                        self.interrupted = self.chunks.pop(ref)
+                raise
 
     def drain(self, timeout_s: float) -> bool:
         """Let the chunks still under way end (other groups', after one group's chunk failed):
@@ -128,6 +151,8 @@ class StepRunner:
         if self.window:
             per_step = max(sum(r.total for r in self.window) / len(self.window), 1e-4)
             self.max_chunk = max(1, int(1.0 / per_step))
+            if self.watch is not None:
+                self.watch.step_s = per_step
 
     def _check(self, stats: list[StepStats], g: int) -> None:
         """The divergence guard sees each step's loss (and gradient norm, where clipping
