@@ -294,7 +294,7 @@ class Stub(Fence):
             w.compute.remote(step, i, parts, self.snapshot[i], *self._sources(i), epoch=self.epoch)
             for i, w in enumerate(self.workers)
         ]
-        with self._server_snapshots():
+        with self._server_snapshots(), _cancelled_on_failure(futs):
             return get_all(futs, "worker", self.group)
 
     def _call_servers(self, step: int) -> list[float]:
@@ -302,7 +302,8 @@ class Stub(Fence):
             s.update.remote(step, self._update_arg(k), self.group, self.epoch)
             for k, s in enumerate(self.servers)
         ]
-        results = get_all(ups, "server")
+        with _cancelled_on_failure(ups):
+            results = get_all(ups, "server")
         self.refs = [ref for _, ref, _ in results]
         return [t for _, _, t in results]
 
@@ -355,3 +356,20 @@ class Stub(Fence):
         self.pool.shutdown(wait=False)
         self._att.close()
         self.avg.close()
+
+
+@contextlib.contextmanager
+def _cancelled_on_failure(calls: list[Any]) -> Iterator[None]:
+    """Where one of a step's calls fails (a role lost), cancel the others: a live worker's
+    call may still wait for an argument whose owner was on a host that went silent, and would
+    hold every later call to that worker behind it until Ray gives the owner up (a minute or
+    more on a real network, measured on emulated hosts)."""
+    try:
+        yield
+    except Exception:
+        import ray  # noqa: PLC0415
+
+        for ref in calls:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
+        raise
