@@ -463,6 +463,28 @@ def wait_nodes(head: Host, n: int, timeout: float = 60) -> None:
     assert r.returncode == 0 and r.stdout.strip().endswith(str(n)), r.stdout
 
 
+def roles_by_host(head: Host, among: list[Host]) -> dict[str, list[str]]:
+    """The classes of the live actors on each of ``among`` (by host name), as Ray's state API
+    on the head lists them."""
+    code = (
+        "import json, ray\n"
+        "from ray.util.state import list_actors\n"
+        f"ray.init(address='{head.address}:6379', log_to_driver=False)\n"
+        "ips = {n['NodeID']: n['NodeManagerAddress'] for n in ray.nodes()}\n"
+        "acts = list_actors(filters=[('state', '=', 'ALIVE')], limit=1000)\n"
+        "print(json.dumps([(ips.get(a.node_id), a.class_name) for a in acts]))\n"
+    )
+    r = head.python(code, timeout=120)
+    assert r.returncode == 0, r.stdout
+    pairs = json.loads(r.stdout.strip().splitlines()[-1])
+    names = {h.address: h.name for h in among}
+    out: dict[str, list[str]] = {h.name: [] for h in among}
+    for ip, cls in pairs:
+        if ip in names:
+            out[names[ip]].append(cls)
+    return out
+
+
 ALL_NAMESPACES: set[str] = set()  # of every lab of this process: the session's last check
 
 

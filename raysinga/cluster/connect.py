@@ -107,3 +107,31 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
             f"cannot reach the Ray cluster at {address}: {e.strerror or e} (is `ray start "
             "--head` running there? --address and RAY_ADDRESS take the head's host:port)"
         ) from None
+
+
+def host_answers(address: tuple[str, int], timeout_s: float) -> bool:
+    """Whether a host answers a TCP connection to ``address`` within ``timeout_s``. A host
+    that is up answers from its kernel however busy its processes are (a refusal is an answer
+    too); a machine gone, or cut off, does not."""
+    try:
+        socket.create_connection(address, timeout=timeout_s).close()
+        return True
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
+def unreachable_nodes(timeout_s: float = 1.0) -> dict[str, str]:
+    """The nodes Ray counts alive whose hosts do not answer a connection to their raylet
+    within ``timeout_s`` (Ray's id -> address): machines gone or cut off that Ray has not
+    given up yet (it takes about a minute with its defaults). Tried all at once."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    import ray  # noqa: PLC0415
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    addresses = [(n["NodeManagerAddress"], int(n["NodeManagerPort"])) for n in nodes]
+    with ThreadPoolExecutor(max(1, min(16, len(nodes)))) as pool:
+        answers = list(pool.map(lambda a: host_answers(a, timeout_s), addresses))
+    return {n["NodeID"]: a[0] for n, a, ok in zip(nodes, addresses, answers, strict=True) if not ok}

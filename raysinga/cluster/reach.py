@@ -38,8 +38,9 @@ class StorageUnreachable(ValueError):
     node does; the message says which node, which path and what to do."""
 
 
-def role_nodes() -> list[dict[str, Any]]:
-    """The live nodes a role may be placed on (those with CPUs or GPUs), and the driver's."""
+def role_nodes(skip: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """The live nodes a role may be placed on (those with CPUs or GPUs, but ``skip``: nodes
+    found unreachable), and the driver's."""
     import ray  # noqa: PLC0415
 
     here = ray.get_runtime_context().get_node_id()
@@ -47,6 +48,7 @@ def role_nodes() -> list[dict[str, Any]]:
         n
         for n in ray.nodes()
         if n.get("Alive")
+        and n["NodeID"] not in skip
         and (
             n["NodeID"] == here or any(n.get("Resources", {}).get(r, 0) > 0 for r in ("CPU", "GPU"))
         )
@@ -71,15 +73,16 @@ def local_data_files(source: dict[str, Any]) -> list[str]:
     return list(dict.fromkeys(os.path.abspath(f) for f in files))
 
 
-def check(checkpoint_dir: str, data_files: list[str]) -> None:
-    """Raise :class:`StorageUnreachable` where a node that may host a role does not see
-    ``checkpoint_dir`` (a local path) or one of ``data_files`` as this node does. Nothing
-    is checked on a cluster of one node, nor for URIs."""
+def check(checkpoint_dir: str, data_files: list[str], skip: frozenset[str] = frozenset()) -> None:
+    """Raise :class:`StorageUnreachable` where a node that may host a role (but ``skip``:
+    nodes found unreachable) does not see ``checkpoint_dir`` (a local path) or one of
+    ``data_files`` as this node does. Nothing is checked on a cluster of one node, nor for
+    URIs."""
     import ray  # noqa: PLC0415
     from ray import cloudpickle  # noqa: PLC0415
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
 
-    nodes = role_nodes()
+    nodes = role_nodes(skip)
     if len([n for n in ray.nodes() if n.get("Alive")]) <= 1:
         return
     here = ray.get_runtime_context().get_node_id()

@@ -102,9 +102,10 @@ def runtime_env() -> dict[str, Any] | None:
     return {"py_modules": [str(assembled())]}
 
 
-def check_nodes(timeout_s: float = PROBE_S) -> None:
-    """Import what the roles import on every live node, at once; raise NodeSetupError naming
-    the first node that cannot, the module and what to do."""
+def check_nodes(timeout_s: float = PROBE_S, skip: frozenset[str] = frozenset()) -> None:
+    """Import what the roles import on every live node but ``skip`` (nodes found unreachable),
+    at once; raise NodeSetupError naming the first node that cannot, the module and what to
+    do. A node that Ray gives up meanwhile is passed over."""
     import ray  # noqa: PLC0415
     from ray import cloudpickle  # noqa: PLC0415
     from ray.exceptions import GetTimeoutError, RayError  # noqa: PLC0415
@@ -112,7 +113,7 @@ def check_nodes(timeout_s: float = PROBE_S) -> None:
 
     cloudpickle.register_pickle_by_value(node_probe)  # the node need not import it to run it
     task = ray.remote(num_cpus=0, max_retries=0)(node_probe.probe)
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in skip]
     refs = [
         task.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
@@ -129,6 +130,8 @@ def check_nodes(timeout_s: float = PROBE_S) -> None:
                 "environment may still be installing; `ray status` shows the node)"
             ) from None
         except RayError as e:
+            if not _alive(node["NodeID"]):
+                continue  # gone meanwhile: no role will be placed there
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise NodeSetupError(f"{where} cannot run raysinga's roles: {first}") from None
         if found["module"]:
@@ -136,6 +139,12 @@ def check_nodes(timeout_s: float = PROBE_S) -> None:
                 f"{where} cannot import {found['module']} with {found['python']} "
                 f"({found['why']}): {_remedy(found['module'])}"
             )
+
+
+def _alive(node_id: str) -> bool:
+    import ray  # noqa: PLC0415
+
+    return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
 
 
 def _remedy(module: str) -> str:

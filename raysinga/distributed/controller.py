@@ -371,6 +371,11 @@ class Controller:
             del self.unreachable[node]
         self.elastic.avoid = frozenset(self.unreachable)
 
+    def avoid(self, nodes: dict[str, str]) -> None:
+        """Place nothing on these nodes (Ray's id -> address: found unreachable)."""
+        self.unreachable.update(nodes)
+        self.elastic.avoid = frozenset(self.unreachable)
+
     def _silenced(self, e: Silent) -> None:
         """Roles that stopped answering: killed through Ray (calls waiting on them fail at
         once; Ray ends their processes when it reaches them again), and their nodes, where

@@ -22,13 +22,13 @@ reports.
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any, NamedTuple
 
 import ray
 
 from raysinga.actors.errors import ActorLost
+from raysinga.cluster.connect import host_answers
 
 
 class Role(NamedTuple):
@@ -98,7 +98,7 @@ class Watch:
         down = {}
         for node in dict.fromkeys(self.roles[i].node for i in suspects):
             where = self.addresses.get(node)
-            if where is not None and not reachable(where, self.unreachable_s):
+            if where is not None and not host_answers(where, self.unreachable_s):
                 down[node] = where[0]
         if down:
             lost = [r for r in self.roles if r.node in down]
@@ -146,15 +146,3 @@ class Watch:
                 )
                 self.refused[i] = refused
         return news
-
-
-def reachable(address: tuple[str, int], timeout_s: float) -> bool:
-    """Whether a host answers a TCP connection to ``address`` within ``timeout_s`` (a refusal
-    is an answer: the host is up)."""
-    try:
-        socket.create_connection(address, timeout=timeout_s).close()
-        return True
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False

@@ -19,7 +19,7 @@ from raysinga.actors.slicing import plan_slices
 from raysinga.actors.stub import Stub
 from raysinga.actors.worker import Worker
 from raysinga.cluster import reach, shipping
-from raysinga.cluster.connect import connect, joins_cluster
+from raysinga.cluster.connect import connect, joins_cluster, unreachable_nodes
 from raysinga.config.job import JobConfig
 from raysinga.data import identity as data_identity
 from raysinga.kernels import precision
@@ -114,11 +114,18 @@ class DistributedTrainer:
         joins = joins_cluster(self.address) and not ray.is_initialized()
         line = connect(self.address, shipping.runtime_env() if joins and self.ship else None)
         self.hub.notice(line)
-        if joins:
-            shipping.check_nodes()  # before any role: one line for a node that cannot run one
+        # machines gone or cut off that Ray still counts alive: no role goes there
+        unreachable = unreachable_nodes() if len(ray.nodes()) > 1 else {}
+        for node, address in unreachable.items():
+            self.hub.notice(
+                f"raysinga: node {address} ({node[:8]}) does not answer; no role is placed there"
+            )
+        skip = frozenset(unreachable)
+        if joins:  # before any role: one line for a node that cannot run one
+            shipping.check_nodes(skip=skip)
         cfg = self.cfg
         # before anything of the run is written: storage and data every node sees
-        reach.check(cfg.checkpoint_dir, reach.local_data_files(cfg.data.source))
+        reach.check(cfg.checkpoint_dir, reach.local_data_files(cfg.data.source), skip)
         self.session = RunSession(
             cfg,
             self.plan.shapes,
@@ -140,6 +147,7 @@ class DistributedTrainer:
                 self.gather,
                 self.placement_name,
             )
+            self.controller.avoid(unreachable)
             return self.session.finish(self.controller.run())
 
     # What tests and tools look at while a run goes on, or after it.
