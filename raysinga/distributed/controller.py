@@ -141,7 +141,7 @@ class Controller:
         if self.steps is not None:
             self.progress = self.steps.progress
         if self.roles is not None:
-            calls = list(self.steps.chunks) if self.steps is not None else []
+            calls = [*self.steps.chunks, *self.steps.abandoned] if self.steps is not None else []
             self.tag = self.roles.tag
             self.roles.shutdown(graceful, calls)
         elif self.placement is not None:

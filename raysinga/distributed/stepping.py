@@ -48,6 +48,7 @@ class StepRunner:
         self.barrier = cfg.next_checkpoint(max(self.done))  # the next periodic checkpoint
         self.max_chunk = 1 << 30
         self.watch: Watch | None = None  # the heartbeat to the roles while chunks run
+        self.abandoned: list[Any] = []  # chunks given up on a silent role: fetched at the end
 
     @property
     def progress(self) -> int:
@@ -104,6 +105,7 @@ class StepRunner:
                 for ref, chunk in list(self.chunks.items()):
                     if chunk[0] == g or self.topo.n_groups == 1:
                         self.interrupted = self.chunks.pop(ref)
+                        self.abandoned.append(ref)
                 raise
 
     def drain(self, timeout_s: float) -> bool:

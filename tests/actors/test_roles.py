@@ -471,3 +471,26 @@ def test_a_checkpoints_background_work_waits_while_the_server_updates():
             assert time.perf_counter() - t0 < PACE_WAIT_MAX
     finally:
         snaps.close()
+
+
+# ---------------------------------------------------------------- the run's epoch
+
+
+def test_a_server_refuses_an_update_from_a_replaced_stub_and_counts_it(make_server):
+    from raysinga.actors.errors import RoleError
+
+    s = make_server(0, fresh_tag())
+    buf = np.ones(s.layout.nbytes // 4, np.float32).view(np.uint8)
+    s.update(0, buf, 0, 1)  # epoch 1: the run's first
+    before = {k: v.copy() for k, v in s.values().items()}
+    assert s.fence(2) == 0  # a recovery: epoch 2 from now on
+    with pytest.raises(RoleError, match=r"update of step 1 from group 0 .*refused, sent in epoch 1"):
+        s.update(1, buf, 0, 1)  # the replaced stub, heard from again
+    for k, v in s.values().items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
+    assert s.guard.version == 1
+    assert s.alive() == (2, 1) and s.fence(2) == 1
+    assert s.refused() == ["update of step 1 from group 0 (server 0) (epoch 1 < 2)"]
+    s.update(1, buf, 0, 2)  # the new stub's
+    assert s.guard.version == 2
+    assert s.fence(1) == 1 and s.epoch == 2  # an epoch never goes back

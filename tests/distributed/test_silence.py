@@ -1,0 +1,113 @@
+"""A role that stops answering without dying (its process stopped with SIGSTOP: a hung call,
+a machine cut off) is noticed by the run's heartbeat (raysinga/distributed/silence.py): taken
+as lost once silent for ``fault.silent_s`` on a node that answers, killed, replaced, and the
+run ends bit-identical to one never interrupted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import ray
+from helpers import load_job
+
+from raysinga.distributed import DistributedTrainer
+from raysinga.distributed.silence import Silent, Watch
+from raysinga.obs.events import Event, TrainStep
+
+JOB = """
+name: silence
+seed: 12
+model:
+  input_shape: [64]
+  layers:
+    - {kind: dense, name: fc1, units: 32, activation: relu}
+    - {kind: dense, name: out, units: 10}
+data: {source: {kind: digits}, batch_size: 32}
+updater: {name: sgd, lr: 0.05, momentum: 0.9}
+train_steps: 60
+disp_freq: 5
+test_freq: 0
+topology: {preset: sandblaster, n_servers: 1, workers_per_group: 2}
+fault: {silent_s: 1.0, silent_steps: 1}
+"""
+
+
+def test_a_stopped_worker_is_taken_as_lost_and_replaced_bit_exact(ray_session, tmp_path):
+    straight = DistributedTrainer(load_job(tmp_path / "a", JOB), log=None).fit()
+    lines: list[str] = []
+    t = DistributedTrainer(load_job(tmp_path / "b", JOB), log=lines.append)
+    stopped: list[int] = []
+
+    def hook(ev: Event) -> None:
+        if stopped or not (isinstance(ev, TrainStep) and ev.step == 20):
+            return
+        pid = ray.get(t.workers[0][1].pid.remote())
+        stopped.append(pid)
+        threading.Thread(target=os.kill, args=(pid, signal.SIGSTOP), daemon=True).start()
+
+    t.hub.subscribe(hook)
+    t0 = time.monotonic()
+    try:
+        res = t.fit()
+    finally:
+        for pid in stopped:  # Ray's SIGKILL ends a stopped process too; in case it did not
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    assert stopped, "the stop never fired"
+    text = "\n".join(lines)
+    assert "worker 1 of group 0 was lost: silent: no answer for 1.0 s" in text, text
+    assert "recovered in" in text and "unreachable" not in text, text
+    assert time.monotonic() - t0 < 60
+    for k, a in straight.params.items():
+        assert res.params[k].tobytes() == a.tobytes(), k
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{stopped[0]}"):
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{stopped[0]}"), "the silent worker was killed"
+
+
+def test_the_watch_takes_a_role_silent_only_past_both_limits(ray_session):
+    @ray.remote(concurrency_groups={"control": 1}, max_concurrency=2)
+    class Quiet:
+        def __init__(self) -> None:
+            self.stall = threading.Event()
+
+        def alive(self) -> tuple[int, int]:
+            if self.stall.is_set():
+                time.sleep(30)
+            return 1, 0
+
+        def hush(self) -> None:
+            self.stall.set()
+
+    from types import SimpleNamespace
+
+    from raysinga.distributed.silence import Role
+
+    q = Quiet.remote()
+    fault = SimpleNamespace(unreachable_s=0.2, silent_s=1.0, silent_steps=10)
+    watch = Watch(fault)
+    here = ray.get_runtime_context().get_node_id()
+    watch.arm([Role(q, "worker", 0, 0, here)])
+    watch.step_s = 0.2  # 10 steps of it: 2 s, past silent_s
+    assert watch.check() == []
+    ray.get(q.hush.remote())
+    t0 = time.monotonic()
+    caught = None
+    while time.monotonic() - t0 < 10 and caught is None:
+        try:
+            time.sleep(0.1)
+            watch.check()
+        except Silent as e:
+            caught = e
+    assert caught is not None and caught.nodes == {}, "its node answers: the role alone"
+    # not at silent_s (1 s): only once 10 steps of 0.2 s went by too (a heartbeat sent just
+    # before the hush counts from when it was sent)
+    assert 1.5 <= time.monotonic() - t0 < 10, time.monotonic() - t0
+    assert "no answer for 2.0 s (10 steps of 200 ms)" in str(caught)
+    ray.kill(q)
