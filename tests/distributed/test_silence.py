@@ -90,12 +90,15 @@ def test_the_watch_takes_a_role_silent_only_past_both_limits(ray_session):
     from raysinga.distributed.silence import Role
 
     q = Quiet.remote()
+    ray.get(q.alive.remote())  # up
     fault = SimpleNamespace(unreachable_s=0.2, silent_s=1.0, silent_steps=10)
     watch = Watch(fault)
     here = ray.get_runtime_context().get_node_id()
     watch.arm([Role(q, "worker", 0, 0, here)])
     watch.step_s = 0.2  # 10 steps of it: 2 s, past silent_s
-    assert watch.check() == []
+    for _ in range(3):  # heartbeats sent and answered
+        assert watch.check() == []
+        time.sleep(0.1)
     ray.get(q.hush.remote())
     t0 = time.monotonic()
     caught = None
