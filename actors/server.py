@@ -14,7 +14,6 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -37,10 +36,10 @@ from .protocol import (
     ServerSpec,
     SummedGrads,
     Wiring,
-    gradient_layout,
     node_id,
     visible_gpus,
 )
+from .server_grads import SumViews, step_gradient
 from .snapshots import Snapshots
 
 
@@ -127,17 +126,12 @@ class ParamServer(Abortable, Fence):
 
     @reports_role
     def serve(
-        self,
-        start: int,
-        stop: int,
-        wiring: Wiring,
-        grads: ShmHandle | SummedGrads,
-        epoch: int = 0,
+        self, start: int, stop: int, wiring: Wiring, grads: ShmHandle | SummedGrads, epoch: int = 0
     ) -> list[tuple[float, float, float]]:
         """Apply updates for steps ``start .. stop-1`` as they are rung for (same node only)
         by a stub of ``epoch`` (an older one's is refused: :mod:`.fence`). Returns, for each
-        step, when it was rung for and when it was done (wall clock, before its done
-        message), and the seconds its update took."""
+        step, when it was rung for and when it was done (wall clock, before its done message),
+        and the seconds its update took."""
         self.admit(epoch, f"serve steps {start}-{stop - 1} (server {self.index})")
         src = (
             self.sums.use(grads, self.slices, self.index)
@@ -157,9 +151,7 @@ class ParamServer(Abortable, Fence):
     def update(
         self, step: int, grads: Any, group: int = 0, epoch: int = 0
     ) -> tuple[int, Any, float]:
-        """Apply group ``group``'s gradient of ``step`` sent by a stub of ``epoch`` (an older
-        one's is refused: :mod:`.fence`); ``grads``: a ShmHandle or an array (see
-        :meth:`_update`)."""
+        """:meth:`_update`, for a stub of ``epoch`` (an older one's is refused: :mod:`.fence`)."""
         self.admit(epoch, f"update of step {step} from group {group} (server {self.index})")
         return self._update(step, grads, group)
 
@@ -180,7 +172,7 @@ class ParamServer(Abortable, Fence):
         self.snaps.wait_for_copy()  # a checkpoint's copy of the values must come first
         self.copies.wait_for_copy()  # and a copy kept for a rebuild
         with self.snaps.updating():  # a checkpoint's write in the background pauses
-            g, parts = _gradient(grads, step, self.slices, self.layout, self._attached)
+            g, parts = step_gradient(grads, step, self.slices, self.layout, self._attached)
             if self.gpu is not None:
                 # summing the workers' gradients itself: into the log's row, marked as on the CPU
                 # (being written, then written once the update is done)
@@ -404,59 +396,3 @@ class ParamServer(Abortable, Fence):
         if self.gpu is not None:
             self.gpu.close()
         self.buf.close()
-
-
-def _gradient(
-    grads: ShmHandle | np.ndarray | SumViews,
-    step: int,
-    slices: list[Any],
-    layout: Layout,
-    attached: Attachments,
-) -> tuple[dict[str, np.ndarray], dict[str, list[np.ndarray]]]:
-    """A server's slices of step ``step``'s gradient as :meth:`ParamServer._update` is given
-    it, by slice name; and where the server sums it itself, the parts it sums (it writes the
-    sum into the first dict)."""
-    if isinstance(grads, SumViews):
-        return grads.rows[step % len(grads.rows)], grads.parts
-    if isinstance(grads, ShmHandle):
-        return _mine(attached.views(grads), slices), {}
-    return layout.views(grads), {}
-
-
-class SumViews:
-    """A server's views of the gradients it sums (a :class:`SummedGrads`): each of its slices
-    in every worker's gradient (``parts``) and in every row of the stub's log (``rows``). The
-    files stay mapped from one ``serve`` call to the next: a fresh mapping would fault in
-    every page of the log again."""
-
-    def __init__(self) -> None:
-        self._maps, self._rows = Attachments(), Attachments(writable=True)
-        self.parts: dict[str, list[np.ndarray]] = {}
-        self.rows: list[dict[str, np.ndarray]] = []
-
-    def use(self, src: SummedGrads, slices: list[Any], index: int) -> SumViews:
-        """Views of ``src`` for server ``index`` (the mappings of files it no longer names are
-        let go)."""
-        self._maps.keep_only({h.path for h in src.parts})
-        self._rows.keep_only({src.rows.path})
-        layout = gradient_layout(src.parts[0].layout)  # as every part and row is laid out
-        workers = [_mine(self._maps.views(h), slices) for h in src.parts]
-        self.parts = {s.name: [w[s.name] for w in workers] for s in slices}
-        log = self._rows.views(src.rows)
-        rows, self.marks = log["rows"], log["marks"][index]
-        self.rows = [_mine(layout.views(rows[r].view(np.uint8)), slices) for r in range(src.n_rows)]
-        return self
-
-    @contextlib.contextmanager
-    def writing(self, step: int) -> Iterator[None]:
-        """Mark this server's slices of ``step``'s row as being written, then (unless the
-        update raised) as written: the stub sums a row left half-written again itself."""
-        row = step % len(self.marks)
-        self.marks[row] = -2 - step
-        yield
-        self.marks[row] = step
-
-
-def _mine(views: dict[str, np.ndarray], slices: list[Any]) -> dict[str, np.ndarray]:
-    """A server's slices (by slice name) of full-parameter arrays ``views``."""
-    return {s.name: views[s.param].reshape(-1)[s.start : s.stop] for s in slices}

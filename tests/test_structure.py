@@ -49,6 +49,12 @@ REVIEWED = {
         "replay log, buffers) live in their own modules and every method here is the role's "
         "entry point for one of them"
     ),
+    "raysinga/distributed/controller.py:Controller": (
+        "the run's state machine: one method per state (placing, launching, running, "
+        "checkpointing, recovering, resizing) and the transitions between them; what each state "
+        "does lives in its own module (elastic, coordinator, replace, rebuild_async, silence, "
+        "stepping) and every method here decides and hands over to one of them"
+    ),
     "raysinga/run/session.py:RunSession": (
         "one run's bookkeeping around one writer lock: the start decision, stop signals and the "
         "commit, retention and divergence rules all read and write the same committed-step "

@@ -16,7 +16,8 @@ from pydantic import BaseModel
 from raysinga.data import kinds
 
 from .compute import GpuConfig, PrecisionConfig
-from .job import CheckpointConfig, DataConfig, DivergenceConfig, FaultConfig, InitConfig, JobConfig
+from .fault import FaultConfig
+from .job import CheckpointConfig, DataConfig, DivergenceConfig, InitConfig, JobConfig
 from .section import key_table, shown_default
 from .topology import Topology
 

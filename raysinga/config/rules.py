@@ -16,7 +16,8 @@ from raysinga.nn.model import ModelSpec, Net
 from .section import ConfigError, explain, path
 
 if TYPE_CHECKING:
-    from .job import DataConfig, FaultConfig, JobConfig
+    from .fault import FaultConfig
+    from .job import DataConfig, JobConfig
     from .topology import Topology
 
 

@@ -102,7 +102,7 @@ class Controller:
         self.tag = ""  # names the shared-memory files of the roles spawned last
         self.watch = Watch(cfg.fault)  # the heartbeat to the roles while groups run
         self.epoch = 0  # raised at every launch and recovery: older roles are fenced off
-        self.unreachable: dict[str, str] = {}  # nodes found unreachable: Ray's id -> address
+        self.elastic.avoid = self.watch.unreachable  # one record of the nodes to avoid
         self.state = State.PLACING
         self.handlers = {
             State.PLACING: self._placing,
@@ -193,7 +193,7 @@ class Controller:
             )
         self.replacer = Replacer(roles, spares=cfg.fault.spares) if replaceable else None
         if self.replacer is not None:
-            self.replacer.avoid = self.unreachable
+            self.replacer.avoid = self.watch.unreachable
         self._fence()
         source = start.source.label if start.source is not None else "the start"
         self.book.relaunched(source, self.progress, self.topo)
@@ -280,7 +280,9 @@ class Controller:
         if self.steps is not None:
             self.progress = self.steps.progress
         if isinstance(self.lost, Silent):
-            self._silenced(self.lost)
+            line = self.watch.taken_lost(self.lost)
+            if line:
+                self.hub.notice(line)
         rec = self.book.count(self.lost, self.progress)
         if self._replace(rec, t0):
             return State.RUNNING
@@ -366,31 +368,7 @@ class Controller:
         self.epoch += 1
         self.roles.fence(self.epoch)
         self.watch.arm(self.roles.watched())
-        gone = set(self.unreachable) - live_nodes()
-        for node in gone:
-            del self.unreachable[node]
-        self.elastic.avoid = frozenset(self.unreachable)
-
-    def avoid(self, nodes: dict[str, str]) -> None:
-        """Place nothing on these nodes (Ray's id -> address: found unreachable)."""
-        self.unreachable.update(nodes)
-        self.elastic.avoid = frozenset(self.unreachable)
-
-    def _silenced(self, e: Silent) -> None:
-        """Roles that stopped answering: killed through Ray (calls waiting on them fail at
-        once; Ray ends their processes when it reaches them again), and their nodes, where
-        unreachable, avoided from now on by every placement of the run."""
-        import ray  # noqa: PLC0415
-
-        for r in e.roles:
-            ray.kill(r.actor)
-        self.unreachable.update(e.nodes)
-        self.elastic.avoid = frozenset(self.unreachable)
-        if e.nodes:
-            self.hub.notice(
-                f"raysinga: node(s) {', '.join(sorted(e.nodes.values()))} unreachable: "
-                f"{len(e.roles)} role(s) there taken as lost, without waiting for Ray's verdict"
-            )
+        self.watch.forget_gone(live_nodes())
 
     def _resizing(self) -> State:
         """At a step boundary with a committed checkpoint of it: stop every role and place

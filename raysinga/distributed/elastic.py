@@ -18,7 +18,7 @@ class Elastic:
 
     def __init__(self, full: Any, fault: Any, log: Callable[[str], None], name: str = "") -> None:
         self.full, self.log, self.name = full, log, name  # name: the run's placement group
-        self.avoid: frozenset[str] = frozenset()  # nodes found unreachable (Ray's ids)
+        self.avoid: dict[str, str] = {}  # nodes found unreachable (Ray's id -> address)
         self.sizes = placement.shrunk(
             full, fault.min_groups or full.n_groups, fault.min_workers or full.workers_per_group
         )
@@ -32,7 +32,9 @@ class Elastic:
         largest smaller form: returns (topology, placement)."""
         if self.rigid:
             placement.check_fits(self.full)
-            return self.full, placement.place(self.full, name=self.name, avoid=self.avoid)
+            return self.full, placement.place(
+                self.full, name=self.name, avoid=frozenset(self.avoid)
+            )
         nodes = placement.live_nodes()
         fitting = [t for t in self.sizes if placement.packs(t, nodes)]
         if not fitting:
@@ -42,7 +44,7 @@ class Elastic:
             last = i + 1 == len(fitting)
             try:  # Ray has the last word: a node just lost may still be listed for a moment
                 placed = placement.place(
-                    t, timeout_s=30.0 if last else 10.0, name=self.name, avoid=self.avoid
+                    t, timeout_s=30.0 if last else 10.0, name=self.name, avoid=frozenset(self.avoid)
                 )
             except placement.ResourceError:
                 if last:

@@ -62,6 +62,9 @@ class Watch:
         self.refused: dict[int, int] = {}  # role position -> messages it refused so far
         self.step_s = 0.0  # the run's step time, as measured
         self.addresses: dict[str, tuple[str, int]] = {}
+        # nodes found unreachable (Ray's id -> address), which every placement of the run
+        # avoids: Ray counts them alive until it gives them up
+        self.unreachable: dict[str, str] = {}
 
     @property
     def poll_s(self) -> float:
@@ -78,6 +81,25 @@ class Watch:
             for n in ray.nodes()
             if n.get("Alive")
         }
+
+    def taken_lost(self, e: Silent) -> str | None:
+        """Silent roles: killed through Ray (calls waiting on them fail at once; Ray ends their
+        processes when it reaches them again), their unreachable nodes avoided from now on.
+        Returns the line that says so, where nodes were found unreachable."""
+        for r in e.roles:
+            ray.kill(r.actor)
+        self.unreachable.update(e.nodes)
+        if not e.nodes:
+            return None
+        return (
+            f"raysinga: node(s) {', '.join(sorted(e.nodes.values()))} unreachable: "
+            f"{len(e.roles)} role(s) there taken as lost, without waiting for Ray's verdict"
+        )
+
+    def forget_gone(self, alive: set[str]) -> None:
+        """Nodes Ray has given up need no avoiding: only those still listed alive are kept."""
+        for node in set(self.unreachable) - alive:
+            del self.unreachable[node]
 
     def check(self) -> list[str]:
         """Send the heartbeat where none is on its way, take the answers in, and raise

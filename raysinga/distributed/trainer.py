@@ -147,7 +147,7 @@ class DistributedTrainer:
                 self.gather,
                 self.placement_name,
             )
-            self.controller.avoid(unreachable)
+            self.controller.watch.unreachable.update(unreachable)  # placed nowhere
             return self.session.finish(self.controller.run())
 
     # What tests and tools look at while a run goes on, or after it.

@@ -484,7 +484,9 @@ def test_a_server_refuses_an_update_from_a_replaced_stub_and_counts_it(make_serv
     s.update(0, buf, 0, 1)  # epoch 1: the run's first
     before = {k: v.copy() for k, v in s.values().items()}
     assert s.fence(2) == 0  # a recovery: epoch 2 from now on
-    with pytest.raises(RoleError, match=r"update of step 1 from group 0 .*refused, sent in epoch 1"):
+    with pytest.raises(
+        RoleError, match=r"update of step 1 from group 0 .*refused, sent in epoch 1"
+    ):
         s.update(1, buf, 0, 1)  # the replaced stub, heard from again
     for k, v in s.values().items():
         np.testing.assert_array_equal(v, before[k], err_msg=k)

@@ -20,7 +20,8 @@ from ray import cloudpickle
 
 from raysinga import config
 from raysinga.actors.placement import ResourceError
-from raysinga.actors.server import ParamServer, SumViews
+from raysinga.actors.server import ParamServer
+from raysinga.actors.server_grads import SumViews
 from raysinga.checkpoint import Checkpoint, CheckpointError, steps
 from raysinga.distributed import DistributedTrainer, FailuresExceeded
 from raysinga.obs.console import TextLog
