@@ -15,6 +15,11 @@ removed, and the third node has room for its roles::
     pip install -e '.[bench,examples]'
     python benchmarks/bench_recovery.py [--runs 5] [--job JOB] [--kinds worker,stub] [--json FILE]
     python benchmarks/bench_recovery.py --device gpu [--kinds worker,stub,server]
+    python benchmarks/bench_recovery.py --hosts 3 [--runs 3]    # as root: emulated hosts
+
+``--hosts N``: on emulated hosts that share nothing but a network (a head and N hosts of 2
+CPUs); the kinds there are ``worker``, ``server``, ``host`` and ``host-stub``
+(``benchmarks/recovery_hosts.py`` says what each loses, and its goal).
 
 ``--device gpu``: one node of 4 CPUs and one GPU, which the two workers and the server share
 (``topology.worker.gpus=0.25``, ``topology.server.gpus=0.25``; the stub is on the CPU). The
@@ -140,8 +145,21 @@ def main() -> None:
         default="cpu",
         help="gpu: workers and server share one GPU (kinds: " + ", ".join(GPU_KINDS) + ")",
     )
+    ap.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="N: on a head and N emulated hosts of 2 CPUs (root; benchmarks/recovery_hosts.py)",
+    )
     add_json_option(ap)
     args = ap.parse_args()
+    if args.hosts:
+        if args.hosts < 3:
+            ap.error("--hosts: at least 3 (two for the workers, one with room for a lost one's)")
+        import recovery_hosts
+
+        recovery_hosts.main(args)
+        return
     gpu = args.device == "gpu"
     kinds = (args.kinds or ",".join(GPU_KINDS if gpu else KINDS)).split(",")
     bad = [k for k in kinds if k not in (GPU_KINDS if gpu else KINDS)]
