@@ -80,6 +80,17 @@ class StubSpec:
 
 
 @dataclass(frozen=True)
+class Published:
+    """A server's values as it published them (an object-store ref), for a worker on another
+    node: handed over inside this, not as a call's argument, so that the worker fetches them
+    itself, abortably. An argument is fetched before the call runs, and one whose owner's host
+    went silent held the call, and every later call to that worker behind it, until Ray gave
+    the owner up (about 150 s on emulated hosts), whatever was aborted meanwhile."""
+
+    ref: Any
+
+
+@dataclass(frozen=True)
 class SummedGrads:
     """What a server on its stub's node sums its gradient from, in its own update: its
     workers' gradient buffers (``parts``, in worker order, each laid out as the parameters and

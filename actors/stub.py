@@ -26,6 +26,7 @@ from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
 from .errors import ActorLost, get_all, lost_server, reports_role
 from .fence import Fence
 from .protocol import (
+    Published,
     StepStats,
     StubSpec,
     SummedGrads,
@@ -221,7 +222,9 @@ class Stub(Fence):
         return {"node": self.node}
 
     def _sources(self, i: int) -> tuple[Any, ...]:
-        return tuple(h if h is not None else self.refs[k] for k, h in enumerate(self.local_src[i]))
+        return tuple(
+            h if h is not None else Published(self.refs[k]) for k, h in enumerate(self.local_src[i])
+        )
 
     def _grad_flat(self, i: int, snap: np.ndarray | None) -> np.ndarray:
         """Worker ``i``'s gradient buffer as one flat array, in place when on this node."""

@@ -32,6 +32,7 @@ from .errors import reports_role
 from .fence import Fence
 from .protocol import (
     STATE_TAGS,
+    Published,
     Wiring,
     WorkerDone,
     WorkerSpec,
@@ -99,6 +100,9 @@ class ParamReader:
         flat = self._att.flat(src)[: lay.nbytes]
         stable_copy(flat, self._att.views(src)[SEQ], self._private[k])
         return lay.views(self._private[k])
+
+
+FETCH_POLL_S = 0.05  # how often a worker waiting for a server's values looks for an abort
 
 
 class Worker(Abortable, Fence):
@@ -219,7 +223,7 @@ class Worker(Abortable, Fence):
         part: int,
         parts: int,
         snapshot: bool,
-        *sources: ShmHandle | np.ndarray,
+        *sources: ShmHandle | Published,
         epoch: int = 0,
     ) -> tuple[dict[str, float], np.ndarray | None]:
         """Loss and gradient of part ``part`` of ``parts`` of the group's batch at ``step``,
@@ -230,7 +234,7 @@ class Worker(Abortable, Fence):
         snapshot of the gradient buffer.
         """
         self.admit(epoch, f"compute step {step} (worker {self.index} of group {self.group})")
-        stats = self._compute(step, part, parts, sources)
+        stats = self._compute(step, part, parts, self._fetched(sources))
         return stats, (self.grads.snapshot() if snapshot else None)
 
     @reports_role
@@ -341,11 +345,25 @@ class Worker(Abortable, Fence):
                     self.grads.arrays[k][...] = g
         return loss
 
+    def _fetched(self, sources: tuple) -> tuple:
+        """``sources`` with each server's published values (:class:`Published`) fetched here,
+        looking for an abort meanwhile: a call waiting for the values of a server on a silent
+        host ends when the driver's recovery aborts it, and later calls are not held."""
+        wanted = [s.ref for s in sources if isinstance(s, Published)]
+        if not wanted:
+            return sources
+        import ray  # noqa: PLC0415
+
+        while len(ray.wait(wanted, num_returns=len(wanted), timeout=FETCH_POLL_S)[0]) < len(wanted):
+            self.check_abort()
+        got = iter(ray.get(wanted))
+        return tuple(next(got) if isinstance(s, Published) else s for s in sources)
+
     @reports_role
-    def evaluate(self, batch_size: int, *sources: ShmHandle | np.ndarray) -> dict[str, float]:
+    def evaluate(self, batch_size: int, *sources: Any) -> dict[str, float]:
         if not self.splits.held_out():
             return {}
-        params = self.reader.read(sources)
+        params = self.reader.read(self._fetched(sources))
         if self.gpu is not None:
             params = self.gpu.upload(params)
             xp = self.gpu.cp
