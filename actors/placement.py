@@ -126,20 +126,27 @@ def place(
     return p
 
 
-def relocated(bundles: list[dict[str, float]], avoid: set[str], timeout_s: float) -> Any:
+def relocated(
+    bundles: list[dict[str, float]], avoid: set[str], timeout_s: float, prefer: str | None = None
+) -> Any:
     """A placement group of ``bundles`` on nodes other than ``avoid`` (Ray's node ids: nodes
-    the run found unreachable, which Ray still counts as alive), ready; None where the live
-    nodes have no room for them within ``timeout_s``."""
+    the run found unreachable, which Ray still counts as alive), on node ``prefer`` where it
+    has room (where spares wait), ready; None where the live nodes have no room for them
+    within ``timeout_s``."""
     import ray  # noqa: PLC0415
     from ray.util.placement_group import placement_group, remove_placement_group  # noqa: PLC0415
 
-    selector = [{"ray.io/node-id": f"!in({','.join(sorted(avoid))})"}] * len(bundles)
-    pg = placement_group(bundles, strategy="PACK", bundle_label_selector=selector)
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-    if not ready:
+    tries = [f"in({prefer})"] if prefer and prefer not in avoid else []
+    tries.append(f"!in({','.join(sorted(avoid))})")
+    for i, where in enumerate(tries):
+        selector = [{"ray.io/node-id": where}] * len(bundles)
+        pg = placement_group(bundles, strategy="PACK", bundle_label_selector=selector)
+        last = i == len(tries) - 1
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s if last else min(1.0, timeout_s))
+        if ready:
+            return pg
         remove_placement_group(pg)
-        return None
-    return pg
+    return None
 
 
 def live_nodes() -> list[dict[str, float]]:

@@ -39,6 +39,7 @@ RANGE = ipaddress.ip_network("198.18.0.0/15")  # RFC 2544's benchmark range: nev
 VENV = Path(sys.prefix)
 CHECKOUT = Path(__file__).resolve().parents[1]
 SHARED = "/mnt/shared"  # where a host that asks for it sees the lab's shared directory
+SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 TOOLS = ("ip", "tc", "unshare", "nsenter")
 SUITE_PREFIX = "rsh"  # every lab's names start with it: the session's final check looks for it
 
@@ -136,6 +137,7 @@ class Host:
     ns: dict[str, str]  # its namespaces' ids (pid, mnt, net)
     lab: Lab
     env: dict[str, str] = field(default_factory=dict)  # what every command gets
+    own_python: str = ""  # a virtual environment of its own (Lab.host's ``python``)
     lost: bool = False
 
     # ------------------------------------------------------------------ its files
@@ -258,7 +260,8 @@ class Host:
         """``ray start`` on this host, as a user starts it: the head of a cluster (``head``
         None) or a node joining ``head``. Ray's token is copied from the head's home, as a
         user copies it to each machine."""
-        ray = str(VENV / "bin" / "ray")
+        ray_cli = [self.own_python, "-c", "from ray.scripts.scripts import main; main()"]
+        ray = ray_cli if self.own_python else [str(VENV / "bin" / "ray")]
         common = [
             f"--node-ip-address={self.address}",
             f"--num-cpus={cpus}",
@@ -267,14 +270,14 @@ class Host:
             *more,
         ]
         if head is None:
-            self.run([ray, "get-auth-token", "--generate"], check=True)
-            args = [ray, "start", "--head", "--port=6379", "--dashboard-host=0.0.0.0", *common]
+            self.run([*ray, "get-auth-token", "--generate"], check=True)
+            args = [*ray, "start", "--head", "--port=6379", "--dashboard-host=0.0.0.0", *common]
         else:
             token = head.path("/root/.ray/auth_token")
             if token.exists():
                 self.path("/root/.ray").mkdir(exist_ok=True)
                 shutil.copyfile(token, self.path("/root/.ray/auth_token"))
-            args = [ray, "start", f"--address={head.address}:6379", *common]
+            args = [*ray, "start", f"--address={head.address}:6379", *common]
         self.run(args, timeout=180, check=True)
 
 
@@ -305,9 +308,17 @@ class Lab:
                 return net
         raise RuntimeError("every /24 of 198.18.0.0/15 is in use")
 
-    def host(self, name: str, shared: bool = False, mbit: float | None = None) -> Host:
+    def host(
+        self,
+        name: str,
+        shared: bool = False,
+        mbit: float | None = None,
+        python: str | None = None,
+    ) -> Host:
         """A new host named ``name``; ``shared``: it sees the lab's shared directory at
-        ``SHARED``; ``mbit``: its link's rate."""
+        ``SHARED``; ``mbit``: its link's rate; ``python``: the Python of a virtual environment
+        of the machine's, its own (seen at the same path, first on its ``PATH``, and the one
+        its Ray starts from), instead of the checkout's."""
         i = len(self.hosts) + 2
         netns, port = f"{self.id}-{name}", f"{self.id}v{i}"
         address = str(self.net.network_address + i)
@@ -318,7 +329,8 @@ class Lab:
         _ip("-n", netns, "link", "set", "eth0", "up")
         _ip("-n", netns, "link", "set", "lo", "up")
         home = os.path.expanduser("~")
-        images = sorted({str(VENV), sys.base_prefix, str(CHECKOUT)})
+        own = Path(python).parents[1] if python else None
+        images = sorted({str(VENV), sys.base_prefix, str(CHECKOUT), *([str(own)] if own else [])})
         binds = [(p, p, True) for p in images]
         if shared:
             self.shared.mkdir(parents=True, exist_ok=True)
@@ -350,14 +362,14 @@ class Lab:
         ALL_NAMESPACES.update(ns.values())
         env = {
             "HOME": home,
-            "PATH": f"{VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "PATH": f"{own or VENV}/bin:{SYSTEM_PATH}",
             "LANG": "C.UTF-8",
             "RAY_AUTH_MODE": "token",
             "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_enable_metrics_collection": "0",
             "PYTHONDONTWRITEBYTECODE": "1",
         }
-        h = Host(name, address, netns, port, init, ns, self, env)
+        h = Host(name, address, netns, port, init, ns, self, env, python or "")
         self.hosts.append(h)
         if mbit is not None:
             h.shape(mbit)
@@ -437,11 +449,16 @@ def leftovers(prefix: str = SUITE_PREFIX, namespaces: set[str] | None = None) ->
     return left
 
 
-def ray_cluster(lab: Lab, cpus: list[int], shared: bool = True) -> list[Host]:
+def ray_cluster(
+    lab: Lab, cpus: list[int], shared: bool = True, python: str | None = None
+) -> list[Host]:
     """Hosts ``h1``, ``h2``, ... with Ray started on each as a user starts it: ``h1`` the
     head, each with the CPUs ``cpus`` gives it; ``shared``: each sees the lab's shared
-    directory. Returns once every node has joined."""
-    made = [lab.host(f"h{i + 1}", shared=shared) for i in range(len(cpus))]
+    directory; ``python``: the other hosts' own Python (:meth:`Lab.host`). Returns once every
+    node has joined."""
+    made = [
+        lab.host(f"h{i + 1}", shared=shared, python=python if i else None) for i in range(len(cpus))
+    ]
     made[0].ray_start(cpus[0])
     for h, n in zip(made[1:], cpus[1:], strict=True):
         h.ray_start(n, head=made[0])

@@ -51,6 +51,13 @@ class Replacer:
         # nodes the run found unreachable (Ray's id -> address): Ray counts them alive, so it
         # moves nothing off them; the replacement does (RoleGroup.relocate)
         self.avoid: dict[str, str] = {}
+        # A node with room for a worker's bundle and none of the run's roles, where a lost
+        # node's bundles go first, and spares for its roles wait: a worker of each group, and
+        # each server that is not on the stub's node (those have their spares there).
+        self.standby: str | None = None
+        self.far_worker: dict[int, Spare] = {}
+        self.far_server: dict[int, Spare] = {}
+        self.t_standby = -STANDBY_EVERY_S  # when a standby node was last looked for
 
     def prepare(self) -> None:
         """Spawn each group's missing spares, in the background (not waited for): a worker
@@ -69,6 +76,39 @@ class Replacer:
                         self.spare_server[k] = self._spare(
                             "server", node, self.roles.server_spec(k), gpus=info.get("gpus")
                         )
+            self._prepare_standby()
+
+    def _prepare_standby(self) -> None:
+        """Spares on the standby node (found again where it is gone, or now holds roles; looked
+        for at most every ``STANDBY_EVERY_S`` where there is none): a worker of each group, and
+        where servers are rebuilt from copies, each server not on the stub's node."""
+        roles = self.roles
+        used = {i["node"] for i in [*roles.server_infos, *roles.stub_infos]}
+        used |= {i["node"] for row in roles.worker_infos for i in row}
+        if self.standby is not None and (
+            self.standby in used or self.standby in self.avoid or self.standby not in live_nodes()
+        ):
+            self.standby = None
+            self.far_worker.clear()  # left waiting; stopped with the run's other spares
+            self.far_server.clear()
+        if self.standby is None and time.monotonic() - self.t_standby >= STANDBY_EVERY_S:
+            self.t_standby = time.monotonic()
+            self.standby = _free_node(roles.topo.worker.as_bundle(), used | set(self.avoid))
+        if self.standby is None:
+            return
+        for g in range(len(roles.stubs)):
+            if g not in self.far_worker:
+                gpus = roles.worker_infos[g][0].get("gpus")
+                self.far_worker[g] = self._spare(
+                    "worker", self.standby, roles.worker_spec(g, 0), gpus=gpus
+                )
+        if roles.replay:
+            stub_node = roles.stub_infos[0]["node"]
+            for k, info in enumerate(roles.server_infos):
+                if k not in self.far_server and info["node"] != stub_node:
+                    self.far_server[k] = self._spare(
+                        "server", self.standby, roles.server_spec(k), gpus=info.get("gpus")
+                    )
 
     def _spare_worker(self, g: int) -> None:
         roles = self.roles
@@ -97,7 +137,13 @@ class Replacer:
 
     def drop_spares_off(self, alive: set[str]) -> None:
         """Forget the spares that were on a node now gone (they went with it)."""
-        for spares in (self.spare_worker, self.spare_stub, self.spare_server):
+        for spares in (
+            self.spare_worker,
+            self.spare_stub,
+            self.spare_server,
+            self.far_worker,
+            self.far_server,
+        ):
             for key in [key for key, s in spares.items() if s.node not in alive]:
                 del spares[key]
 
@@ -140,7 +186,9 @@ class Replacer:
         # A lost node's bundles move to live nodes with room (Ray does so at once), and the
         # new roles go where their bundles now are; with no room left, the elastic rules
         # place a smaller topology instead.
-        if was_on & set(self.avoid) and not roles.relocate(set(self.avoid), RESCHEDULE_S):
+        if was_on & set(self.avoid) and not roles.relocate(
+            set(self.avoid), RESCHEDULE_S, self.standby
+        ):
             return None
         if nodes_lost and not _rescheduled(roles.placement.pg, RESCHEDULE_S):
             return None
@@ -217,7 +265,13 @@ class Replacer:
             and self.roles.server_infos[k]["node"] == self.roles.stub_infos[0]["node"]
         ):
             return spare.actor
+        far = self.far_server.get(k)
+        if far is not None and self._bundle_node(self.roles.placement.servers[k]) == far.node:
+            return self.far_server.pop(k).actor  # the lost node's bundle moved to the standby
         return self.roles.spawn_server(k)
+
+    def _bundle_node(self, bundle: int) -> str:
+        return self.roles.bundle_nodes().get(bundle, "")
 
     def _rebuild(self, g: int, new: dict[int, Any], timeout_s: float) -> int | None:
         """Bring each new server in ``new`` (by lost index) to the live servers' version (with
@@ -279,7 +333,12 @@ class Replacer:
         lost worker ran elsewhere, the new one goes where it was, so that no node takes on
         more than it was given."""
         on_node = self.roles.stub_infos[g]["node"] == node
-        spare = self.spare_worker.pop(g, None) if on_node else None
+        kept = self.spare_worker
+        far = self.far_worker.get(g)
+        if not on_node and far is not None:  # the lost node's bundle moved to the standby
+            if self._bundle_node(self.roles.placement.workers[g][i]) == far.node:
+                kept = self.far_worker
+        spare = kept.pop(g, None) if on_node or kept is self.far_worker else None
         info = spare.ready(timeout_s) if spare is not None else None
         if spare is not None and info is not None:
             if info.get("gpus") == self.roles.worker_infos[g][i].get("gpus"):
@@ -287,7 +346,7 @@ class Replacer:
                     get_all([spare.actor.adopt.remote(i)], "worker", g)
                     return spare.actor, info
             else:  # it sees another GPU than the lost worker's: it waits for a loss there
-                self.spare_worker[g] = spare
+                kept[g] = spare
         actor = self.roles.spawn_worker(g, i)
         try:
             return actor, get_all([actor.describe.remote()], "worker", g, timeout_s)[0]
@@ -366,6 +425,23 @@ class Spare(NamedTuple):
 
 
 RESCHEDULE_S = 5.0  # how long a lost node's bundles may take to move to a live node
+STANDBY_EVERY_S = 10.0  # how often a run without a standby node looks for one
+
+
+def _free_node(bundle: dict[str, float], taken: set[str]) -> str | None:
+    """A live node outside ``taken`` with room for ``bundle`` now (Ray's available
+    resources), or None."""
+    from ray._private import state  # noqa: PLC0415 - per node: no public getter
+
+    try:
+        free = state.available_resources_per_node()
+    except Exception:  # noqa: BLE001 - Ray's internals moved: no standby node
+        return None
+    for node in sorted(live_nodes() - taken):
+        room = free.get(node, {})
+        if all(room.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items()):
+            return node
+    return None
 
 
 def live_nodes() -> set[str]:

@@ -112,15 +112,16 @@ class RoleGroup:
         n = len(self.placement.pg.bundle_specs)
         return {b: node(*self.moved.get(b, (self.placement.pg, b))) for b in range(n)}
 
-    def relocate(self, avoid: set[str], timeout_s: float) -> bool:
+    def relocate(self, avoid: set[str], timeout_s: float, prefer: str | None = None) -> bool:
         """Move the bundles on nodes ``avoid`` (found unreachable: Ray still counts them alive,
-        so it moves nothing itself) to a placement group of their own on other nodes; the
-        roles spawned in them from now on go there. False where no room was found."""
+        so it moves nothing itself) to a placement group of their own on other nodes (node
+        ``prefer`` where it has room); the roles spawned in them from now on go there. False
+        where no room was found."""
         on = [b for b, node in self.bundle_nodes().items() if node in avoid]
         if not on:
             return True
         specs = [self.placement.pg.bundle_specs[b] for b in on]
-        pg = placement.relocated(specs, avoid, timeout_s)
+        pg = placement.relocated(specs, avoid, timeout_s, prefer)
         if pg is None:
             return False
         self.extra_pgs.append(pg)

@@ -1,0 +1,92 @@
+"""``ray job submit`` from outside the cluster, as a user submits from a laptop, to emulated
+hosts that share nothing but a network (tests/hosts.py): a head without CPUs, and two hosts
+whose Python has Ray and raysinga's dependencies but not raysinga (the job ships it). Once
+training is under way, the host running the workers is lost whole: the job goes on on the
+other host and succeeds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hosts
+import pytest
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cluster(module_lab, node_python):
+    made = hosts.ray_cluster(module_lab, [0, 2, 2], python=node_python)
+    head, *nodes = made
+    for h in nodes:  # what each host's roles run with: no raysinga there
+        r = h.run([node_python, "-c", "import raysinga"])
+        assert r.returncode != 0 and "No module named 'raysinga'" in r.stdout, r.stdout
+    token = head.path("/root/.ray/auth_token").read_text().strip()
+    return made, token
+
+
+def ray_cli(*args: str, token: str, timeout: float) -> subprocess.CompletedProcess:
+    """``ray ARGS`` here, outside the hosts, with the cluster's token (a user copies it)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, NO_PROXY="*", no_proxy="*")
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "ray"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def trained_to(head, run_dir: str, step: int) -> bool:
+    f = head.path(f"{run_dir}/metrics.jsonl")
+    if not f.exists():
+        return False
+    for line in f.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("kind") == "train" and rec["step"] >= step:
+            return True
+    return False
+
+
+def test_a_job_submitted_from_outside_to_hosts_without_raysinga_survives_losing_one(cluster):
+    (head, *nodes), token = cluster
+    run_dir = "/mnt/shared/submitted"
+    sets = ["train_steps=600", "disp_freq=50", "checkpoint_frequency=100", f"run_dir={run_dir}"]
+    at = f"--address=http://{head.address}:8265"
+    cmd = ["job", "submit", at, "--submission-id", "lose-a-host", "--no-wait"]
+    cmd += ["--working-dir", ".", "--", "python", "examples/cluster_digits.py"]
+    cmd += [x for s in sets for x in ("--set", s)]
+    for _ in range(6):  # the head's job agent may come up a moment after `ray start`
+        submit = ray_cli(*cmd, token=token, timeout=300)
+        if "No available agent to submit job" not in submit.stdout + submit.stderr:
+            break
+        time.sleep(5)
+    assert submit.returncode == 0, submit.stdout + submit.stderr
+    deadline = time.monotonic() + 300
+    while not trained_to(head, run_dir, 150):
+        logs = ray_cli("job", "logs", at, "lose-a-host", token=token, timeout=60)
+        assert time.monotonic() < deadline, logs.stdout + logs.stderr
+        time.sleep(0.5)
+    held = hosts.roles_by_host(head, nodes)
+    (victim,) = [h for h in nodes if "Worker" in held[h.name] and "Stub" in held[h.name]]
+    victim.lose()
+    follow = ray_cli("job", "logs", at, "lose-a-host", "--follow", token=token, timeout=600)
+    status = ray_cli("job", "status", at, "lose-a-host", token=token, timeout=60)
+    log = follow.stdout
+    assert "SUCCEEDED" in status.stdout.upper(), status.stdout + log
+    assert f"node(s) {victim.address} unreachable" in log, log
+    assert "recovering (failure 1 of at most 3)" in log, log
+    assert "ModuleNotFoundError" not in log and "Traceback" not in log, log
+    assert float(log.split("final test accuracy: ")[1].split()[0]) >= 0.9, log
