@@ -31,6 +31,9 @@ from raysinga.actors.errors import ActorLost
 from raysinga.cluster.connect import host_answers
 
 
+CONNECT_S = 0.25  # a host that is up answers a connection in far less (its kernel does)
+
+
 class Role(NamedTuple):
     """One role the watch keeps an eye on."""
 
@@ -120,7 +123,7 @@ class Watch:
         down = {}
         for node in dict.fromkeys(self.roles[i].node for i in suspects):
             where = self.addresses.get(node)
-            if where is not None and not host_answers(where, self.unreachable_s):
+            if where is not None and not host_answers(where, min(self.unreachable_s, CONNECT_S)):
                 down[node] = where[0]
         if down:
             lost = [r for r in self.roles if r.node in down]
