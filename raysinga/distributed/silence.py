@@ -30,7 +30,6 @@ import ray
 from raysinga.actors.errors import ActorLost
 from raysinga.cluster.connect import host_answers
 
-
 CONNECT_S = 0.25  # a host that is up answers a connection in far less (its kernel does)
 
 
