@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 
+import pytest
 import ray
 from helpers import load_job
 
@@ -35,6 +36,7 @@ fault: {silent_s: 1.0, silent_steps: 1}
 """
 
 
+@pytest.mark.slow
 def test_a_stopped_worker_is_taken_as_lost_and_replaced_bit_exact(ray_session, tmp_path):
     straight = DistributedTrainer(load_job(tmp_path / "a", JOB), log=None).fit()
     lines: list[str] = []
