@@ -104,7 +104,10 @@ def one_run(lab, made: list, job: str, kind: str, recovery: str, run: str) -> di
         out.append(line)
         if not line.startswith("{"):
             continue
-        rec = json.loads(line)
+        try:  # Ray's forwarded log lines may follow on the same line
+            rec, _ = json.JSONDecoder().raw_decode(line)
+        except ValueError:
+            continue
         if "roles" in rec:
             roles = rec["roles"]
         elif "step" in rec and rec["step"] == KILL_AT and "kill" not in marks:
