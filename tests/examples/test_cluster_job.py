@@ -5,16 +5,14 @@ group is stopped."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import node_processes, ray_start_cluster, run_cli, trained_to
+from helpers import ray_start_cluster, run_cli, trained_to
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -130,56 +128,3 @@ def test_ray_job_stop_commits_a_checkpoint_and_auto_resume_ends_bit_identical(tm
     b = Checkpoint.open(run_dir / "checkpoints" / "step-6000", verify="full")
     for name in a.names("param"):
         assert a.array(name).tobytes() == b.array(name).tobytes(), name
-
-
-@pytest.mark.slow
-@pytest.mark.cluster
-@pytest.mark.ray_stop
-def test_a_job_submitted_to_nodes_without_raysinga_survives_the_loss_of_one(node_python, tmp_path):
-    """`ray job submit --working-dir .` to a head without CPUs and two 2-CPU nodes whose Python
-    cannot import raysinga (the job ships it). Once training is under way, the node running
-    the workers is killed with every process on it: the job goes on on the other node from
-    its last checkpoint and succeeds."""
-    import ray
-
-    ray.shutdown()
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    job_env = {**env, "RAY_AUTH_MODE": "token"}
-    sets = ["train_steps=600", "disp_freq=50", "checkpoint_frequency=100", f"run_dir={tmp_path}"]
-    with ray_start_cluster([(node_python, 2), (node_python, 2)], env) as (_, dash, nodes):
-        at = f"--address=http://127.0.0.1:{dash}"
-        cmd = ["job", "submit", at, "--submission-id", "lose-a-node", "--no-wait"]
-        cmd += ["--working-dir", ".", "--", "python", "examples/cluster_digits.py"]
-        cmd += [x for s in sets for x in ("--set", s)]
-        for _ in range(6):  # the head's job agent may come up a moment after `ray start`
-            submit = ray_cli(*cmd, env=job_env, timeout=300)
-            if "No available agent to submit job" not in submit.stdout + submit.stderr:
-                break
-            time.sleep(5)
-        assert submit.returncode == 0, submit.stdout + submit.stderr
-        deadline = time.monotonic() + 300
-        while not trained_to(tmp_path, 150):
-            assert time.monotonic() < deadline, ray_cli(
-                "job", "logs", at, "lose-a-node", env=job_env, timeout=60
-            ).stdout
-            time.sleep(0.2)
-        (victim,) = [g for g in nodes if any(map(_is_worker, node_processes(g)))]
-        for pid in node_processes(victim):  # the node and every process on it, at once
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        follow = ray_cli("job", "logs", at, "lose-a-node", "--follow", env=job_env, timeout=600)
-        status = ray_cli("job", "status", at, "lose-a-node", env=job_env, timeout=60)
-    log = follow.stdout
-    assert "succeeded" in status.stdout, status.stdout + log
-    assert "recovering (failure 1 of at most 3)" in log, log
-    assert "ModuleNotFoundError" not in log and "Traceback" not in log, log
-    assert float(log.split("final test accuracy: ")[1].split()[0]) >= 0.9, log
-
-
-def _is_worker(pid: int) -> bool:
-    """Whether process ``pid`` is a raysinga worker (Ray titles an actor's process
-    ``ray::<class>``)."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::Worker")
-    except OSError:
-        return False
