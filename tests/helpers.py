@@ -26,7 +26,6 @@ __all__ = [
     "load_job",
     "local_cluster",
     "node_env",
-    "node_processes",
     "ray_start_cluster",
     "run_cli",
     "s3_requests",
@@ -197,28 +196,6 @@ def group_of(pid: int) -> list[int]:
         if fields[0] != "Z" and int(fields[2]) == pid:
             out.append(int(d.name))
     return out
-
-
-def node_processes(pgid: int) -> list[int]:
-    """Every live process of the node ``ray start`` left in process group ``pgid``: the group
-    and everything started under it (Ray gives each worker a process group of its own)."""
-    parents: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z":
-            parents[int(d.name)] = int(fields[1])
-    found = set(group_of(pgid))
-    grew = True
-    while grew:
-        more = {pid for pid, parent in parents.items() if parent in found} - found
-        found |= more
-        grew = bool(more)
-    return sorted(found)
 
 
 def stop_group(*pgids: int, grace: float = 2.0) -> None:
