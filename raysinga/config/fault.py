@@ -51,7 +51,9 @@ class FaultConfig(Section):
     spares: bool = key(
         True,
         description="with `recovery: replace`, an idle spare worker, stub and server wait on "
-        "each group's node and take a lost one's place at once",
+        "each group's node and take a lost one's place at once; where a node has room and none "
+        "of the run's roles (a standby), a spare worker and a spare of each server away from "
+        "the stub wait there for a lost node's roles",
     )
     replay_steps: int = key(
         20,
