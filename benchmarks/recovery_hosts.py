@@ -102,15 +102,16 @@ def one_run(lab, made: list, job: str, kind: str, recovery: str, run: str) -> di
     out = []
     for line in p.stdout:
         out.append(line)
-        if not line.startswith("{"):
+        at = line.find('{"')
+        if at < 0:
             continue
-        try:  # Ray's forwarded log lines may follow on the same line
-            rec, _ = json.JSONDecoder().raw_decode(line)
+        try:  # Ray's forwarded log lines may come before or after it on the same line
+            rec, _ = json.JSONDecoder().raw_decode(line[at:])
         except ValueError:
             continue
         if "roles" in rec:
             roles = rec["roles"]
-        elif "step" in rec and rec["step"] == KILL_AT and "kill" not in marks:
+        elif "step" in rec and rec["step"] >= KILL_AT and roles and "kill" not in marks:
             marks["kill"] = time.time()
             _lose(lab, made, kind, roles)
         elif "recovered" in rec:
