@@ -5,13 +5,15 @@ index in front), so it is the very bytes of the directory format: the same valid
 pickle of ours is involved, and a reader on the same node maps it straight out of shared memory.
 Every file is hashed against the manifest as it is copied in, so a put of a damaged directory
 fails and an object, once made, is as trustworthy as a fully verified directory.
-A named, detached :class:`CheckpointRegistry` actor can own these objects (it puts them itself),
-so they outlive the job that made them; when an object is lost, :func:`fetch` falls back to the
+A named, detached :class:`CheckpointRegistry` actor can own these objects (it puts them itself,
+or has a task on a node that sees the checkpoint's directory pack them), so they outlive the job
+that made them; when an object is lost, :func:`fetch` falls back to the
 disk copy.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -142,19 +144,34 @@ class CheckpointRegistry:
         with ``meta``, what its maker wants a reader to know (returned by :meth:`lookup`)."""
         self._entries[(run, step)] = {"refs": refs, "uri": uri, "nbytes": nbytes, "meta": meta}
 
-    def adopt(self, run: str, step: int, uri: str) -> list[Any]:
+    def adopt(self, run: str, step: int, uri: str, node: str | None = None) -> list[Any]:
         """Put the committed checkpoint at ``uri`` into the object store from this actor, which
-        thereby owns the object: it outlives the job that asked. Returns ``[ref]``, or ``[]``
-        when the directory is gone: calls wait while this actor restarts (its node was lost), and
-        by then the run may have pruned the checkpoint, which the store need not hold either."""
+        thereby owns the object: it outlives the job that asked. ``node``: the Ray node of the
+        caller, which sees ``uri``; where this actor runs on another (a machine that may not
+        mount the run's directory at all), a task there packs it, and this actor owns the
+        result all the same (its copy stays on that node; lost with it, a read falls back to
+        ``uri``). Returns ``[ref]``, or ``[]`` when the directory is gone: calls wait while
+        this actor restarts (its node was lost), and by then the run may have pruned the
+        checkpoint, which the store need not hold either."""
         import ray  # noqa: PLC0415
+        from ray.util.scheduling_strategies import (  # noqa: PLC0415
+            NodeAffinitySchedulingStrategy,
+        )
 
-        try:
-            arr = pack(uri)
-        except FileNotFoundError:
-            return []
-        ref = ray.put(arr)
-        self._entries[(run, step)] = {"refs": [ref], "uri": uri, "nbytes": int(arr.nbytes)}
+        if node is None or node == ray.get_runtime_context().get_node_id():
+            try:
+                arr = pack(uri)
+            except FileNotFoundError:
+                return []
+            ref, nbytes = ray.put(arr), int(arr.nbytes)
+        else:  # soft: where that node is gone, any node that sees ``uri`` packs it
+            there = NodeAffinitySchedulingStrategy(node, soft=True)
+            size, ref = _pack_task().options(scheduling_strategy=there).remote(uri)
+            try:
+                nbytes = ray.get(size)
+            except FileNotFoundError:  # Ray's error of the task is one too
+                return []
+        self._entries[(run, step)] = {"refs": [ref], "uri": uri, "nbytes": nbytes}
         return [ref]
 
     def lookup(self, run: str, step: int | None = None) -> dict[str, Any] | None:
@@ -176,6 +193,20 @@ class CheckpointRegistry:
 
     def delete(self, run: str, step: int) -> bool:
         return self._entries.pop((run, step), None) is not None
+
+
+def _pack_on_node(uri: str) -> tuple[int, np.ndarray]:
+    """:func:`pack` as a task: its size, and the array."""
+    arr = pack(uri)
+    return int(arr.nbytes), arr
+
+
+@functools.cache
+def _pack_task() -> Any:
+    import ray  # noqa: PLC0415
+
+    # no CPU of Ray's: the node's CPUs may all be held by a run's roles
+    return ray.remote(num_returns=2, num_cpus=0)(_pack_on_node)
 
 
 def registry(create: bool = True) -> Any:
@@ -210,7 +241,8 @@ def publish(where: str | Location, run: str, reg: Any = None) -> Any:
     reg = reg or registry()
     loc = storage.resolve(where)
     ck = Checkpoint.open(loc, verify="fast")
-    return ray.get(reg.adopt.remote(run, ck.step, str(loc)))[0]
+    here = ray.get_runtime_context().get_node_id()
+    return ray.get(reg.adopt.remote(run, ck.step, str(loc), here))[0]
 
 
 def fetch(run: str, step: int | None = None, reg: Any = None, verify: str = "fast") -> Checkpoint:

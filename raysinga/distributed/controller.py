@@ -47,9 +47,10 @@ from .coordinator import CheckpointCoordinator
 from .elastic import Elastic
 from .failures import FailureBook
 from .rebuild_async import rebuild_async
-from .replace import ReplaceFailed, Replacer, grad_nbytes, live_nodes, replay_steps
+from .replace import ReplaceFailed, Replacer, grad_nbytes, replay_steps
 from .role_group import RoleGroup
 from .silence import Silent, Watch
+from .spares import live_nodes
 from .stepping import StepRunner
 
 

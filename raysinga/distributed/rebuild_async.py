@@ -17,7 +17,8 @@ import time
 
 from raysinga.actors.errors import get_all
 
-from .replace import Replaced, Replacer, answers, live_nodes
+from .replace import Replaced, Replacer, answers
+from .spares import live_nodes
 
 
 def rebuild_async(replacer: Replacer, done: list[int], timeout_s: float = 20.0) -> Replaced | None:
@@ -40,7 +41,7 @@ def rebuild_async(replacer: Replacer, done: list[int], timeout_s: float = 20.0) 
     ):  # nothing to rebuild, or a worker went too
         return None
     alive = live_nodes()
-    replacer.drop_spares_off(alive)
+    replacer.spares.drop_off(alive)
     if any(roles.server_infos[k]["node"] not in alive for k in lost):
         return None
     roles.replaced = True

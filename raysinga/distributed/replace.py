@@ -9,16 +9,8 @@ only a new role in the lost one's place, started from the lost worker's copy, an
 step it was interrupted in from the servers' update count (its live workers take their own
 copies of that step back). A server holds state: a new one is rebuilt from the copy of the lost
 one that the group's stub keeps, and the summed gradients the stub logged since
-(:mod:`actors.replay`). Starting a role costs a Python process, its imports and its copy of the
-data (about a second on two loaded cores), so each group keeps a spare worker, a spare stub and
-a spare of each server on its node, idle until one takes over; a new spare is then spawned in
-the background.
-
-A GPU role costs more to start: a CUDA context, its kernels compiled or loaded, its memory pool
-grown. Its spare sees the same GPU as the roles it may replace (holding no GPU of Ray's, it
-takes the share the lost role leaves) and, once up, runs one step of its kind on scratch data
-and drops the result (:meth:`Worker.warm`, :meth:`ParamServer.warm`), so that it takes over
-ready.
+(:mod:`actors.replay`). Spares waiting on the group's node and on a standby node
+(:mod:`.spares`) take the lost roles' places, so that no process need be started.
 """
 
 from __future__ import annotations
@@ -29,123 +21,29 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group_table
 
 from raysinga.actors.errors import get_all
 from raysinga.data.cursor import DataCursor
 
 from .role_group import RoleGroup
+from .spares import Spares, live_nodes
 
 
 class Replacer:
     """Replaces lost workers, stubs and servers of one role group's groups."""
 
     def __init__(self, roles: RoleGroup, spares: bool) -> None:
-        self.roles, self.use_spares = roles, spares
-        # group -> a spare on the node of the group's stub
-        self.spare_worker: dict[int, Spare] = {}
-        self.spare_stub: dict[int, Spare] = {}
-        # server index -> a spare on the stub's node, for a server rebuilt from its copy
-        self.spare_server: dict[int, Spare] = {}
+        self.roles = roles
+        self.spares = Spares(roles, spares)
         # nodes the run found unreachable (Ray's id -> address): Ray counts them alive, so it
         # moves nothing off them; the replacement does (RoleGroup.relocate)
         self.avoid: dict[str, str] = {}
-        # A node with room for a worker's bundle and none of the run's roles, where a lost
-        # node's bundles go first, and spares for its roles wait: a worker of each group, and
-        # each server that is not on the stub's node (those have their spares there).
-        self.standby: str | None = None
-        self.far_worker: dict[int, Spare] = {}
-        self.far_server: dict[int, Spare] = {}
-        self.t_standby = -STANDBY_EVERY_S  # when a standby node was last looked for
 
     def prepare(self) -> None:
-        """Spawn each group's missing spares, in the background (not waited for): a worker
-        and a stub on the group's node, and where servers are rebuilt from copies, one for
-        each server on the stub's node."""
-        if self.use_spares:
-            for g in range(len(self.roles.stubs)):
-                if g not in self.spare_worker:
-                    self._spare_worker(g)
-                if g not in self.spare_stub:
-                    self._spare_stub(g)
-            if self.roles.replay:
-                node = self.roles.stub_infos[0]["node"]
-                for k, info in enumerate(self.roles.server_infos):
-                    if k not in self.spare_server and info["node"] == node:
-                        self.spare_server[k] = self._spare(
-                            "server", node, self.roles.server_spec(k), gpus=info.get("gpus")
-                        )
-            self._prepare_standby()
-
-    def _prepare_standby(self) -> None:
-        """Spares on the standby node (found again where it is gone, or now holds roles; looked
-        for at most every ``STANDBY_EVERY_S`` where there is none): a worker of each group, and
-        where servers are rebuilt from copies, each server not on the stub's node."""
-        roles = self.roles
-        used = {i["node"] for i in [*roles.server_infos, *roles.stub_infos]}
-        used |= {i["node"] for row in roles.worker_infos for i in row}
-        if self.standby is not None and (
-            self.standby in used or self.standby in self.avoid or self.standby not in live_nodes()
-        ):
-            self.standby = None
-            self.far_worker.clear()  # left waiting; stopped with the run's other spares
-            self.far_server.clear()
-        if self.standby is None and time.monotonic() - self.t_standby >= STANDBY_EVERY_S:
-            self.t_standby = time.monotonic()
-            self.standby = _free_node(roles.topo.worker.as_bundle(), used | set(self.avoid))
-        if self.standby is None:
-            return
-        for g in range(len(roles.stubs)):
-            if g not in self.far_worker:
-                gpus = roles.worker_infos[g][0].get("gpus")
-                self.far_worker[g] = self._spare(
-                    "worker", self.standby, roles.worker_spec(g, 0), gpus=gpus
-                )
-        if roles.replay:
-            stub_node = roles.stub_infos[0]["node"]
-            for k, info in enumerate(roles.server_infos):
-                if k not in self.far_server and info["node"] != stub_node:
-                    self.far_server[k] = self._spare(
-                        "server", self.standby, roles.server_spec(k), gpus=info.get("gpus")
-                    )
-
-    def _spare_worker(self, g: int) -> None:
-        roles = self.roles
-        self.spare_worker[g] = self._spare(
-            "worker",
-            roles.stub_infos[g]["node"],
-            roles.worker_spec(g, 0),
-            gpus=roles.worker_infos[g][0].get("gpus"),
-        )
-
-    def _spare_stub(self, g: int) -> None:
-        roles = self.roles
-        self.spare_stub[g] = self._spare("stub", roles.stub_infos[g]["node"], *roles.stub_args(g))
-
-    def _spare(self, role: str, node: str, *args: Any, gpus: str | None = None) -> Spare:
-        """A spare ``role`` on ``node``; one of a GPU worker or server (seeing ``gpus``) warms
-        up once started (its calls run in order: a take-over waits for the warm-up). A CPU
-        spare has nothing to compile and starts its first step at once."""
-        actor = self.roles.spawn_spare(role, node, *args, gpus=gpus)
-        described, warmed = actor.describe.remote(), None
-        if gpus is not None and role == "server":
-            warmed = actor.warm.remote(self.roles.plan.updater)
-        elif gpus is not None and role == "worker":
-            warmed = actor.warm.remote()
-        return Spare(actor, described, node, warmed)
-
-    def drop_spares_off(self, alive: set[str]) -> None:
-        """Forget the spares that were on a node now gone (they went with it)."""
-        for spares in (
-            self.spare_worker,
-            self.spare_stub,
-            self.spare_server,
-            self.far_worker,
-            self.far_server,
-        ):
-            for key in [key for key, s in spares.items() if s.node not in alive]:
-                del spares[key]
+        """Spawn the missing spares, in the background (:meth:`Spares.prepare`)."""
+        self.spares.prepare(set(self.avoid))
 
     # ------------------------------------------------------------------ replacing
     def replace(
@@ -178,7 +76,7 @@ class Replacer:
         if lost_servers and stub_lost:
             return None  # the copies and the log went with the stub
         alive = live_nodes() - set(self.avoid)
-        self.drop_spares_off(alive)
+        self.spares.drop_off(alive)
         was_on = {roles.worker_infos[g][i]["node"] for i in lost}
         was_on |= {roles.server_infos[k]["node"] for k in lost_servers}
         was_on |= {roles.stub_infos[g]["node"]} if stub_lost else set()
@@ -187,7 +85,7 @@ class Replacer:
         # new roles go where their bundles now are; with no room left, the elastic rules
         # place a smaller topology instead.
         if was_on & set(self.avoid) and not roles.relocate(
-            set(self.avoid), RESCHEDULE_S, self.standby
+            set(self.avoid), RESCHEDULE_S, self.spares.standby
         ):
             return None
         if nodes_lost and not _rescheduled(roles.placement.pg, RESCHEDULE_S):
@@ -256,22 +154,11 @@ class Replacer:
         return max(done, min((f for f in firsts if f is not None), default=done))
 
     def new_server(self, k: int) -> Any:
-        """Server ``k``'s spare, where it waits on the lost one's node (the stub's); else a
-        new one in the lost one's bundle. (A spare that died is found out by the rebuild's
-        first call, and the loss then restarts every role.)"""
-        spare = self.spare_server.pop(k, None)
-        if (
-            spare is not None
-            and self.roles.server_infos[k]["node"] == self.roles.stub_infos[0]["node"]
-        ):
-            return spare.actor
-        far = self.far_server.get(k)
-        if far is not None and self._bundle_node(self.roles.placement.servers[k]) == far.node:
-            return self.far_server.pop(k).actor  # the lost node's bundle moved to the standby
-        return self.roles.spawn_server(k)
-
-    def _bundle_node(self, bundle: int) -> str:
-        return self.roles.bundle_nodes().get(bundle, "")
+        """Server ``k``'s spare (:meth:`Spares.take_server`); else a new one in the lost one's
+        bundle. (A spare that died is found out by the rebuild's first call, and the loss then
+        restarts every role.)"""
+        spare = self.spares.take_server(k)
+        return spare if spare is not None else self.roles.spawn_server(k)
 
     def _rebuild(self, g: int, new: dict[int, Any], timeout_s: float) -> int | None:
         """Bring each new server in ``new`` (by lost index) to the live servers' version (with
@@ -328,17 +215,9 @@ class Replacer:
     def _take_worker(
         self, g: int, i: int, node: str, timeout_s: float
     ) -> tuple[Any, dict[str, Any]]:
-        """The spare worker, ready, in the place of worker ``i`` (which ran on ``node``);
-        else a new one in the lost one's bundle. A spare waits on the stub's node: where the
-        lost worker ran elsewhere, the new one goes where it was, so that no node takes on
-        more than it was given."""
-        on_node = self.roles.stub_infos[g]["node"] == node
-        kept = self.spare_worker
-        far = self.far_worker.get(g)
-        if not on_node and far is not None:  # the lost node's bundle moved to the standby
-            if self._bundle_node(self.roles.placement.workers[g][i]) == far.node:
-                kept = self.far_worker
-        spare = kept.pop(g, None) if on_node or kept is self.far_worker else None
+        """A spare, ready, in the place of worker ``i`` (which ran on ``node``;
+        :meth:`Spares.take_worker`); else a new one in the lost one's bundle."""
+        spare, kept = self.spares.take_worker(g, i, node)
         info = spare.ready(timeout_s) if spare is not None else None
         if spare is not None and info is not None:
             if info.get("gpus") == self.roles.worker_infos[g][i].get("gpus"):
@@ -356,9 +235,9 @@ class Replacer:
     def _take_stub(self, g: int, timeout_s: float) -> Any:
         """The spare stub, ready; else a new one in the lost one's bundle."""
         ray.kill(self.roles.stubs[g])
-        spare = self.spare_stub.pop(g, None)
-        if spare is not None and spare.ready(timeout_s) is not None:
-            return spare.actor
+        spare = self.spares.take_stub(g, timeout_s)
+        if spare is not None:
+            return spare
         actor = self.roles.spawn_stub(g)
         try:
             get_all([actor.describe.remote()], "stub", g, timeout_s)
@@ -396,57 +275,7 @@ class ReplaceFailed(RuntimeError):
     """A replacement did not come up in time: the run restarts every role instead."""
 
 
-class Spare(NamedTuple):
-    """An idle role waiting to take over from a lost one: the actor, its ``describe()`` ref,
-    the node it waits on, and (a GPU role's) its ``warm()`` ref."""
-
-    actor: Any
-    described: Any
-    node: str
-    warmed: Any = None
-
-    def ready(self, timeout_s: float) -> dict[str, Any] | None:
-        """What it says of itself once up and warm; None where it died, its warm-up failed or
-        it did not come up in time (then a new role is started in the lost one's bundle
-        instead). A warm-up still running after ``timeout_s`` (kernels compiled for the first
-        time) does not count against it: the take-over's calls run after it."""
-        try:
-            info = ray.get(self.described, timeout=timeout_s)
-        except (RayError, GetTimeoutError):
-            return None
-        if self.warmed is not None:
-            try:
-                ray.get(self.warmed, timeout=timeout_s)
-            except GetTimeoutError:
-                pass
-            except RayError:
-                return None
-        return info
-
-
 RESCHEDULE_S = 5.0  # how long a lost node's bundles may take to move to a live node
-STANDBY_EVERY_S = 10.0  # how often a run without a standby node looks for one
-
-
-def _free_node(bundle: dict[str, float], taken: set[str]) -> str | None:
-    """A live node outside ``taken`` with room for ``bundle`` now (Ray's available
-    resources), or None."""
-    from ray._private import state  # noqa: PLC0415 - per node: no public getter
-
-    try:
-        free = state.available_resources_per_node()
-    except Exception:  # noqa: BLE001 - Ray's internals moved: no standby node
-        return None
-    for node in sorted(live_nodes() - taken):
-        room = free.get(node, {})
-        if all(room.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items()):
-            return node
-    return None
-
-
-def live_nodes() -> set[str]:
-    """The Ray nodes alive now (their ids)."""
-    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
 
 def _rescheduled(pg: Any, timeout_s: float) -> bool:

@@ -70,7 +70,8 @@ def keep_in_object_store(run_key: str, step: int, uri: str, adopting: list[Any])
     reg = actor(create=True)
     if adopting:
         _, adopting[:] = ray.wait(adopting, num_returns=len(adopting), timeout=0)
-    adopting.append(reg.adopt.remote(run_key, step, uri))
+    here = ray.get_runtime_context().get_node_id()  # it sees ``uri``; the registry may not
+    adopting.append(reg.adopt.remote(run_key, step, uri, here))
 
 
 def wait_adopted(adopting: list[Any], log: Any, timeout: float = 30.0) -> None:

@@ -154,6 +154,23 @@ def test_the_registry_skips_a_checkpoint_pruned_before_it_got_to_it(ray_session,
         ray_session.get(reg.adopt.remote("pruned-run", 4, str(path)))
 
 
+def test_the_registry_has_a_checkpoint_packed_on_the_node_that_sees_it(ray_session, tmp_path):
+    # A registry on another machine than the run's may not mount its directory: a task on the
+    # caller's node packs it, owned by the registry. (One node here: a node id of no node, and
+    # the soft affinity lands on this one, through the same path.)
+    reg, elsewhere = O.registry(), "ab" * 28
+    path = C.save(tmp_path, 5, {"w": np.arange(6, dtype=np.float32)}).path
+    refs = ray_session.get(reg.adopt.remote("packed-run", 5, str(path), elsewhere))
+    assert len(refs) == 1
+    entry = ray_session.get(reg.lookup.remote("packed-run"))
+    assert entry["step"] == 5 and entry["nbytes"] > 0
+    np.testing.assert_array_equal(O.fetch("packed-run").array("w"), np.arange(6, dtype=np.float32))
+    assert ray_session.get(reg.delete.remote("packed-run", 5))
+    shutil.rmtree(path)  # pruned before the task got to it
+    assert ray_session.get(reg.adopt.remote("packed-run", 5, str(path), elsewhere)) == []
+    assert ray_session.get(reg.lookup.remote("packed-run")) is None
+
+
 def test_a_lost_object_falls_back_to_the_disk_copy(ray_session, tmp_path):
     publish_from_another_job(ray_session, tmp_path, "owned-by-job")
     # The owner (that job) is gone, so the object goes too, once Ray has noticed the death;

@@ -1,7 +1,9 @@
 """A checkpoint handed across hosts through the object store (raysinga/run/registry.py), on
 emulated hosts that share nothing but a network (tests/hosts.py): a run on two hosts puts its
 checkpoints into the object store; a Ray task on a third host, which does not see the run's
-checkpoint directory at all, reads the newest one from the registry, bit for bit."""
+checkpoint directory at all, reads the newest one from the registry, bit for bit. The registry
+itself lives on that third host, as it may when the first job to ask started it there: it
+cannot read the run's directory, so the run's node packs the checkpoints for it."""
 
 from __future__ import annotations
 
@@ -39,6 +41,20 @@ pin = NodeAffinitySchedulingStrategy(here, soft=False)
 print(json.dumps(ray.get(read.options(scheduling_strategy=pin).remote(key))))
 """
 
+REGISTRY_HERE = """
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from raysinga.checkpoint import objstore as O
+ray.init(address="{address}", log_to_driver=False)
+here = ray.get_runtime_context().get_node_id()
+reg = ray.remote(O.CheckpointRegistry).options(
+    name=O.REGISTRY_NAME, namespace=O.REGISTRY_NAMESPACE, lifetime="detached", num_cpus=0,
+    scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+).remote()
+ray.get(reg.list.remote())
+print("registry on", here)
+"""
+
 JOB = """
 name: registry-hosts
 seed: 6
@@ -63,15 +79,18 @@ def test_a_task_on_another_host_reads_the_newest_checkpoint_from_the_registry(mo
     reader = module_lab.host("reader")  # no shared directory: the disk copy is out of reach
     reader.ray_start(0, head=head)  # it hosts no role, only the task
     hosts.wait_nodes(head, 4)
+    address = f"{head.address}:6379"
+    made = reader.python(REGISTRY_HERE.format(address=address), timeout=300)
+    assert made.returncode == 0, made.stdout
     head.path("/mnt/shared/job.yaml").write_text(JOB)
     ckdir = "/mnt/shared/run/checkpoints"
     train = head.run(
-        ["raysinga", "train", "/mnt/shared/job.yaml", "--address", f"{head.address}:6379"]
+        ["raysinga", "train", "/mnt/shared/job.yaml", "--address", address]
         + ["--set", "run_dir=/mnt/shared/run"],
         timeout=600,
     )
     assert train.returncode == 0, train.stdout
-    code = READ.format(address=f"{head.address}:6379", ckdir=ckdir)
+    code = READ.format(address=address, ckdir=ckdir)
     got = reader.python(code, timeout=300)
     assert got.returncode == 0, got.stdout
     seen = json.loads(got.stdout.strip().splitlines()[-1])
