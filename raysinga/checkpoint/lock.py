@@ -33,6 +33,7 @@ from .storage import Location, exists, read_bytes, replace_bytes
 
 LEASE_S = 15.0  # a writer that stops renewing loses the lock this long after its last renewal
 SETTLE_S = 0.5  # on an object store: how long a taker waits before reading back who won
+TORN_READS = 3  # on an object store: reads of a lock record cut short before it counts as garbage
 
 
 class RunLock:
@@ -104,15 +105,27 @@ class RunLock:
     def _try_remote(self, seen: dict[str, Any]) -> bool:
         # An object store has no create-if-absent: write, wait, and read back who won (the
         # last writer of two racing takers; the other sees its token gone and backs off).
-        try:
-            held = read_bytes(self.file) if exists(self.file) else None
-        except FileNotFoundError:  # let go of between the two calls
-            held = None
+        held = self._read_remote()
         if held is not None and not self._free(held, seen):
             return False
         replace_bytes(self.file, self._record())
         time.sleep(SETTLE_S)
         return self._parse(read_bytes(self.file)).get("token") == self.token
+
+    def _read_remote(self) -> bytes | None:
+        """The lock's bytes on an object store (None: there is none). A record cut short is
+        read again (up to ``TORN_READS`` times): a store that serves a read while the holder
+        overwrites the lock may send part of the old body (moto does); the whole lock is
+        what counts, and one that stays unreadable is reported as such."""
+        for _ in range(TORN_READS):
+            try:
+                held = read_bytes(self.file) if exists(self.file) else None
+            except FileNotFoundError:  # let go of between the two calls
+                return None
+            if held is None or "text" not in self._parse(held) or not held.startswith(b"{"):
+                return held
+            time.sleep(SETTLE_S / 5)
+        return held
 
     def _free(self, data: bytes, seen: dict[str, Any]) -> bool:
         """Whether the lock recorded as ``data`` may be taken over; raises CheckpointError

@@ -174,3 +174,22 @@ def test_a_writer_paused_past_its_lease_learns_it_lost_the_run(tmp_path):
         if p.poll() is None:
             os.kill(p.pid, signal.SIGCONT)
             p.kill()
+
+
+def test_a_lock_record_read_cut_short_on_an_object_store_is_read_again(monkeypatch, tmp_path):
+    """A store may serve a read while the holder overwrites the lock, and send part of the old
+    body (moto's server does): that is read again, not taken for a lock without a lease. One
+    that stays cut short is what the lock file holds, and reported as such."""
+    from raysinga.checkpoint import lock  # noqa: PLC0415
+
+    whole = json.dumps({"host": "h", "pid": 1, "token": "t", "until": time.time() + 60}).encode()
+    reads = [whole[:-1], whole]
+    monkeypatch.setattr(lock, "exists", lambda _: True)
+    monkeypatch.setattr(lock, "read_bytes", lambda _: reads.pop(0) if len(reads) > 1 else reads[0])
+    held = RunLock(resolve(tmp_path))._read_remote()
+    assert held == whole
+    reads[:] = [whole[:-1]]
+    held = RunLock(resolve(tmp_path))._read_remote()
+    assert held == whole[:-1]
+    with pytest.raises(CheckpointError, match="if it is gone, remove"):
+        RunLock(resolve(tmp_path))._free(held, {})
