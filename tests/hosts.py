@@ -481,14 +481,16 @@ def wait_nodes(head: Host, n: int, timeout: float = 60) -> None:
 
 
 def roles_by_host(head: Host, among: list[Host]) -> dict[str, list[str]]:
-    """The classes of the live actors on each of ``among`` (by host name), as Ray's state API
-    on the head lists them."""
+    """The classes of the live actors in a placement group on each of ``among`` (by host
+    name), as Ray's state API on the head lists them: a run's roles as placed, without the
+    spares that wait outside the group (on a standby host too) until one takes over."""
     code = (
         "import json, ray\n"
         "from ray.util.state import list_actors\n"
         f"ray.init(address='{head.address}:6379', log_to_driver=False)\n"
         "ips = {n['NodeID']: n['NodeManagerAddress'] for n in ray.nodes()}\n"
-        "acts = list_actors(filters=[('state', '=', 'ALIVE')], limit=1000)\n"
+        "acts = list_actors(filters=[('state', '=', 'ALIVE')], limit=1000, detail=True)\n"
+        "acts = [a for a in acts if a.placement_group_id]\n"
         "print(json.dumps([(ips.get(a.node_id), a.class_name) for a in acts]))\n"
     )
     r = head.python(code, timeout=120)
