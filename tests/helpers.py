@@ -301,8 +301,8 @@ def node_env(where: Path, without: tuple[str, ...] = ()) -> str:
         check=True,
     ).stdout.strip()
     deps = Path(sysconfig.get_paths()["purelib"])
-    if without:  # a directory of links to every entry but those
-        linked = where / "deps"
+    if without:  # a directory of links to every entry but those, in the environment
+        linked = where / "venv" / "deps"  # (which an emulated host sees: tests/hosts.py)
         linked.mkdir()
         for entry in deps.iterdir():
             top = entry.name.split("-")[0].split(".")[0].lower()

@@ -2,7 +2,8 @@
 hosts that share nothing but a network (tests/hosts.py): a head without CPUs, and two hosts
 whose Python has Ray and raysinga's dependencies but not raysinga (the job ships it). Once
 training is under way, the host running the workers is lost whole: the job goes on on the
-other host and succeeds."""
+other host and succeeds. Without shipping, the hosts that cannot import raysinga are named in
+one line; so is a host whose Python lacks one of its dependencies."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import hosts
 import pytest
+from helpers import node_env
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -90,3 +92,41 @@ def test_a_job_submitted_from_outside_to_hosts_without_raysinga_survives_losing_
     assert "recovering (failure 1 of at most 3)" in log, log
     assert "ModuleNotFoundError" not in log and "Traceback" not in log, log
     assert float(log.split("final test accuracy: ")[1].split()[0]) >= 0.9, log
+
+
+def raysinga_train(head, run_dir: str, *more: str) -> subprocess.CompletedProcess:
+    """``raysinga train`` of the digits MLP on the head, whose Python has raysinga."""
+    args = [str(Path(sys.executable).parent / "raysinga"), "train"]
+    args += [str(ROOT / "examples" / "digits_mlp.yaml"), "--address", f"{head.address}:6379"]
+    args += ["--set", "train_steps=100", "--set", f"run_dir={run_dir}", *more]
+    return head.run(args, timeout=600)
+
+
+def one_error(run: subprocess.CompletedProcess) -> str:
+    assert run.returncode == 1, run.stdout
+    errors = [line for line in run.stdout.splitlines() if line.startswith("raysinga: error:")]
+    assert len(errors) == 1 and "Traceback" not in run.stdout, run.stdout
+    return errors[0]
+
+
+def test_without_shipping_the_hosts_that_cannot_import_raysinga_are_named(cluster, node_python):
+    (head, *_), _ = cluster
+    run = raysinga_train(head, "/mnt/shared/no-ship", "--no-ship")
+    error = one_error(run)
+    assert "cannot import raysinga" in error and node_python in error, error
+    assert "--no-ship" in error, error
+    assert not head.path("/mnt/shared/no-ship/checkpoints").exists()
+
+
+def test_a_host_without_a_dependency_is_named_in_one_line(cluster, module_lab, tmp_path):
+    """A host whose Python lacks pyarrow joins: the run stops before any role, naming the
+    host, the module and the remedy, in one line and without a traceback."""
+    (head, *nodes), _ = cluster
+    lacking = node_env(tmp_path, without=("pyarrow",))
+    host = module_lab.host(f"h{len(nodes) + 2}", shared=True, python=lacking)
+    host.ray_start(1, head=head)
+    hosts.wait_nodes(head, len(nodes) + 2)
+    error = one_error(raysinga_train(head, "/mnt/shared/lacking"))
+    assert "cannot import pyarrow" in error and lacking in error, error
+    assert host.address in error and "pip install pyarrow" in error, error
+    assert not head.path("/mnt/shared/lacking/checkpoints").exists()  # nothing was written
