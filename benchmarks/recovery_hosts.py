@@ -177,6 +177,16 @@ def main(args, report_name: str = "bench_recovery_hosts") -> None:
                     run = one_run(lab, made, job, kind, path, f"{kind}-{path}{r}")
                     out.setdefault((kind, path), []).append(run)
                     print(f"  {kind}, {path}, run {r}: {run}", flush=True)
+        while threading.active_count() > 1:  # a new host joining after the last run
+            time.sleep(0.5)
+    write_report(out, args, kinds, report_name)
+
+
+def write_report(
+    out: dict[tuple[str, str], list[dict[str, float]]], args, kinds: list[str], report_name: str
+) -> None:
+    """The figures of the runs in ``out`` (by kind and path), printed and written to
+    ``args.json``."""
     print(
         f"{Path(args.job).name}, 1 group x 2 workers + 2 servers on emulated hosts (a head and "
         f"{args.hosts} hosts of 2 CPUs, 2 cores in all); kill at step {KILL_AT}; checkpoints "
