@@ -34,6 +34,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 RANGE = ipaddress.ip_network("198.18.0.0/15")  # RFC 2544's benchmark range: never routed
 VENV = Path(sys.prefix)
@@ -480,10 +481,11 @@ def wait_nodes(head: Host, n: int, timeout: float = 60) -> None:
     assert r.returncode == 0 and r.stdout.strip().endswith(str(n)), r.stdout
 
 
-def roles_by_host(head: Host, among: list[Host]) -> dict[str, list[str]]:
-    """The classes of the live actors in a placement group on each of ``among`` (by host
-    name), as Ray's state API on the head lists them: a run's roles as placed, without the
-    spares that wait outside the group (on a standby host too) until one takes over."""
+def placed_roles(head: Host, among: list[Host]) -> list[dict[str, Any]]:
+    """The live actors in a placement group on ``among``, as Ray's state API on the head lists
+    them: a run's roles as placed, without the spares that wait outside the group (on a
+    standby host too) until one takes over. Each: ``host`` (its name), ``cls`` and ``pid`` (as
+    its host sees it)."""
     code = (
         "import json, ray\n"
         "from ray.util.state import list_actors\n"
@@ -491,16 +493,23 @@ def roles_by_host(head: Host, among: list[Host]) -> dict[str, list[str]]:
         "ips = {n['NodeID']: n['NodeManagerAddress'] for n in ray.nodes()}\n"
         "acts = list_actors(filters=[('state', '=', 'ALIVE')], limit=1000, detail=True)\n"
         "acts = [a for a in acts if a.placement_group_id]\n"
-        "print(json.dumps([(ips.get(a.node_id), a.class_name) for a in acts]))\n"
+        "print(json.dumps([(ips.get(a.node_id), a.class_name, a.pid) for a in acts]))\n"
     )
     r = head.python(code, timeout=120)
     assert r.returncode == 0, r.stdout
-    pairs = json.loads(r.stdout.strip().splitlines()[-1])
     names = {h.address: h.name for h in among}
+    return [
+        {"host": names[ip], "cls": cls, "pid": pid}
+        for ip, cls, pid in json.loads(r.stdout.strip().splitlines()[-1])
+        if ip in names
+    ]
+
+
+def roles_by_host(head: Host, among: list[Host]) -> dict[str, list[str]]:
+    """The classes of the roles on each of ``among`` (by host name): :func:`placed_roles`."""
     out: dict[str, list[str]] = {h.name: [] for h in among}
-    for ip, cls in pairs:
-        if ip in names:
-            out[names[ip]].append(cls)
+    for role in placed_roles(head, among):
+        out[role["host"]].append(role["cls"])
     return out
 
 
