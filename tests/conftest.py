@@ -19,7 +19,6 @@ from helpers import (
     S3_KEYS,
     free_port,
     group_of,
-    local_cluster,
     node_env,
     start_ray,
     stop_group,
@@ -274,13 +273,6 @@ def pytest_sessionfinish(session, exitstatus):
     if left:
         print(f"\nthe suite's emulated hosts left: {'; '.join(left)}", file=sys.stderr)
         session.exitstatus = 1
-
-
-@pytest.fixture(scope="module")
-def two_node_cluster():
-    """A head with no CPUs and two 2-CPU nodes."""
-    with local_cluster(2, 2) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -70,6 +70,21 @@ def reference(cluster):
     return final_meta(head, "/mnt/shared/reference")
 
 
+def test_a_group_split_over_two_hosts_matches_the_single_process_run(cluster, reference, tmp_path):
+    """The reference run, its two workers on two hosts (their gradients and the parameters
+    crossing the network), against the same job in one process here, at step 100."""
+    from raysinga import config  # noqa: PLC0415
+    from raysinga.run import Trainer  # noqa: PLC0415
+
+    head = cluster[0]
+    (tmp_path / "job.yaml").write_text(JOB)
+    sets = [f"run_dir={tmp_path / 'one'}", "topology=null", "train_steps=100"]
+    want = Trainer(config.load(tmp_path / "job.yaml", sets), log=lambda s: None).fit().params
+    got = Checkpoint.open(head.path("/mnt/shared/reference/checkpoints/step-100")).arrays()
+    for name, a in want.items():
+        assert np.abs(got[name] - a).max() <= 1e-5 * np.abs(a).max(), name
+
+
 @pytest.mark.parametrize("role", ["worker", "stub", "server"])
 def test_a_role_killed_on_its_host_is_replaced_there_bit_exact(cluster, reference, role):
     head, *nodes = [h for h in cluster if not h.lost]
@@ -161,3 +176,4 @@ def test_asynchronous_groups_on_two_hosts_drop_a_lost_hosts_group_then_take_it_b
     assert "1 group(s) x 1 worker(s) of the configured 2 x 1" in text, text
     final = Checkpoint.open(head.path(f"{run_dir}/checkpoints/step-400"), verify="full")
     assert all(np.isfinite(a).all() for a in final.arrays().values())
+    assert float(text.split("final test accuracy: ")[1].split()[0]) >= 0.9, text
