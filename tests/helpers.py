@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from raysinga.cluster.local import local_cluster
-
 __all__ = [
     "S3_BUCKET",
     "S3_KEYS",
@@ -24,7 +22,6 @@ __all__ = [
     "free_port",
     "group_of",
     "load_job",
-    "local_cluster",
     "node_env",
     "ray_start_cluster",
     "run_cli",

@@ -513,6 +513,154 @@ def roles_by_host(head: Host, among: list[Host]) -> dict[str, list[str]]:
     return out
 
 
+# ---------------------------------------------------------------------- a driver on the head
+# A test whose driver must act at an instant of the run (a hook of the trainer's) runs that
+# driver on the head host (:func:`drive`); where it loses or adds a machine, it asks the lab,
+# which lives outside the hosts, through its own stdout and stdin (:class:`RemoteCluster`).
+REQUEST = "@lab "
+
+
+def drive(made: list[Host], fn: Any, *args: Any, timeout: float = 900):
+    """Run ``fn(*args)`` (a module-level function of a test module; its arguments JSON) in a
+    Python on ``made[0]``, the head, answering its :class:`RemoteCluster` requests: a host
+    lost (marked lost in ``made``) or a new one started with ``ray start`` (appended to
+    ``made``). Returns the finished process, its output in ``stdout``; it is killed at
+    ``timeout``."""
+    import inspect  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    head = made[0]
+    where = [str(CHECKOUT / "tests"), str(Path(inspect.getfile(fn)).parent)]
+    code = (
+        "import importlib, json, sys\n"
+        f"sys.path[:0] = {json.dumps(where)}\n"
+        f"fn = getattr(importlib.import_module({fn.__module__!r}), {fn.__name__!r})\n"
+        "fn(*json.loads(sys.argv[1]))\n"
+    )
+    argv = [str(VENV / "bin" / "python"), "-c", code, json.dumps(args)]
+    p = head.popen(
+        argv, env={"PYTHONUNBUFFERED": "1"}, stdin=subprocess.PIPE, start_new_session=True
+    )
+    expired = threading.Event()
+
+    def expire() -> None:  # nsenter and the driver it forked in the host: one process group
+        expired.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+
+    timer = threading.Timer(timeout, expire)
+    timer.start()
+    out: list[str] = []
+    try:
+        assert p.stdout is not None and p.stdin is not None
+        for line in p.stdout:
+            if not line.startswith(REQUEST):
+                out.append(line)
+                continue
+            try:
+                reply = "ok " + _carry_out(json.loads(line[len(REQUEST) :]), made)
+            except Exception as e:  # noqa: BLE001 - the driver raises it
+                reply = f"error {type(e).__name__}: {e}".replace("\n", " ")
+            p.stdin.write(reply + "\n")
+            p.stdin.flush()
+        p.wait()
+    finally:
+        timer.cancel()
+        if p.poll() is None:  # the test failed while it ran
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    text = "".join(out)
+    if expired.is_set():
+        text += f"\n[the driver was killed at the {timeout} s limit]"
+    return subprocess.CompletedProcess(argv, p.returncode, text, "")
+
+
+def _carry_out(request: dict[str, Any], made: list[Host]) -> str:
+    head = made[0]
+    if request["op"] == "lose":
+        (host,) = [h for h in made if h.address == request["address"] and not h.lost]
+        host.lose()
+        return host.address
+    if request["op"] == "add":
+        host = head.lab.host(f"h{len(made) + 1}", shared=True)
+        resources = request.get("resources")
+        more = [f"--resources={json.dumps(resources)}"] if resources else []
+        host.ray_start(request["cpus"], head, 256, *more)
+        made.append(host)
+        return host.address
+    raise ValueError(f"no such request: {request}")
+
+
+@dataclass
+class RemoteNode:
+    """A node as :class:`RemoteCluster` lists it (what tests and raysinga's chaos read of a
+    ``ray.cluster_utils`` node)."""
+
+    node_id: str
+    address: str
+    cpus: int
+
+    @property
+    def _ray_params(self) -> Any:
+        import types  # noqa: PLC0415
+
+        return types.SimpleNamespace(num_cpus=self.cpus)
+
+
+class RemoteCluster:
+    """In a driver started by :func:`drive`: the calls of ``ray.cluster_utils.Cluster`` that
+    the tests and raysinga's chaos make, carried out by the lab outside the hosts. Removing a
+    node loses its host whole (every process SIGKILLed, its link down); adding one starts a
+    new host with ``ray start``. Ray must be initialized."""
+
+    def __init__(self) -> None:
+        import threading  # noqa: PLC0415
+
+        self._lock = threading.Lock()  # one request at a time, from any thread
+
+    def _ask(self, request: dict[str, Any]) -> str:
+        with self._lock:
+            sys.stdout.write(REQUEST + json.dumps(request) + "\n")
+            sys.stdout.flush()
+            reply = sys.stdin.readline().strip()
+        if not reply.startswith("ok "):
+            raise RuntimeError(f"the lab could not {request['op']}: {reply or 'no answer'}")
+        return reply[3:]
+
+    @staticmethod
+    def _nodes() -> list[RemoteNode]:
+        import ray  # noqa: PLC0415
+
+        return [
+            RemoteNode(n["NodeID"], n["NodeManagerAddress"], int(n["Resources"].get("CPU", 0)))
+            for n in ray.nodes()
+            if n["Alive"] and "node:__internal_head__" not in n["Resources"]
+        ]
+
+    @property
+    def worker_nodes(self) -> list[RemoteNode]:
+        """The live nodes but the head."""
+        return self._nodes()
+
+    def remove_node(self, node: RemoteNode, allow_graceful: bool = False) -> None:
+        self._ask({"op": "lose", "address": node.address})
+
+    def add_node(self, num_cpus: int = 1, resources: dict[str, float] | None = None, **_):
+        """A new host of ``num_cpus`` CPUs (and ``resources``), once Ray counts it alive."""
+        address = self._ask({"op": "add", "cpus": num_cpus, "resources": resources})
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            found = [n for n in self._nodes() if n.address == address]
+            if found:
+                return found[0]
+            time.sleep(0.2)
+        raise RuntimeError(f"the node started on {address} did not join in 60 s")
+
+    def wait_for_nodes(self) -> None:
+        """Nothing to wait for: :meth:`add_node` returns once its node has joined."""
+
+
 ALL_NAMESPACES: set[str] = set()  # of every lab of this process: the session's last check
 
 

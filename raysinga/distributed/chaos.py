@@ -193,7 +193,7 @@ class Chaos:
                 if node is not None:
                     self._remove(node)
                 else:
-                    _sigkill(a["pid"], a["node_id"])
+                    sigkill(a["pid"], a["node_id"])
                 kill = Kill(
                     round(time.monotonic() - self._t0, 3),
                     "node" if node is not None else a["class_name"],
@@ -290,7 +290,7 @@ def _actor_lister() -> Any:
         return control_store
 
 
-def _sigkill(pid: int, node_id: str) -> None:
+def sigkill(pid: int, node_id: str) -> None:
     """SIGKILL ``pid`` on its node: here directly, elsewhere by a task placed on that node."""
     import ray  # noqa: PLC0415
     from ray.util.scheduling_strategies import (  # noqa: PLC0415

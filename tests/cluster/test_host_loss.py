@@ -2,9 +2,14 @@
 run notices it by itself (its heartbeat, and the host's silence), replaces the worker and the
 server it held on another host, rebuilds the server from its copy, and ends bit-identical to a
 run never interrupted; ``raysinga train --resume`` from a third host continues it bit-exactly.
-Checkpoints on a directory every host mounts, and on an S3 server on a host of its own."""
+Checkpoints on a directory every host mounts, and on an S3 server on a host of its own. The
+host of the stub lost: every role restarts from the newest checkpoint, bit-identical still. Then
+chaos: roles SIGKILLed at seeded random instants, half the kills taking their whole host (a new
+host joining in its place), and the run still ends bit-identical."""
 
 from __future__ import annotations
+
+import json
 
 import pyarrow.fs as pafs
 import pytest
@@ -124,3 +129,65 @@ def test_a_lost_host_is_replaced_and_the_run_ends_bit_identical(cluster, referen
     spare = cluster["lab"].host(f"h{len(cluster['hosts']) + 1}", shared=True)
     spare.ray_start(2, head=head)  # a new machine in the lost one's place, for what follows
     cluster["hosts"].append(spare)
+
+
+def test_a_lost_host_that_held_the_stub_restarts_from_the_newest_checkpoint(cluster, reference):
+    """The stub held the servers' copies and the replay log: with its host they are gone, so
+    every role restarts from the newest checkpoint, and the run still ends bit-identical."""
+    import hosts  # noqa: PLC0415
+
+    head, *nodes = [h for h in cluster["hosts"] if not h.lost]
+    run_dir = "/mnt/shared/stub-run"
+    run = train(head, head, f"run_dir={run_dir}", wait=False)
+    out, victim = [], None
+    for line in run.stdout:
+        out.append(line)
+        if victim is None and line.split()[:2] == ["step", "150/400"]:
+            held = hosts.roles_by_host(head, nodes)
+            victim = next(h for h in nodes if "Stub" in held[h.name])
+            victim.lose()
+    run.wait(timeout=600)
+    text = "".join(out)
+    assert run.returncode == 0 and victim is not None, text
+    lines = head.path(f"{run_dir}/metrics.jsonl").read_text().splitlines()
+    (ev,) = [r for r in map(json.loads, lines) if r["kind"] == "failure"]
+    assert ev["recovery"] == "restarted" and ev["restored_from"] == 100, ev
+    assert ev["steps_redone"] == ev["step"] - ev["restored_from"], ev
+    assert meta(lambda p: head.path(p).read_text(), f"{run_dir}/checkpoints", 400) == reference[400]
+    spare = cluster["lab"].host(f"h{len(cluster['hosts']) + 1}", shared=True)
+    spare.ray_start(2, head=head)
+    cluster["hosts"].append(spare)
+
+
+def chaos_taking_hosts(address: str, run_dir: str, seed: int) -> None:
+    """A driver on the head (``hosts.drive``): the job under raysinga's chaos, four kills, half
+    of them losing the chosen role's host (a 2-CPU host joining after each). Prints the chaos's
+    lines, then the roles killed (``node`` for a host)."""
+    import hosts  # noqa: PLC0415
+    import ray  # noqa: PLC0415
+
+    from raysinga import config  # noqa: PLC0415
+    from raysinga.distributed import DistributedTrainer  # noqa: PLC0415
+    from raysinga.distributed.chaos import Chaos  # noqa: PLC0415
+
+    ray.init(address=address, log_to_driver=False)
+    sets = [f"run_dir={run_dir}", "train_steps=500", "checkpoint_frequency=50"]
+    t = DistributedTrainer(config.load("/mnt/shared/job.yaml", [*sets, "fault.max_failures=20"]))
+    lines: list[str] = []
+    cluster = hosts.RemoteCluster()
+    with Chaos(t, seed, 4, (0.3, 1.0), 1, lines.append, cluster, node_share=0.5) as chaos:
+        t.fit()
+    print("\n".join(lines))
+    print(json.dumps([k.role for k in chaos.done]))
+
+
+def test_chaos_that_takes_whole_hosts_is_survived_bit_exact(cluster, reference):
+    import hosts  # noqa: PLC0415
+
+    head = cluster["hosts"][0]
+    run_dir = "/mnt/shared/chaos"
+    r = hosts.drive(cluster["hosts"], chaos_taking_hosts, f"{head.address}:6379", run_dir, 4)
+    assert r.returncode == 0, r.stdout
+    roles = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(roles) == 4 and "node" in roles, r.stdout
+    assert meta(lambda p: head.path(p).read_text(), f"{run_dir}/checkpoints", 500) == reference[500]

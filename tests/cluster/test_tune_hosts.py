@@ -2,7 +2,9 @@
 nothing but a network and the Tune storage directory (tests/hosts.py): synchronous PBT over four
 trials, two on each host (each host's keeper owns its trials' checkpoints in the object store),
 where a trial's donor may be on the other host. The trial with the longest lineage is
-replayed from the head, its segments read across the network, bit for bit."""
+replayed from the head, its segments read across the network, bit for bit. A host lost with its
+trials' keeper: the checkpoint of a trial with a disk copy on the shared directory is read from
+there; the other's is refused, naming the loss."""
 
 from __future__ import annotations
 
@@ -38,10 +40,16 @@ print(json.dumps(sorted(ips.get(a["name"][len("{prefix}"):], "?") for a in names
 """
 
 
-def test_a_pbt_search_over_two_hosts_exploits_across_them_and_replays_bit_for_bit(module_lab):
+@pytest.fixture(scope="module")
+def cluster(module_lab):
+    """A head that holds no trial (the drivers run there) and two 2-CPU hosts."""
+    return hosts.ray_cluster(module_lab, [0, 2, 2])
+
+
+def test_a_pbt_search_over_two_hosts_exploits_across_them_and_replays_bit_for_bit(cluster):
     from raysinga.tune.handover import KEEPER_PREFIX  # noqa: PLC0415
 
-    head, *nodes = hosts.ray_cluster(module_lab, [0, 2, 2])
+    head, *nodes = cluster
     head.path("/mnt/shared/job.yaml").write_text(JOB)
     address = f"{head.address}:6379"
     tune = ["raysinga", "tune", "/mnt/shared/job.yaml", "--address", address]
@@ -73,3 +81,80 @@ def test_a_pbt_search_over_two_hosts_exploits_across_them_and_replays_bit_for_bi
     assert said in replay.stdout, replay.stdout
     same = f"the parameters equal trial {trial}'s at step 40, bit for bit"
     assert same in replay.stdout, replay.stdout
+
+
+def keeper_lost_with_its_host(address: str) -> None:
+    """A driver on the head (``hosts.drive``): two searches of one trial each, run on a new
+    host (its resource ``doomed``) that is then lost with its keeper and the objects the
+    keeper owned, one trial with a disk copy on the shared directory, one without."""
+    import time  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+    import ray  # noqa: PLC0415
+    from helpers import tune_job  # noqa: PLC0415
+    from ray import tune  # noqa: PLC0415
+    from ray.exceptions import GetTimeoutError, RayActorError  # noqa: PLC0415
+
+    from raysinga.checkpoint import Checkpoint, CheckpointError, objstore  # noqa: PLC0415
+    from raysinga.tune import trials as rtune  # noqa: PLC0415
+    from raysinga.tune.handover import KEEPER_PREFIX  # noqa: PLC0415
+
+    ray.init(address=address, log_to_driver=False)
+    cluster = hosts.RemoteCluster()
+    doomed = cluster.add_node(num_cpus=1, resources={"doomed": 1})
+    job = tune_job("keeper")
+    kept = rtune.trainable(job, report_every=20, checkpoint_dir="/mnt/shared/keeper/disk")
+    bare = rtune.trainable(job, report_every=20)
+    pointers = []
+    for trainable, name in ((kept, "lost-kept"), (bare, "lost-bare")):
+        tuner = tune.Tuner(
+            tune.with_resources(trainable, {"cpu": 1, "doomed": 1}),  # on the doomed host
+            tune_config=tune.TuneConfig(metric="loss", mode="min"),
+            run_config=tune.RunConfig(
+                name=name, storage_path="/mnt/shared/keeper/tune", stop={"step": 40}, verbose=0
+            ),
+        )
+        (result,) = tuner.fit()
+        assert result.error is None, result.error
+        pointers.append(rtune.read_pointer(result.checkpoint.path))
+    assert pointers[0]["uri"] and pointers[1]["uri"] is None, pointers
+    # not read here before the loss: a copy pulled to this node would outlive the owner
+    want = Checkpoint.open(pointers[0]["uri"], verify="full")
+    want = {n: np.array(want.array(n)) for n in want.names("param")}
+    keeper = ray.get_actor(KEEPER_PREFIX + doomed.node_id, namespace=objstore.REGISTRY_NAMESPACE)
+    cluster.remove_node(doomed)
+    deadline = time.monotonic() + 180
+    while True:  # until Ray knows it is gone: a silent host's calls only wait meanwhile
+        try:
+            ray.get(keeper.list.remote(), timeout=10)
+        except GetTimeoutError:
+            pass
+        except RayActorError:
+            break
+        assert time.monotonic() < deadline, "Ray did not take the lost host's keeper for dead"
+        time.sleep(1)
+
+    lines: list[str] = []
+    got = rtune.fetch(pointers[0], log=lines.append)
+    (line,) = lines
+    key = pointers[0]["key"]
+    assert line.startswith(f"raysinga: the object-store copy of {key} step 40 is lost ("), line
+    assert line.endswith(f"; reading {pointers[0]['uri']}"), line
+    for name, a in want.items():
+        assert got.array(name).tobytes() == a.tobytes(), name
+    try:
+        rtune.fetch(pointers[1], log=print)
+        raise AssertionError("a checkpoint lost with its keeper and no disk copy was read")
+    except CheckpointError as e:
+        said = str(e)
+    assert f"{pointers[1]['key']} step 40: the object-store copy is lost (" in said, said
+    assert "and there is no disk copy (set checkpoint_dir=" in said, said
+    print("the disk copy stood in; the bare checkpoint was refused")
+
+
+def test_a_lost_host_takes_its_trials_checkpoints_and_the_disk_copy_stands_in(cluster):
+    """(A node that had read an object keeps its copy, which Ray still serves after the
+    owner's death: that is not the case tried here.)"""
+    r = hosts.drive(cluster, keeper_lost_with_its_host, f"{cluster[0].address}:6379")
+    assert r.returncode == 0, r.stdout
+    assert r.stdout.strip().endswith("the disk copy stood in; the bare checkpoint was refused")

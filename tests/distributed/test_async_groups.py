@@ -342,54 +342,6 @@ def test_eight_groups_with_adagrad_converge(ray_session, tmp_path):
     assert res.final_eval["test_accuracy"] >= 0.95
 
 
-# What an elastic asynchronous run is held to (docs/fault-tolerance.md, "Guarantees"): its
-# final test accuracy against an uninterrupted run of the same job.
-ELASTIC_TOLERANCE = 0.02
-
-
-@pytest.mark.cluster
-@pytest.mark.slow
-def test_a_downpour_run_that_loses_half_its_groups_and_regains_them_ends_as_accurate(tmp_path):
-    """Four groups of one worker on two 2-CPU nodes: at step 100 the node without the server
-    is removed (two groups lost), at step 150 a 2-CPU node comes back. The run goes on with two
-    groups, each update at half the schedule's rate, then with four again at a quarter; its
-    records say so, and its accuracy is within the tolerance of a run without the loss."""
-    import ray
-    from helpers import local_cluster
-
-    from raysinga.obs.events import TrainStep
-
-    more = ("disp_freq=25", "checkpoint_frequency=50", "fault.min_groups=2", "fault.grow_check_s=0")
-    with local_cluster(2, 2) as (cluster, _):
-        straight = DistributedTrainer(_downpour(tmp_path / "straight", 4, "groups", *more), **QUIET)
-        want = straight.fit().final_eval["test_accuracy"]
-        t = DistributedTrainer(_downpour(tmp_path / "elastic", 4, "groups", *more), **QUIET)
-        removed, added = [], []
-
-        def hook(ev) -> None:
-            if not isinstance(ev, TrainStep):
-                return
-            if not removed and ev.step >= 100:
-                server = ray.get(t.servers[0].describe.remote())["node"]
-                (node,) = [n for n in cluster.worker_nodes if n.node_id != server]
-                cluster.remove_node(node)
-                removed.append(node.node_id)
-            elif removed and not added and ev.step >= 150:
-                added.append(cluster.add_node(num_cpus=2))
-
-        t.hub.subscribe(hook)
-        res = t.fit()
-    assert removed and added
-    recs = [r for r in res.history if r["kind"] in ("failure", "resize")]
-    assert [(r["kind"], r["groups"], r["lr_scale"]) for r in recs] == [
-        ("failure", 2, 0.5),
-        ("resize", 4, 0.25),
-    ], recs
-    got = res.final_eval["test_accuracy"]
-    assert abs(got - want) <= ELASTIC_TOLERANCE, (got, want)
-    assert got >= 0.95
-
-
 class NotingServer(ParamServer):
     """Writes a hash of its whole state (values and optimizer slots) after every update, with
     its pid and version, to ``notes``; server 0's first incarnation SIGKILLs itself right after

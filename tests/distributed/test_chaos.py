@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import load_job, local_cluster
+from helpers import load_job
 
 from raysinga import config
 from raysinga.distributed import DistributedTrainer
@@ -67,18 +67,6 @@ def test_twelve_kills_three_in_recoveries_are_survived_bit_exact(ray_session, tm
     assert len(chaos.done) == 12, lines
     assert sum(k.aimed == "recovery" for k in chaos.done) == 3, lines
     assert any(k.state in RECOVERY_STATES for k in chaos.done), lines
-
-
-@pytest.mark.cluster
-def test_kills_that_remove_whole_nodes_are_survived_bit_exact(tmp_path):
-    """A head with no CPUs and two 2-CPU nodes; half the kills remove the chosen role's node
-    (a node of the same size then joins)."""
-    with local_cluster(2, 2) as (cluster, _):
-        chaos, lines = run_under_chaos(
-            tmp_path, 4, 4, 1, (0.3, 1.0), cluster=cluster, node_share=0.5
-        )
-    assert len(chaos.done) == 4, lines
-    assert any(k.role == "node" for k in chaos.done), lines
 
 
 def test_kills_aimed_at_recoveries_must_follow_another():

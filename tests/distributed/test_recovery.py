@@ -4,7 +4,6 @@ More failures than ``fault.max_failures`` stop it with a summary, leaving a chec
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import load_job, local_cluster, start_ray
+from helpers import load_job, start_ray
 from ray import cloudpickle
 
 from raysinga import config
@@ -24,7 +23,6 @@ from raysinga.actors.server import ParamServer
 from raysinga.actors.server_grads import SumViews
 from raysinga.checkpoint import Checkpoint, CheckpointError, steps
 from raysinga.distributed import DistributedTrainer, FailuresExceeded
-from raysinga.obs.console import TextLog
 from raysinga.obs.events import CheckpointCommitted, Event, StateChanged, TrainStep
 
 JOB = """
@@ -619,118 +617,3 @@ def test_an_elastic_run_starts_in_what_fits(ray_session, tmp_path, shape, fits):
     rigid = job(tmp_path / "rigid", *shape[:-1], "topology.worker.cpus=5")  # no minimum
     with pytest.raises(ResourceError, match="does not fit the cluster"):
         DistributedTrainer(rigid, log=lambda line: None).fit()
-
-
-def remove_node_of(cluster, role) -> str:
-    """Remove the node a role runs on, its raylet and every process on it; returns its id."""
-    import ray
-
-    node_id = ray.get(role.describe.remote())["node"]
-    (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
-    cluster.remove_node(node)
-    return node_id
-
-
-def lose_a_node_then_regain_one(cluster, trainer, role) -> tuple[list, list, list]:
-    """Hook into ``trainer``: at step 15 remove the node of ``role()`` (the actor as running
-    then), ten steps later add a 1-CPU node. Returns the console lines and the nodes removed
-    and added, filled as the run goes."""
-    lines: list[str] = []
-    removed, added = [], []
-
-    def hook(ev: Event) -> None:
-        if not isinstance(ev, TrainStep):
-            return
-        if not removed and ev.step == 15:
-            removed.append(remove_node_of(cluster, role()))
-        elif removed and not added and ev.step == 25:
-            added.append(cluster.add_node(num_cpus=1))  # the room comes back
-
-    trainer.hub.subscribe(TextLog(lines.append))
-    trainer.hub.subscribe(hook)
-    return lines, removed, added
-
-
-@pytest.fixture
-def spare_node_cluster():
-    """A head with no CPUs and two 2-CPU nodes: a run fits on one, the other is the spare."""
-    with local_cluster(2, 2) as (cluster, _):
-        yield cluster
-
-
-@pytest.mark.cluster
-def test_a_lost_node_with_the_workers_and_the_server_is_recovered(spare_node_cluster, tmp_path):
-    cluster = spare_node_cluster
-    want = DistributedTrainer(job(tmp_path / "straight"), log=lambda line: None).fit().params
-    t = DistributedTrainer(job(tmp_path / "lost"), log=lambda line: None)
-    removed = []
-
-    def hook(ev: Event) -> None:
-        if not removed and isinstance(ev, TrainStep) and ev.step == 15:
-            removed.append(remove_node_of(cluster, t.servers[0]))
-
-    t.hub.subscribe(hook)
-    res = t.fit()
-    assert removed
-    for k, a in want.items():
-        assert res.params[k].tobytes() == a.tobytes(), k
-    (ev,) = events(tmp_path / "lost")
-    # the node held the stub too, and with it the server's copy and the log: a restart
-    assert ev["recovery"] == "restarted", ev
-    assert ev["steps_redone"] == ev["step"] - ev["restored_from"]
-
-
-@pytest.fixture
-def tight_cluster():
-    """A head with no CPUs and two 1-CPU nodes: the two workers of a group need both."""
-    with local_cluster(1, 1) as (cluster, _):
-        yield cluster
-
-
-def assert_close(got: dict, want: dict, rel: float) -> None:
-    for k, a in want.items():
-        err = float(np.linalg.norm(got[k].astype(np.float64) - a) / max(np.linalg.norm(a), 1e-30))
-        assert err <= rel, (k, err)
-
-
-@pytest.mark.cluster
-def test_a_server_killed_while_the_run_grows_back_is_survived(tight_cluster, tmp_path):
-    """As above, and the server of the grown placement SIGKILLed while it is launched: the
-    launch is done again, and the run ends as close to an uninterrupted one."""
-    import ray
-
-    cluster = tight_cluster
-    want = DistributedTrainer(job(tmp_path / "straight"), log=lambda line: None).fit().params
-    more = ("fault.min_workers=1", "fault.grow_check_s=0")
-    t = DistributedTrainer(job(tmp_path / "elastic", *more), log=lambda line: None)
-    lines, removed, added = lose_a_node_then_regain_one(cluster, t, lambda: t.workers[0][1])
-    killed: list[int] = []
-
-    def kill_the_new_server(old: list) -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not killed:
-            new = [s for s in t.servers if s not in old]
-            if new:
-                with contextlib.suppress(Exception):
-                    killed.append(ray.get(new[0].pid.remote(), timeout=10))
-                    os.kill(killed[0], signal.SIGKILL)
-                return
-            time.sleep(0.01)
-
-    def hook(ev: Event) -> None:
-        if isinstance(ev, StateChanged) and ev.state == "resizing" and not killed:
-            old = list(t.servers)
-            threading.Thread(target=kill_the_new_server, args=(old,), daemon=True).start()
-
-    t.hub.subscribe(hook)
-    res = t.fit()
-    assert removed and added and killed, lines
-    assert_close(res.params, want, 1e-5)
-    recs = events(tmp_path / "elastic", ("failure", "resize"))
-    # the resize's record is completed once a launch of the grown placement has succeeded
-    assert [(r["kind"], r.get("role")) for r in recs] == [
-        ("failure", "worker"),
-        ("failure", "server"),
-        ("resize", None),
-    ], recs
-    assert recs[2]["workers"] == 2 and recs[2]["restored_from"] == recs[2]["step"], recs

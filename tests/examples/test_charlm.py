@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import local_cluster
 
 from raysinga import config
 from raysinga.checkpoint import Checkpoint, steps
@@ -66,24 +65,22 @@ def test_the_example_resumes_bit_identically_after_a_sigkill(ray_session, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.cluster
-def test_the_example_survives_a_lost_worker_bit_identically(tmp_path):
+def test_the_example_survives_a_lost_worker_bit_identically(ray_session, tmp_path):
     import ray
 
-    with local_cluster(2, 2):
-        want = DistributedTrainer(small(tmp_path / "straight"), log=None).fit().params
-        t = DistributedTrainer(small(tmp_path / "lost"), log=None)
-        fired = []
+    want = DistributedTrainer(small(tmp_path / "straight"), log=None).fit().params
+    t = DistributedTrainer(small(tmp_path / "lost"), log=None)
+    fired = []
 
-        def hook(ev: Event) -> None:
-            if fired or not (isinstance(ev, TrainStep) and ev.step == 6):
-                return
-            pid = ray.get(t.workers[0][1].pid.remote())
-            fired.append(pid)
-            threading.Thread(target=os.kill, args=(pid, signal.SIGKILL), daemon=True).start()
+    def hook(ev: Event) -> None:
+        if fired or not (isinstance(ev, TrainStep) and ev.step == 6):
+            return
+        pid = ray.get(t.workers[0][1].pid.remote())
+        fired.append(pid)
+        threading.Thread(target=os.kill, args=(pid, signal.SIGKILL), daemon=True).start()
 
-        t.hub.subscribe(hook)
-        got = t.fit().params
+    t.hub.subscribe(hook)
+    got = t.fit().params
     assert fired, "the kill never fired"
     for k, a in want.items():
         assert got[k].tobytes() == a.tobytes(), k

@@ -4,7 +4,6 @@ disk), and a trial's lineage replays bit-identically."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -212,53 +211,3 @@ def test_asha_stops_trials_and_their_checkpoints_leave_the_object_store(ray_sess
     assert sorted(e["run"].rsplit("/", 1)[1] for e in held) == sorted(set(steps) - stopped)
     assert all(e["step"] == 60 for e in held)
     release("asha")
-
-
-@pytest.mark.cluster
-def test_a_lost_node_takes_its_trials_checkpoints_and_the_disk_copy_stands_in(tmp_path):
-    """Two searches of one trial each, run on a node that is then removed with its keeper and
-    the objects the keeper owned. The checkpoint of the trial with ``checkpoint_dir=`` is read
-    from its disk copy (the log saying so); the other's is refused, naming the loss and the
-    missing copy. (A node that had read an object keeps its copy, which Ray still serves after
-    the owner's death: that is not the case tried here.)"""
-    from helpers import local_cluster  # noqa: PLC0415
-
-    with local_cluster(1) as (cluster, _):
-        doomed = cluster.add_node(num_cpus=1, resources={"doomed": 1})
-        cluster.wait_for_nodes()
-        there = {"cpu": 1, "doomed": 1}  # every trial on the doomed node
-        kept = rtune.trainable(JOB, report_every=20, checkpoint_dir=str(tmp_path / "disk"))
-        bare = rtune.trainable(JOB, report_every=20)
-        pointers = [
-            rtune.read_pointer(_one_trial(tune.with_resources(t, there), tmp_path, n, 40).path)
-            for t, n in ((kept, "lost-kept"), (bare, "lost-bare"))
-        ]
-        assert pointers[0]["uri"] and pointers[1]["uri"] is None
-        # not read here before the loss: a copy pulled to this node would outlive the owner
-        want = Checkpoint.open(pointers[0]["uri"], verify="full")
-        want = {n: np.array(want.array(n)) for n in want.names("param")}
-        import ray  # noqa: PLC0415
-        from ray.exceptions import RayActorError  # noqa: PLC0415
-
-        from raysinga.checkpoint import objstore  # noqa: PLC0415
-
-        name = f"{rtune.KEEPER_PREFIX}{doomed.node_id}"  # the keeper that owns their objects
-        keeper = ray.get_actor(name, namespace=objstore.REGISTRY_NAMESPACE)
-        cluster.remove_node(doomed)
-        with pytest.raises(RayActorError):  # Ray knows it is gone (its node's death is seen)
-            for _ in range(60):
-                ray.get(keeper.list.remote(), timeout=10)
-                time.sleep(1)
-
-        lines: list[str] = []
-        got = rtune.fetch(pointers[0], log=lines.append)
-        (line,) = lines
-        key = pointers[0]["key"]
-        assert line.startswith(f"raysinga: the object-store copy of {key} step 40 is lost (")
-        assert line.endswith(f"; reading {pointers[0]['uri']}")
-        for name, a in want.items():
-            assert got.array(name).tobytes() == a.tobytes(), name
-        with pytest.raises(CheckpointError) as e:
-            rtune.fetch(pointers[1], log=pytest.fail)
-        assert f"{pointers[1]['key']} step 40: the object-store copy is lost (" in str(e.value)
-        assert "and there is no disk copy (set checkpoint_dir=" in str(e.value)
