@@ -372,7 +372,7 @@ def run_group(
             ray.kill(a)
 
 
-@pytest.mark.parametrize("clip", [1.0, None])
+@pytest.mark.parametrize("clip", [1.0, pytest.param(None, marks=pytest.mark.slow)])
 def test_doorbells_and_ray_calls_train_the_same_bits(ray_session, clip):
     """Without clipping, the servers on the stub's node sum the workers' gradients (into the
     stub's log, 6 steps over its 4 rows): the bits of the stub's own sum."""

@@ -47,8 +47,11 @@ def relative_error(a: dict, b: dict) -> float:
     return max(float(np.abs(a[k] - b[k]).max() / np.abs(b[k]).max()) for k in b)
 
 
-@pytest.mark.parametrize("workers", [1, 2, 4])
-@pytest.mark.parametrize("servers", [1, 3])
+@pytest.mark.parametrize(
+    "servers, workers",
+    [(1, 2), (3, 4)]  # the rest of the grid in the slow tier (the default tier's time)
+    + [pytest.param(*c, marks=pytest.mark.slow) for c in ((1, 1), (1, 4), (3, 1), (3, 2))],
+)
 def test_sandblaster_matches_the_single_process_reference(
     ray_session, reference, tmp_path, workers, servers
 ):

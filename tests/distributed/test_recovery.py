@@ -86,18 +86,22 @@ def events(run_dir: Path, kinds: tuple[str, ...] = ("failure",)) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] in kinds]
 
 
+ROLES = ("worker", "stub", "server")
+
+
 @pytest.mark.parametrize(
     "role, recovery, spares, replay",
     [
         ("worker", "replace", "true", 20),
         ("stub", "replace", "true", 20),
-        ("worker", "replace", "false", 20),  # a new worker spawned in the lost one's bundle
-        ("stub", "replace", "false", 20),
         ("server", "replace", "true", 20),  # a spare rebuilt from the copy and the stub's log
-        ("server", "replace", "false", 20),  # a new server spawned in the lost one's bundle
-        ("server", "replace", "true", 4),  # a copy every 2 steps: few steps replayed
         ("server", "replace", "true", 0),  # no copies: every role restarts
-        ("worker", "restart", "true", 20),
+        # the variants of the same paths, in the slow tier (the default tier's time)
+        # a new worker, stub or server spawned in the lost one's bundle
+        *(pytest.param(r, "replace", "false", 20, marks=pytest.mark.slow) for r in ROLES),
+        # a copy every 2 steps: few steps replayed
+        pytest.param("server", "replace", "true", 4, marks=pytest.mark.slow),
+        pytest.param("worker", "restart", "true", 20, marks=pytest.mark.slow),
     ],
 )
 def test_a_killed_role_is_recovered_bit_exact(straight, tmp_path, role, recovery, spares, replay):
@@ -416,7 +420,7 @@ def test_a_snapshot_failing_before_its_copy_stops_the_run_without_hanging(ray_se
     assert not list((tmp_path / "checkpoints").glob("step-*"))
 
 
-@pytest.mark.parametrize("replay", [20, 0])
+@pytest.mark.parametrize("replay", [20, pytest.param(0, marks=pytest.mark.slow)])
 def test_a_server_lost_while_writing_a_checkpoint_leaves_nothing_used(straight, tmp_path, replay):
     """SIGKILL of the server between writing its shard and the commit: the half-written
     directory is removed and the run ends bit-exact. The server is rebuilt from its copy (the

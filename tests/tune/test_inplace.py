@@ -202,6 +202,7 @@ class _FailsLate(tune.Trainable):
         self.x = int(Path(checkpoint_dir, "x").read_text())
 
 
+@pytest.mark.slow  # a real Tune search
 def test_synchronous_pbt_goes_on_without_a_trial_that_failed_at_the_point(ray_session, tmp_path):
     """Synchronous PBT perturbs when the last live trial reports at the point. The trial that
     would have been last fails instead: the others are perturbed without it and run to the end
