@@ -4,8 +4,8 @@ server it held on another host, rebuilds the server from its copy, and ends bit-
 run never interrupted; ``raysinga train --resume`` from a third host continues it bit-exactly.
 Checkpoints on a directory every host mounts, and on an S3 server on a host of its own. The
 host of the stub lost: every role restarts from the newest checkpoint, bit-identical still. Then
-chaos: roles SIGKILLed at seeded random instants, half the kills taking their whole host (a new
-host joining in its place), and the run still ends bit-identical."""
+chaos: roles SIGKILLed at seeded random instants, each kill with an even chance of taking the
+role's whole host (a new host joining in its place), and the run still ends bit-identical."""
 
 from __future__ import annotations
 
@@ -160,9 +160,9 @@ def test_a_lost_host_that_held_the_stub_restarts_from_the_newest_checkpoint(clus
 
 
 def chaos_taking_hosts(address: str, run_dir: str, seed: int) -> None:
-    """A driver on the head (``hosts.drive``): the job under raysinga's chaos, four kills, half
-    of them losing the chosen role's host (a 2-CPU host joining after each). Prints the chaos's
-    lines, then the roles killed (``node`` for a host)."""
+    """A driver on the head (``hosts.drive``): the job under raysinga's chaos, four kills, each
+    with an even chance of losing the chosen role's host (a 2-CPU host joining after each).
+    Prints the chaos's lines, then the roles killed (``node`` for a host)."""
     import hosts  # noqa: PLC0415
     import ray  # noqa: PLC0415
 
