@@ -369,7 +369,7 @@ class NotingServer(ParamServer):
         return out
 
 
-@pytest.mark.parametrize("n_servers", [1, 2])
+@pytest.mark.parametrize("n_servers", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_lost_server_of_asynchronous_groups_is_rebuilt_exactly(ray_session, tmp_path, n_servers):
     """Downpour, two groups: a server SIGKILLed after its 25th update (copies every 10) is
     rebuilt from its copy of update 20 and the five updates since, each group's from its own

@@ -104,7 +104,7 @@ def test_allreduce_places_a_server_with_each_worker_and_matches(ray_session, ref
     ("example", "compute"),
     [
         ("digits_mlp", "f32"),
-        ("digits_cnn", "f32"),
+        pytest.param("digits_cnn", "f32", marks=pytest.mark.slow),  # the default tier's time
         pytest.param("digits_cnn", "bf16", marks=pytest.mark.slow),
     ],
 )
