@@ -26,6 +26,7 @@ __all__ = [
     "ray_start_cluster",
     "run_cli",
     "s3_requests",
+    "signal_worker_at",
     "start_ray",
     "stop_group",
     "tensorboard_scalars",
@@ -358,3 +359,26 @@ def tune_job(name: str) -> dict:
         "train_steps": 60,
         "disp_freq": 10,
     }
+
+
+def signal_worker_at(trainer, step: int, sig: int) -> list[int]:
+    """Subscribe to ``trainer`` a hook that, once training reports ``step``, sends ``sig`` to
+    the process of group 0's worker 1 from another thread (while the next steps run). Returns
+    the pids signalled, filled as it fires."""
+    import threading  # noqa: PLC0415
+
+    import ray  # noqa: PLC0415
+
+    from raysinga.obs.events import TrainStep  # noqa: PLC0415
+
+    fired: list[int] = []
+
+    def hook(ev) -> None:
+        if fired or not (isinstance(ev, TrainStep) and ev.step == step):
+            return
+        pid = ray.get(trainer.workers[0][1].pid.remote())
+        fired.append(pid)
+        threading.Thread(target=os.kill, args=(pid, sig), daemon=True).start()
+
+    trainer.hub.subscribe(hook)
+    return fired

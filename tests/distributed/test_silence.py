@@ -12,11 +12,10 @@ import time
 
 import pytest
 import ray
-from helpers import load_job
+from helpers import load_job, signal_worker_at
 
 from raysinga.distributed import DistributedTrainer
 from raysinga.distributed.silence import Silent, Watch
-from raysinga.obs.events import Event, TrainStep
 
 JOB = """
 name: silence
@@ -41,16 +40,7 @@ def test_a_stopped_worker_is_taken_as_lost_and_replaced_bit_exact(ray_session, t
     straight = DistributedTrainer(load_job(tmp_path / "a", JOB), log=None).fit()
     lines: list[str] = []
     t = DistributedTrainer(load_job(tmp_path / "b", JOB), log=lines.append)
-    stopped: list[int] = []
-
-    def hook(ev: Event) -> None:
-        if stopped or not (isinstance(ev, TrainStep) and ev.step == 20):
-            return
-        pid = ray.get(t.workers[0][1].pid.remote())
-        stopped.append(pid)
-        threading.Thread(target=os.kill, args=(pid, signal.SIGSTOP), daemon=True).start()
-
-    t.hub.subscribe(hook)
+    stopped = signal_worker_at(t, 20, signal.SIGSTOP)
     t0 = time.monotonic()
     try:
         res = t.fit()

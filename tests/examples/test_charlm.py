@@ -8,16 +8,15 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from helpers import signal_worker_at
 
 from raysinga import config
 from raysinga.checkpoint import Checkpoint, steps
 from raysinga.distributed import DistributedTrainer
-from raysinga.obs.events import Event, TrainStep
 
 JOB = Path(__file__).resolve().parents[2] / "examples" / "charlm.yaml"
 SMALL = [
@@ -66,20 +65,9 @@ def test_the_example_resumes_bit_identically_after_a_sigkill(ray_session, tmp_pa
 
 @pytest.mark.slow
 def test_the_example_survives_a_lost_worker_bit_identically(ray_session, tmp_path):
-    import ray
-
     want = DistributedTrainer(small(tmp_path / "straight"), log=None).fit().params
     t = DistributedTrainer(small(tmp_path / "lost"), log=None)
-    fired = []
-
-    def hook(ev: Event) -> None:
-        if fired or not (isinstance(ev, TrainStep) and ev.step == 6):
-            return
-        pid = ray.get(t.workers[0][1].pid.remote())
-        fired.append(pid)
-        threading.Thread(target=os.kill, args=(pid, signal.SIGKILL), daemon=True).start()
-
-    t.hub.subscribe(hook)
+    fired = signal_worker_at(t, 6, signal.SIGKILL)
     got = t.fit().params
     assert fired, "the kill never fired"
     for k, a in want.items():
