@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import hosts
 import pyarrow.fs as pafs
 import pytest
 from helpers import S3_BUCKET, S3_KEYS
@@ -40,8 +41,6 @@ def cluster(module_lab):
     """A head that holds no role (the drivers run there), three 2-CPU hosts (one worker
     each, the third free for what a lost host held), all seeing the shared directory, and an
     S3 server on a host of its own. Yields a dict the tests share."""
-    import hosts  # noqa: PLC0415
-
     made = hosts.ray_cluster(module_lab, [0, 2, 2, 2])
     endpoint = module_lab.s3(module_lab.host("s3"))
     fs = pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", region="us-east-1", **S3_KEYS)
@@ -79,10 +78,32 @@ def reference(cluster):
     return {s: meta(lambda p: head.path(p).read_text(), where, s) for s in (400, 500)}
 
 
+def lose_at_step_150(run, head, nodes, chosen):
+    """Follow ``run``'s output; at step 150, lose the first of ``nodes`` whose roles (their
+    classes) are ``chosen``. Returns the output once the run has ended with exit 0, the host
+    lost and the roles each host held then."""
+    out, victim, held = [], None, {}
+    for line in run.stdout:
+        out.append(line)
+        if victim is None and line.split()[:2] == ["step", "150/400"]:
+            held = hosts.roles_by_host(head, nodes)
+            victim = next(h for h in nodes if chosen(held[h.name]))
+            victim.lose()
+    run.wait(timeout=600)
+    text = "".join(out)
+    assert run.returncode == 0 and victim is not None, text
+    return text, victim, held
+
+
+def add_a_host(cluster) -> None:
+    """A new 2-CPU machine in a lost one's place, for the tests that follow."""
+    spare = cluster["lab"].host(f"h{len(cluster['hosts']) + 1}", shared=True)
+    spare.ray_start(2, head=cluster["hosts"][0])
+    cluster["hosts"].append(spare)
+
+
 @pytest.mark.parametrize("storage", ["shared", "s3"])
 def test_a_lost_host_is_replaced_and_the_run_ends_bit_identical(cluster, reference, storage):
-    import hosts  # noqa: PLC0415
-
     head, *nodes = [h for h in cluster["hosts"] if not h.lost]
     if storage == "shared":
         where = f"/mnt/shared/{storage}-run/checkpoints"
@@ -102,20 +123,10 @@ def test_a_lost_host_is_replaced_and_the_run_ends_bit_identical(cluster, referen
                 return f.read().decode()
 
     run = train(head, head, *sets, wait=False)
-    out, victim = [], None
-    for line in run.stdout:
-        out.append(line)
-        if victim is None and line.split()[:2] == ["step", "150/400"]:
-            held = hosts.roles_by_host(head, nodes)
-            victim = next(
-                h for h in nodes if "ParamServer" in held[h.name] and "Stub" not in held[h.name]
-            )
-            assert "Worker" in held[victim.name], held
-            victim.lose()
-    run.wait(timeout=600)
-    text = "".join(out)
-    assert run.returncode == 0, text
-    assert victim is not None, text
+    text, victim, held = lose_at_step_150(
+        run, head, nodes, lambda roles: "ParamServer" in roles and "Stub" not in roles
+    )
+    assert "Worker" in held[victim.name], held
     assert f"node(s) {victim.address} unreachable" in text, text
     assert "recovered in" in text and "restarting" not in text, text
     assert meta(read, where, 400) == reference[400]
@@ -126,44 +137,28 @@ def test_a_lost_host_is_replaced_and_the_run_ends_bit_identical(cluster, referen
     assert "resuming 'lost-host' at step 400" in resumed.stdout, resumed.stdout
     assert meta(read, where, 500) == reference[500]
 
-    spare = cluster["lab"].host(f"h{len(cluster['hosts']) + 1}", shared=True)
-    spare.ray_start(2, head=head)  # a new machine in the lost one's place, for what follows
-    cluster["hosts"].append(spare)
+    add_a_host(cluster)
 
 
 def test_a_lost_host_that_held_the_stub_restarts_from_the_newest_checkpoint(cluster, reference):
     """The stub held the servers' copies and the replay log: with its host they are gone, so
     every role restarts from the newest checkpoint, and the run still ends bit-identical."""
-    import hosts  # noqa: PLC0415
-
     head, *nodes = [h for h in cluster["hosts"] if not h.lost]
     run_dir = "/mnt/shared/stub-run"
     run = train(head, head, f"run_dir={run_dir}", wait=False)
-    out, victim = [], None
-    for line in run.stdout:
-        out.append(line)
-        if victim is None and line.split()[:2] == ["step", "150/400"]:
-            held = hosts.roles_by_host(head, nodes)
-            victim = next(h for h in nodes if "Stub" in held[h.name])
-            victim.lose()
-    run.wait(timeout=600)
-    text = "".join(out)
-    assert run.returncode == 0 and victim is not None, text
+    lose_at_step_150(run, head, nodes, lambda roles: "Stub" in roles)
     lines = head.path(f"{run_dir}/metrics.jsonl").read_text().splitlines()
     (ev,) = [r for r in map(json.loads, lines) if r["kind"] == "failure"]
     assert ev["recovery"] == "restarted" and ev["restored_from"] == 100, ev
     assert ev["steps_redone"] == ev["step"] - ev["restored_from"], ev
     assert meta(lambda p: head.path(p).read_text(), f"{run_dir}/checkpoints", 400) == reference[400]
-    spare = cluster["lab"].host(f"h{len(cluster['hosts']) + 1}", shared=True)
-    spare.ray_start(2, head=head)
-    cluster["hosts"].append(spare)
+    add_a_host(cluster)
 
 
 def chaos_taking_hosts(address: str, run_dir: str, seed: int) -> None:
     """A driver on the head (``hosts.drive``): the job under raysinga's chaos, four kills, each
     with an even chance of losing the chosen role's host (a 2-CPU host joining after each).
     Prints the chaos's lines, then the roles killed (``node`` for a host)."""
-    import hosts  # noqa: PLC0415
     import ray  # noqa: PLC0415
 
     from raysinga import config  # noqa: PLC0415
@@ -182,8 +177,6 @@ def chaos_taking_hosts(address: str, run_dir: str, seed: int) -> None:
 
 
 def test_chaos_that_takes_whole_hosts_is_survived_bit_exact(cluster, reference):
-    import hosts  # noqa: PLC0415
-
     head = cluster["hosts"][0]
     run_dir = "/mnt/shared/chaos"
     r = hosts.drive(cluster["hosts"], chaos_taking_hosts, f"{head.address}:6379", run_dir, 4)
