@@ -47,6 +47,8 @@ def timed(cp, fn, repeats: int) -> list[float]:
 
 def kernel_cases(cp, gpu, n: int, dtype) -> list[tuple[str, object, int]]:
     """(name, call, bytes read and written) per memory-bound kernel, on ``n`` elements."""
+    from raysinga.kernels import gpu_optim
+
     rng = cp.random.default_rng(0)
     item = np.dtype(dtype).itemsize
     a, b = rng.standard_normal(n, dtype=dtype), rng.standard_normal(n, dtype=dtype)
@@ -68,15 +70,15 @@ def kernel_cases(cp, gpu, n: int, dtype) -> list[tuple[str, object, int]]:
         ("avg pool 2x2", lambda: gpu.avgpool_forward(x4, 2, 2, 0), x4.size * item + pooled * 4),
         (
             "sgd momentum",
-            lambda: gpu.sgd_update(p, g, m, 1e-3, 0.9, 0.0, False),
+            lambda: gpu_optim.sgd_update(p, g, m, 1e-3, 0.9, 0.0, False),
             5 * n * item,
         ),
         (
             "adam",
-            lambda: gpu.adam_update(p, g, m, v, 1e-3, 10, (0.9, 0.999), 1e-8, 0.0, False),
+            lambda: gpu_optim.adam_update(p, g, m, v, 1e-3, 10, (0.9, 0.999), 1e-8, 0.0, False),
             7 * n * item,
         ),
-        ("sum of 4 grads", lambda: gpu.weighted_sum(out, bufs), 5 * n * item),
+        ("sum of 4 grads", lambda: gpu_optim.weighted_sum(out, bufs), 5 * n * item),
     ]
 
 

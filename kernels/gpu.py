@@ -7,8 +7,7 @@ loaded and launched through ``gpu_launch``. Raw kernels check nothing, so each o
 runs in a fixed order, so two runs give the same bits.
 
 The optimizer updates and the stub's gradient sum live in ``gpu_optim`` (they are not twins of
-``cpu.py`` ops) and are re-exported here, as are the kernel tables, so callers that know only this
-module keep working.
+``cpu.py`` ops); callers import them from there.
 """
 
 from __future__ import annotations
@@ -20,9 +19,6 @@ import numpy as np
 
 from . import common, gpu_blas, precision
 from .common import check_float, check_same_dtype, conv_out_size, dropout_threshold
-
-# The redundant aliases re-export: callers that know only this module keep finding the kernel
-# tables and the fused updates (sgd_update, adam_update, weighted_sum) here.
 from .gpu_launch import (
     contiguous,
     get_kernel,

@@ -4,8 +4,6 @@ Not twins of ``cpu.py`` ops, so they live apart from ``gpu.py``'s layer ops: the
 the NumPy updates of raysinga.optim.optimizers and the stub's NumPy sum, which these match bit for
 bit (see optim.cu, compiled without fused multiply-adds). Each updates its arrays in place in
 one launch.
-``gpu.py`` re-exports them, so ``from raysinga.kernels import gpu; gpu.sgd_update(...)`` still
-works.
 """
 
 from __future__ import annotations

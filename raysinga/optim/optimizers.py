@@ -60,11 +60,11 @@ class SGD(Optimizer):
         param -= lr * g
 
     def _fused(self, param, grad, s, lr, t, step=None, copy=None) -> bool:
-        from raysinga.kernels import gpu  # noqa: PLC0415 - CuPy, only for CuPy parameters
+        from raysinga.kernels import gpu_optim  # noqa: PLC0415 - CuPy, only for CuPy parameters
 
         h = self.hparams
         buf = s["momentum"] if h["momentum"] else None
-        gpu.sgd_update(
+        gpu_optim.sgd_update(
             param, grad, buf, lr, h["momentum"], h["weight_decay"], h["nesterov"], step, copy
         )
         return True
@@ -177,10 +177,10 @@ class Adam(Optimizer):
         param += -step_size * m / denom
 
     def _fused(self, param, grad, s, lr, t, step=None, copy=None) -> bool:
-        from raysinga.kernels import gpu  # noqa: PLC0415 - CuPy, only for CuPy parameters
+        from raysinga.kernels import gpu_optim  # noqa: PLC0415 - CuPy, only for CuPy parameters
 
         h = self.hparams
-        gpu.adam_update(
+        gpu_optim.adam_update(
             param,
             grad,
             s["m"],

@@ -308,7 +308,7 @@ def test_fused_gpu_updates_are_bit_identical_to_numpy(name, hparams, dtype, monk
     exactly as the NumPy path does: the same bits after every step, in both dtypes."""
     import cupy  # noqa: PLC0415 - only where a GPU is
 
-    from raysinga.kernels import gpu  # noqa: PLC0415
+    from raysinga.kernels import gpu_optim  # noqa: PLC0415
 
     launched = []
 
@@ -320,7 +320,7 @@ def test_fused_gpu_updates_are_bit_identical_to_numpy(name, hparams, dtype, monk
         return run
 
     for fn in ("sgd_update", "adam_update"):
-        monkeypatch.setattr(gpu, fn, counted(getattr(gpu, fn)))
+        monkeypatch.setattr(gpu_optim, fn, counted(getattr(gpu_optim, fn)))
     params, grads = problem(dtype)
     gpu_params = {k: cupy.asarray(v) for k, v in params.items()}
     cpu_opt = make_optimizer({"name": name, "lr": LR, **hparams})
