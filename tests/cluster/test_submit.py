@@ -65,7 +65,12 @@ def trained_to(head, run_dir: str, step: int) -> bool:
 def test_a_job_submitted_from_outside_to_hosts_without_raysinga_survives_losing_one(cluster):
     (head, *nodes), token = cluster
     run_dir = "/mnt/shared/submitted"
-    sets = ["train_steps=600", "disp_freq=50", "checkpoint_frequency=100", f"run_dir={run_dir}"]
+    # Long enough that the run cannot end between the test seeing step 150 and the loss (it
+    # ran the 450 steps left of 600 in about 2 s on an idle machine): once the host is lost the
+    # run cannot go on without noticing, since its workers were there.
+    steps = 3000
+    sets = [f"train_steps={steps}", "disp_freq=50", "checkpoint_frequency=500"]
+    sets.append(f"run_dir={run_dir}")
     at = f"--address=http://{head.address}:8265"
     cmd = ["job", "submit", at, "--submission-id", "lose-a-host", "--no-wait"]
     cmd += ["--working-dir", ".", "--", "python", "examples/cluster_digits.py"]
@@ -76,14 +81,21 @@ def test_a_job_submitted_from_outside_to_hosts_without_raysinga_survives_losing_
             break
         time.sleep(5)
     assert submit.returncode == 0, submit.stdout + submit.stderr
-    deadline = time.monotonic() + 300
-    while not trained_to(head, run_dir, 150):
-        logs = ray_cli("job", "logs", at, "lose-a-host", token=token, timeout=60)
-        assert time.monotonic() < deadline, logs.stdout + logs.stderr
-        time.sleep(0.5)
+
+    def wait_for(step: int) -> None:
+        deadline = time.monotonic() + 300
+        while not trained_to(head, run_dir, step):
+            if time.monotonic() > deadline:
+                logs = ray_cli("job", "logs", at, "lose-a-host", token=token, timeout=60)
+                raise AssertionError(f"no step {step} in 300 s:\n{logs.stdout}{logs.stderr}")
+            time.sleep(0.2)
+
+    wait_for(50)  # the roles are placed: find the victim before the instant of the loss
     held = hosts.roles_by_host(head, nodes)
     (victim,) = [h for h in nodes if "Worker" in held[h.name] and "Stub" in held[h.name]]
+    wait_for(150)
     victim.lose()
+    assert not trained_to(head, run_dir, steps), "the run ended before the host was lost"
     follow = ray_cli("job", "logs", at, "lose-a-host", "--follow", token=token, timeout=600)
     status = ray_cli("job", "status", at, "lose-a-host", token=token, timeout=60)
     log = follow.stdout
