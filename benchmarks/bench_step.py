@@ -204,7 +204,17 @@ class Torch:
         self.t = 0
         self._step = self._eager
         if compiled:
-            self._step = torch.compile(self._eager, mode="reduce-overhead")
+            graphed = torch.compile(self._eager, mode="reduce-overhead")
+
+            def step(x, y) -> None:
+                # Each call is a new training step: without the mark, the replay of the next
+                # step overwrites outputs that the optimizer's state still reads, and PyTorch
+                # refuses the run ("accessing tensor output of CUDAGraphs that has been
+                # overwritten by a subsequent run").
+                torch.compiler.cudagraph_mark_step_begin()
+                graphed(x, y)
+
+            self._step = step
 
     def _eager(self, x, y) -> None:
         torch = self.torch
