@@ -212,10 +212,12 @@ def step_record(
     t3: float,
     seconds: list[float],
     norm: float | None = None,
+    traffic: dict[tuple[str, str], int] | None = None,
 ) -> StepStats:
     """One step's timings from what its workers measured (``stats``) and when (wall clock)
     it started (``t0``), its workers were heard (``t1``), their gradients summed (``t2``)
-    and its servers were done (``t3``), ``seconds`` their own times."""
+    and its servers were done (``t3``), ``seconds`` their own times; ``traffic`` the bytes it
+    moved between nodes by route."""
     fetch = max(st["fetch"] for st in stats)
     compute = max(st["compute"] for st in stats)
     return StepStats(
@@ -232,6 +234,7 @@ def step_record(
         server=max(seconds),
         total=t3 - t0,
         grad_norm=norm,
+        traffic=tuple((a, b, n) for (a, b), n in sorted((traffic or {}).items())),
     )
 
 

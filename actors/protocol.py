@@ -240,6 +240,8 @@ class StepStats:
     the last one) and ``collect`` (hearing back); ``average``: summing the gradients (and
     clipping); ``update``: the servers' update, of which ``server`` is the slowest server's own
     time; ``total``: the whole step. ``grad_norm`` is there where clipping computed it.
+    ``traffic``: the bytes the step moved between nodes, ``(from node, to node, bytes)`` per
+    route (:mod:`.traffic`); empty where the group shares one node.
     """
 
     step: int
@@ -254,11 +256,14 @@ class StepStats:
     server: float
     total: float
     grad_norm: float | None = None
+    traffic: tuple[tuple[str, str, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         if out["grad_norm"] is None:
             del out["grad_norm"]
+        if not out["traffic"]:
+            del out["traffic"]
         return out
 
 

@@ -93,6 +93,7 @@ class ParamServer(Abortable, Fence):
             "handle": self.buf.handle(),
             "gpu": self.gpu is not None,
             "gpus": visible_gpus() if self.gpu is not None else None,
+            "published_bytes": self.buf.layout.nbytes,  # what a reader elsewhere pulls
         }
 
     @reports_role

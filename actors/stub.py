@@ -37,6 +37,7 @@ from .protocol import (
     worker_buffer_layout,
 )
 from .replay import ReplayLog
+from .traffic import group_step_bytes
 
 
 class Stub(Fence):
@@ -109,6 +110,7 @@ class Stub(Fence):
             if self.worker_state[i] and w["node"] == self.node:
                 self._att.flat(self.worker_handles[i])
         self.snapshot = [w["node"] != self.node for w in worker_infos]
+        self.worker_nodes = [w["node"] for w in worker_infos]
         # For each worker and server: the server's shared buffer when they share a node, else
         # None, filled each step with the server's latest snapshot ref.
         self.local_src = [
@@ -252,6 +254,7 @@ class Stub(Fence):
                 outs = [(st, None) for st in bells.ring_workers(step, serving)]
             else:
                 outs = self._call_workers(step)
+                published = self._published_bytes()  # the values these workers read
             t1 = time.time()
             grads = [self._grad_flat(i, snap) for i, (_, snap) in enumerate(outs)]
             self._snaps.update({i: snap for i, (_, snap) in enumerate(outs) if snap is not None})
@@ -260,15 +263,22 @@ class Stub(Fence):
             t2 = time.time()
             # logged while the servers read the same sum (before the next step overwrites it)
             logged = self.pool.submit(self.log.record, step, self.avg_flat)
+            traffic = None  # a group on one node moves nothing between nodes
             try:
                 if bells is not None:
                     seconds = bells.ring_servers(step, serving)
                 else:
-                    seconds = self._call_servers(step)
+                    seconds, sent = self._call_servers(step)
+                    snaps = [0 if snap is None else snap.nbytes for _, snap in outs]
+                    nodes = [s["node"] for s in self.server_infos]
+                    traffic = group_step_bytes(
+                        self.node, self.worker_nodes, snaps, nodes, sent, published
+                    )
             finally:
                 logged.result()
             stats = [st for st, _ in outs]
-            records.append(step_record(step, stats, t0, t1, t2, time.time(), seconds, norm))
+            t3 = time.time()
+            records.append(step_record(step, stats, t0, t1, t2, t3, seconds, norm, traffic))
         if bells is not None:
             bells.finish(serving)
         return records
@@ -300,15 +310,27 @@ class Stub(Fence):
         with self._server_snapshots(), _cancelled_on_failure(futs):
             return get_all(futs, "worker", self.group)
 
-    def _call_servers(self, step: int) -> list[float]:
+    def _call_servers(self, step: int) -> tuple[list[float], list[int]]:
+        """Each server's update of ``step``: the seconds each took, and the bytes of the
+        slices sent to each on another node (0 for one on this node)."""
+        args = [self._update_arg(k) for k in range(len(self.servers))]
         ups = [
-            s.update.remote(step, self._update_arg(k), self.group, self.epoch)
-            for k, s in enumerate(self.servers)
+            s.update.remote(step, arg, self.group, self.epoch)
+            for s, arg in zip(self.servers, args, strict=True)
         ]
         with _cancelled_on_failure(ups):
             results = get_all(ups, "server")
         self.refs = [ref for _, ref, _ in results]
-        return [t for _, _, t in results]
+        sent = [a.nbytes if isinstance(a, np.ndarray) else 0 for a in args]
+        return [t for _, _, t in results], sent
+
+    def _published_bytes(self) -> list[int]:
+        """The size of each server's published values that a worker elsewhere reads this
+        step (0 for a server that publishes none)."""
+        return [
+            int(info.get("published_bytes", 0)) if ref is not None else 0
+            for ref, info in zip(self.refs, self.server_infos, strict=True)
+        ]
 
     @staticmethod
     def _sum(out: np.ndarray, grads: list[np.ndarray], ab: tuple[int, int]) -> None:

@@ -16,6 +16,7 @@ import ray
 
 from raysinga.actors.errors import get_all
 from raysinga.actors.protocol import TIMINGS, StepStats
+from raysinga.actors.traffic import host_names, per_host
 from raysinga.obs.events import Evaluated, EventHub, TrainStep
 from raysinga.run.divergence import Guard, describe_topology
 
@@ -49,6 +50,7 @@ class StepRunner:
         self.max_chunk = 1 << 30
         self.watch: Watch | None = None  # the heartbeat to the roles while chunks run
         self.abandoned: list[Any] = []  # chunks given up on a silent role: fetched at the end
+        self.hosts: dict[str, str] = {}  # node id -> the name its host is shown by
 
     @property
     def progress(self) -> int:
@@ -191,4 +193,13 @@ class StepRunner:
             # the window's last step, as in the single-process trainer
             window[-1].grad_norm if window else None,
             {k: round(v * 1e3, 3) for k, v in mean.items()},
+            self._net(window) or None,
         )
+
+    def _net(self, window: list[StepStats]) -> dict[str, dict[str, int]]:
+        """Bytes in and out of each host per step of a group, the window's mean."""
+        routes = [r.traffic for r in window]
+        nodes = {node for t in routes for a, b, _ in t for node in (a, b)}
+        if nodes - set(self.hosts):  # a node not named yet (a role replaced elsewhere)
+            self.hosts = host_names(ray.nodes())
+        return per_host(routes, self.hosts, len(window))

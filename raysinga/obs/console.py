@@ -24,6 +24,14 @@ from .events import (
 )
 
 
+def readable(n: float) -> str:
+    """Bytes as a console shows them: 512 B, 3.1 kB, 4.2 MB, 1.05 GB (powers of 1000)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
 def step_head(step: int, total: int) -> str:
     return f"step {step:>{len(str(total))}}/{total}"
 
@@ -33,10 +41,14 @@ def render(ev: Event) -> str | None:
     if isinstance(ev, Notice):
         return ev.text
     if isinstance(ev, TrainStep):
-        return (
+        line = (
             f"{step_head(ev.step, ev.total)}  epoch {ev.epoch}  loss {ev.loss:.4f}  "
             f"lr {ev.lr:.4g}  {ev.samples_per_s:,.0f} samples/s"
         )
+        if ev.net:  # the host that moves the most, in and out, per step
+            host, io = max(ev.net.items(), key=lambda kv: kv[1]["in"] + kv[1]["out"])
+            line += f"  net {readable(io['in'])} in, {readable(io['out'])} out per step ({host})"
+        return line
     if isinstance(ev, Evaluated):
         m, parts = ev.metrics, []
         for split in ("valid", "test"):

@@ -53,6 +53,9 @@ class TrainStep(Event):
     samples_per_s: float
     grad_norm: float | None = None
     ms: dict[str, float] | None = None  # mean time per step and phase (distributed runs)
+    # bytes in and out of each host per step (distributed runs over several hosts): host name
+    # -> {"in": bytes, "out": bytes}, counted from what the roles hand one another
+    net: dict[str, dict[str, int]] | None = None
 
     def record(self) -> dict[str, Any]:
         rec: dict[str, Any] = {
@@ -67,6 +70,8 @@ class TrainStep(Event):
             rec["grad_norm"] = self.grad_norm
         if self.ms is not None:
             rec["ms"] = dict(self.ms)
+        if self.net:
+            rec["net"] = {h: dict(v) for h, v in self.net.items()}
         return rec
 
 

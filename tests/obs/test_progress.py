@@ -26,6 +26,14 @@ def test_events_render_as_the_lines_users_read():
     )
 
 
+def test_a_run_over_hosts_shows_its_busiest_hosts_bytes_per_step():
+    net = {"10.0.0.1": {"in": 4_200_000, "out": 812}, "10.0.0.2": {"in": 0, "out": 3_100}}
+    ev = TrainStep(10, 100, 0, 0.5, 0.01, 1000.0, net=net)
+    assert render(ev) == line(10) + "  net 4.2 MB in, 812 B out per step (10.0.0.1)"
+    assert ev.record()["net"] == net
+    assert "net" not in train(10).record()  # one node: nothing crossed a network
+
+
 def test_plain_lines_when_not_a_terminal():
     out = io.StringIO()
     p = Progress(out)  # StringIO is no TTY
