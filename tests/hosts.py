@@ -523,9 +523,9 @@ REQUEST = "@lab "
 def drive(made: list[Host], fn: Any, *args: Any, timeout: float = 900):
     """Run ``fn(*args)`` (a module-level function of a test module; its arguments JSON) in a
     Python on ``made[0]``, the head, answering its :class:`RemoteCluster` requests: a host
-    lost (marked lost in ``made``) or a new one started with ``ray start`` (appended to
-    ``made``). Returns the finished process, its output in ``stdout``; it is killed at
-    ``timeout``."""
+    lost (marked lost in ``made``), a new one started with ``ray start`` (appended to
+    ``made``), or the hosts' interface counters. Returns the finished process, its output in
+    ``stdout``; it is killed at ``timeout``."""
     import inspect  # noqa: PLC0415
     import threading  # noqa: PLC0415
 
@@ -589,6 +589,8 @@ def _carry_out(request: dict[str, Any], made: list[Host]) -> str:
         host.ray_start(request["cpus"], head, 256, *more)
         made.append(host)
         return host.address
+    if request["op"] == "counters":
+        return json.dumps({h.address: h.counters() for h in made if not h.lost})
     raise ValueError(f"no such request: {request}")
 
 
@@ -659,6 +661,10 @@ class RemoteCluster:
 
     def wait_for_nodes(self) -> None:
         """Nothing to wait for: :meth:`add_node` returns once its node has joined."""
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Each live host's interface counters (:meth:`Host.counters`), by address."""
+        return json.loads(self._ask({"op": "counters"}))
 
 
 ALL_NAMESPACES: set[str] = set()  # of every lab of this process: the session's last check

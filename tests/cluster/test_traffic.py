@@ -1,0 +1,98 @@
+"""The bytes a run reports moving between hosts (``metrics.jsonl``'s ``net``, counted by the
+roles from what they hand one another: :mod:`actors.traffic`) against what the hosts'
+interfaces counted, on hosts that share nothing but a network (tests/hosts.py).
+
+A driver on the head reads every host's interface counters at two progress reports of one run
+(at a report the group stands between two steps: nothing of a step is in flight), so the
+difference is what the steps between them moved. Per step, each host's counted bytes in and
+out must then be what its interface carried, less the headers of the packets that carried
+them (Ethernet, IP and TCP: about 4.6% of a full 1500-byte frame), their acknowledgements, and
+Ray's own calls and chatter.
+"""
+
+from __future__ import annotations
+
+import json
+
+import hosts
+import pytest
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+JOB = """
+name: traffic
+seed: 3
+model:
+  input_shape: [64]
+  layers:
+    - {kind: dense, name: fc1, units: 256, activation: relu}
+    - {kind: dense, name: fc2, units: 256, activation: relu}
+    - {kind: dense, name: out, units: 10}
+data: {source: {kind: digits}, batch_size: 64}
+updater: {name: sgd, lr: 0.05, momentum: 0.9}
+disp_freq: 20
+test_freq: 0
+checkpoint_frequency: 0
+topology: {preset: sandblaster, n_servers: 2, workers_per_group: 2, worker: {cpus: 2}}
+"""
+FROM, TO = 40, 200  # the progress reports the counters are read at
+HEADERS = 0.10  # packet headers and acknowledgements, of the counted bytes
+CALLS = 50_000  # Ray's calls and chatter per step, on any host, of a step of a few tenths of a s
+
+
+@pytest.fixture(scope="module")
+def cluster(module_lab):
+    """A head that holds no role (the driver runs there) and three 2-CPU hosts: one worker
+    on each of two of them, the stub and the servers where placement puts them."""
+    made = hosts.ray_cluster(module_lab, [0, 2, 2, 2])
+    made[0].path("/mnt/shared/job.yaml").write_text(JOB)
+    return made
+
+
+def counted_run(address: str, run_dir: str) -> None:
+    """A driver on the head (:func:`hosts.drive`): trains the job, reading every host's
+    counters at the reports of steps ``FROM`` and ``TO``; prints them with the run's ``net``."""
+    import ray  # noqa: PLC0415
+
+    from raysinga import config  # noqa: PLC0415
+    from raysinga.distributed import DistributedTrainer  # noqa: PLC0415
+    from raysinga.obs.events import TrainStep  # noqa: PLC0415
+
+    ray.init(address=address, log_to_driver=False)
+    lab = hosts.RemoteCluster()
+    sets = [f"run_dir={run_dir}", f"train_steps={TO}"]
+    t = DistributedTrainer(config.load("/mnt/shared/job.yaml", sets), log=print)
+    seen: dict[int, dict] = {}
+
+    def hook(ev) -> None:
+        if isinstance(ev, TrainStep) and ev.step in (FROM, TO):
+            seen[ev.step] = {"counters": lab.counters(), "net": ev.net}
+
+    t.hub.subscribe(hook)
+    t.fit()
+    print(json.dumps(seen))
+
+
+def test_the_bytes_counted_per_host_are_what_the_interfaces_carried(cluster):
+    head = cluster[0]
+    r = hosts.drive(cluster, counted_run, f"{head.address}:6379", "/mnt/shared/counted")
+    assert r.returncode == 0, r.stdout
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    a, b = seen[str(FROM)]["counters"], seen[str(TO)]["counters"]
+    net = seen[str(TO)]["net"]  # the mean of the steps since the report before
+    assert net == seen[str(FROM)]["net"], r.stdout  # a placement's steps all move the same
+    steps = TO - FROM
+    per_step = {h: {k: (b[h][k] - a[h][k]) / steps for k in a[h]} for h in a}
+    lines = [f"{h}: counted {net.get(h)}, interface {per_step[h]}" for h in per_step]
+    report = "\n".join(lines) + "\n" + r.stdout
+    print("\n".join(lines))
+    # the progress lines show the busiest host's bytes
+    assert any("  net " in x and " per step (" in x for x in r.stdout.splitlines()), report
+    assert set(net) <= set(per_step), report
+    assert sum(v["in"] for v in net.values()) == sum(v["out"] for v in net.values()), report
+    assert max(v["in"] + v["out"] for v in net.values()) > 500_000, report  # the link matters
+    for h, measured in per_step.items():
+        counted = net.get(h, {"in": 0, "out": 0})
+        for mine, theirs in (("out", "tx_bytes"), ("in", "rx_bytes")):
+            low, high = counted[mine], counted[mine] * (1 + HEADERS) + CALLS
+            assert low <= measured[theirs] <= high, f"{h} {mine}: not in [{low}, {high}]\n{report}"
