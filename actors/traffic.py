@@ -13,7 +13,7 @@ A step through Ray calls (the roles of a group on more than one node) moves thre
 Where the whole group shares one node (doorbells, shared memory), a step moves nothing between
 nodes. What a step sends beside these (the calls themselves, their small results, Ray's own
 control traffic) is not counted: the emulated hosts' interface counters measure how far that
-goes (``tests/cluster/test_traffic.py``).
+goes (``tests/cluster/test_traffic_hosts.py``).
 """
 
 from __future__ import annotations

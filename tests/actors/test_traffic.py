@@ -1,6 +1,6 @@
 """The bytes a group's step moves between nodes, counted from what its roles hand one another
 (:mod:`actors.traffic`). Held against the interfaces of emulated hosts in
-``tests/cluster/test_traffic.py``."""
+``tests/cluster/test_traffic_hosts.py``."""
 
 from __future__ import annotations
 
