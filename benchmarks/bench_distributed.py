@@ -26,6 +26,13 @@ servers' copies and the stub's replay log, which a lost server is rebuilt from
     python benchmarks/bench_distributed.py --spares-rounds 3 --warmup 80 --steps 100
     python benchmarks/bench_distributed.py --replay-rounds 3 --warmup 80 --steps 100
 
+``--hosts N --link RATE[,RATE...]`` runs raysinga's topologies and DDP (float32, and with its
+bf16 compression hook) on a head and N emulated hosts whose links are shaped to each RATE
+(Mbit/s), with the bytes per step of the busiest host beside ring allreduce's
+(``benchmarks/distributed_hosts.py``; root)::
+
+    python benchmarks/bench_distributed.py --hosts 4 --link 1000,200 --rounds 3
+
 ``--device gpu`` compares one group of two GPU workers and a GPU server, sharing one GPU, with
 the single-process GPU run of the same job, both with CUDA graphs (``gpu.graphs``); goal: at
 least 0.85x the single process's samples/s.
@@ -151,6 +158,8 @@ def torch_loop(cfg: dict) -> None:
         torch.nn.Linear(HIDDEN, CLASSES),
     )
     model = ray.train.torch.prepare_model(model)
+    if cfg.get("bf16"):  # the gradients cross as bfloat16 (the hosts' benchmark's second peer)
+        model.register_comm_hook(None, bf16_hook_for_gloo)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(0)
     order = torch.randperm(len(x), generator=g)
@@ -169,6 +178,31 @@ def torch_loop(cfg: dict) -> None:
     dt = time.perf_counter() - t0
     if rank == 0:  # Train v2 keeps no metrics without a checkpoint: hand the figure back by file
         Path(cfg["out"]).write_text(str(cfg["steps"] * BATCH / dt))
+
+
+def bf16_hook_for_gloo(group, bucket):
+    """PyTorch's ``default_hooks.bf16_compress_hook`` (each bucket of gradients averaged as
+    bfloat16, rounded to nearest even, then written back as float32) under another name:
+    DDP refuses a hook of that name without CUDA and NCCL, while gloo reduces bfloat16 tensors
+    on the CPU."""
+    import torch.distributed as dist
+
+    buf = bucket.buffer()
+    world = dist.get_world_size(group)
+    half = buf.to(dtype=torch_bf16()).div_(world)
+    fut = dist.all_reduce(half, group=group, async_op=True).get_future()
+
+    def back(f):
+        buf.copy_(f.value()[0])
+        return buf
+
+    return fut.then(back)
+
+
+def torch_bf16():
+    import torch
+
+    return torch.bfloat16
 
 
 def bench_ray_train(xp, yp, steps, warmup) -> dict:
@@ -213,8 +247,26 @@ def main() -> None:
         help="gpu: one group of two GPU workers and a GPU server sharing one GPU against the "
         "single-process GPU run of the job, both with CUDA graphs (no Ray Train)",
     )
+    ap.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="N: on a head and N emulated hosts, one worker on each, against DDP on the same "
+        "hosts (root; benchmarks/distributed_hosts.py)",
+    )
+    ap.add_argument("--link", default="1000,200", help="with --hosts: link rates, Mbit/s")
+    ap.add_argument("--host-cpus", type=int, default=1, help="with --hosts: CPUs of each host")
+    ap.add_argument(
+        "--topologies", default="sandblaster,allreduce", help="with --hosts: raysinga's"
+    )
+    ap.add_argument("--servers", type=int, default=1, help="with --hosts: sandblaster's servers")
     add_json_option(ap)
     args = ap.parse_args()
+    if args.hosts:
+        import distributed_hosts
+
+        distributed_hosts.main(args)
+        return
     import ray
 
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
