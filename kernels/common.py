@@ -58,7 +58,17 @@ def readable(a) -> bool:
     return not cupy.cuda.get_current_stream().is_capturing()
 
 
+def on_host(a) -> bool:
+    """Whether ``a`` lives in host memory (a NumPy array), where reading its values to check
+    them costs no wait for a GPU."""
+    return not type(a).__module__.startswith("cupy")
+
+
 def check_labels(logits, labels) -> None:
+    """Shapes and dtype always; the labels' range only on the host: on a GPU, reading them
+    back would wait for the device every step, so the data's labels are checked before
+    training (:mod:`raysinga.data.check`) and the kernel gives a label out of range a NaN loss
+    instead of reading outside its row."""
     check_float("logits", logits)
     if logits.ndim != 2:
         raise ValueError(f"logits must be (batch, classes), got shape {logits.shape}")
@@ -66,11 +76,7 @@ def check_labels(logits, labels) -> None:
         raise ValueError(f"labels of shape {labels.shape} do not match logits {logits.shape}")
     if labels.dtype.kind not in "iu":
         raise TypeError(f"labels must be integers, got {labels.dtype}")
-    if (
-        labels.size
-        and readable(labels)
-        and (int(labels.min()) < 0 or int(labels.max()) >= logits.shape[1])
-    ):
+    if labels.size and on_host(labels) and (labels.min() < 0 or labels.max() >= logits.shape[1]):
         raise ValueError(
             f"labels must lie in [0, {logits.shape[1]}), got range "
             f"[{int(labels.min())}, {int(labels.max())}]"

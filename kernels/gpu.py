@@ -173,7 +173,7 @@ def softmax_xent_forward(
 
 
 def softmax_xent_backward(probs: cupy.ndarray, labels: cupy.ndarray, denom: float) -> cupy.ndarray:
-    common.check_labels(probs, labels)  # the kernel indexes rows by label
+    common.check_labels(probs, labels)
     probs, labels = contiguous(probs), contiguous(labels, cupy.int64)
     d = cupy.empty_like(probs)
     kernel = get_kernel("softmax_xent.cu", "xent_bwd", probs.dtype)

@@ -12,6 +12,10 @@ __device__ __forceinline__ float neg_inf(float) { return -__int_as_float(0x7f800
 __device__ __forceinline__ double neg_inf(double) {
   return -__longlong_as_double(0x7ff0000000000000LL);
 }
+__device__ __forceinline__ float quiet_nan(float) { return __int_as_float(0x7fc00000); }
+__device__ __forceinline__ double quiet_nan(double) {
+  return __longlong_as_double(0x7ff8000000000000LL);
+}
 
 // The sum (or max) of v over the block; buf holds BLOCK values and is free again on return.
 template <typename T, bool MAX>
@@ -30,7 +34,9 @@ __device__ T block_reduce(T v, T* buf) {
   return r;
 }
 
-// probs = softmax(row); loss[r] = log(sum exp(row - max)) - (row[label] - max).
+// probs = softmax(row); loss[r] = log(sum exp(row - max)) - (row[label] - max). A label outside
+// [0, c) gives a NaN loss instead of a read outside the row: gpu.py does not read the labels back
+// to check them (a read would wait for the GPU); raysinga.data.check checked them before training.
 template <typename T>
 __device__ void xent_fwd(const T* __restrict__ logits, const long long* __restrict__ labels,
                          T* __restrict__ probs, T* __restrict__ loss, long long n, long long c) {
@@ -44,7 +50,10 @@ __device__ void xent_fwd(const T* __restrict__ logits, const long long* __restri
     for (long long j = threadIdx.x; j < c; j += BLOCK) s += k_exp(row[j] - m);
     s = block_reduce<T, false>(s, buf);
     for (long long j = threadIdx.x; j < c; j += BLOCK) probs[r * c + j] = k_exp(row[j] - m) / s;
-    if (threadIdx.x == 0) loss[r] = k_log(s) - (row[labels[r]] - m);
+    if (threadIdx.x == 0) {
+      const long long l = labels[r];
+      loss[r] = l >= 0 && l < c ? k_log(s) - (row[l] - m) : quiet_nan(T(0));
+    }
   }
 }
 

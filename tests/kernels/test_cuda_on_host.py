@@ -405,6 +405,27 @@ def test_softmax_cross_entropy_over_blocks_matches_numpy(build, n, c):
     _close(d, cpu.softmax_xent_backward(want_probs, labels, 4.0))
 
 
+def test_a_label_out_of_range_gives_a_nan_loss_and_reads_nothing_outside_the_row(build):
+    """The GPU does not read the labels back to check them: the kernel itself must not index
+    outside a row with a bad label, and says so by a NaN loss (the row before or after would
+    give a finite one)."""
+    host = build(
+        "softmax_xent.cu",
+        """auto head = take<long long>(2); long long n = head[0], c = head[1];
+        auto logits = take<float>(n * c); auto labels = take<long long>(n);
+        std::vector<float> probs(n * c), row(n);
+        run_blocks(n, [&] { xent_fwd_f32(logits.data(), labels.data(), probs.data(), row.data(),
+                                         n, c); });
+        give(row, n); return 0;""",
+        blocks=True,
+    )
+    n, c = 4, 3
+    logits = np.arange(n * c, dtype=np.float32).reshape(n, c) / 7
+    labels = np.array([0, -1, 3, 1 << 40], np.int64)
+    row = np.frombuffer(host(_i64(n, c), logits, labels), np.float32)
+    assert np.isfinite(row[0]) and np.isnan(row[1:]).all(), row
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (16, 5), (4, 3, 5, 5)])
 def test_batch_norm_over_blocks_matches_numpy(build, shape):
     host = build(
