@@ -30,13 +30,13 @@ from raysinga.nn.model import Net
 from raysinga.obs.console import hub_for
 from raysinga.obs.events import Evaluated, RunStarted, Subscriber, TrainStep
 from raysinga.obs.metrics import TrainResult, recording
-from raysinga.optim.grads import clip_grad_norm
+from raysinga.optim.grads import clip_grad_norm, clip_grad_norm_on_device
 from raysinga.optim.optimizers import make_optimizer
 
 from . import local_checkpoint
 from .divergence import Guard, chance_loss, describe_topology
 from .evaluate import evaluate_splits
-from .graph_step import GraphStep, graphs_mode
+from .graph_step import DEPTH, GraphStep, graphs_mode
 from .session import RunSession, Start, check_start_options
 from .sources import verify_all
 
@@ -168,8 +168,19 @@ class Trainer:
                     self.hub.emit(level)
                 window_loss, window_steps, grad_norm = window_loss + loss, window_steps + 1, norm
 
+        # The eager GPU step's losses and norms stay on the device until a report, a check or
+        # DEPTH steps need them; then they are read in one go (reading each step's would wait
+        # for the GPU at every step).
+        pending: list[tuple[int, Any, Any]] = []
+
+        def read_pending() -> None:
+            if pending:
+                observe(read_back(xp, pending))
+                pending.clear()
+
         def settle() -> None:
             """Every launched step observed and finished (before its values are read)."""
+            read_pending()
             if graphs is not None:
                 observe(graphs.results(force=True))
                 graphs.synchronize()
@@ -198,13 +209,24 @@ class Trainer:
                         settle()
                     else:
                         observe(graphs.results())
-                else:
+                elif xp is np:
                     loss, grads, _ = self.net.loss_and_grads(
                         params, state, self.net.prepare_input(x, xp), xp.asarray(y), ctx
                     )
                     norm = clip_grad_norm(grads, cfg.clip_norm) if cfg.clip_norm else None
                     observe([(step, float(loss), norm)])
                     self.optimizer.update_all(step, params, grads)
+                else:
+                    loss, grads, _ = self.net.loss_and_grads(
+                        params, state, self.net.prepare_input(x, xp), xp.asarray(y), ctx
+                    )
+                    clip = cfg.clip_norm
+                    norm = clip_grad_norm_on_device(grads, clip) if clip else None
+                    pending.append((step, loss, norm))
+                    self.optimizer.update_all(step, params, grads)
+                    due = shown or evaluated or cfg.checkpoint_due(done) or done == end
+                    if due or len(pending) >= DEPTH:
+                        read_pending()
 
                 if shown:
                     dt = time.perf_counter() - t0
@@ -350,3 +372,19 @@ def _check_fits(net: Net, data: Dataset) -> None:
             f"{list(net.output_shape)} does not match the {classes} classes of data.source "
             f"(loss {net.spec.loss} wants {list(want)})"
         )
+
+
+def read_back(xp: Any, steps: list[tuple[int, Any, Any]]) -> list[tuple[int, float, float | None]]:
+    """``(step, loss, norm)`` of steps whose loss and norm (or None) are 0-d device arrays,
+    read to the host in one copy (one wait for the device, not one per value)."""
+    values = [v for _, loss, norm in steps for v in (loss, norm) if v is not None]
+    host = K.to_numpy(xp.stack([xp.asarray(v, dtype=xp.float64) for v in values])).tolist()
+    out, i = [], 0
+    for step, _, norm in steps:
+        loss_v = host[i]
+        i += 1
+        norm_v = None
+        if norm is not None:
+            norm_v, i = host[i], i + 1
+        out.append((step, loss_v, norm_v))
+    return out

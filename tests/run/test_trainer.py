@@ -166,3 +166,41 @@ def test_fork_from_and_until_refuse_what_they_cannot_do(tmp_path):
         Trainer(cfg, resume=True, fork_from=str(tmp_path), log=None)
     with pytest.raises(ValueError, match=r"until must lie in \[1, train_steps=40\]"):
         Trainer(cfg, until=41, log=None)
+
+
+def test_device_losses_and_norms_are_read_back_in_one_copy_in_step_order():
+    from raysinga.run.trainer import read_back  # noqa: PLC0415
+
+    f32 = np.float32
+    steps = [(3, np.array(0.5, f32), None), (4, np.array(0.25, f32), np.array(2.0)), (5, 1.5, None)]
+    assert read_back(np, steps) == [(3, 0.5, None), (4, 0.25, 2.0), (5, 1.5, None)]
+
+
+@pytest.mark.gpu
+def test_the_eager_gpu_step_reads_its_losses_back_only_at_reports(tmp_path, monkeypatch):
+    """Graphs off, on a GPU: no step reads its loss or gradient norm back by itself (a read
+    waits for the GPU); they are read together at each report, and the guard and the window
+    still see every step in order."""
+    pytest.importorskip("cupy")
+    from raysinga import kernels  # noqa: PLC0415
+    from raysinga.run import trainer as T  # noqa: PLC0415
+
+    if not kernels.gpu_available():
+        pytest.skip(f"no usable GPU: {kernels.gpu_unavailable_reason()}")
+    monkeypatch.setenv("RAYSINGA_DEVICE", "gpu")
+    monkeypatch.delenv("RAYSINGA_GPU_GRAPHS", raising=False)
+    reads = []
+    real = T.read_back
+
+    def counted(xp, steps):
+        reads.append([s for s, _, _ in steps])
+        return real(xp, steps)
+
+    monkeypatch.setattr(T, "read_back", counted)
+    res = run(
+        "digits_mlp.yaml", tmp_path, "train_steps=40", "disp_freq=10", "updater.clip_norm=1.0"
+    )
+    assert reads == [list(range(i, i + 10)) for i in (0, 10, 20, 30)], reads
+    train = [r for r in res.history if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [10, 20, 30, 40]
+    assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in train), train
