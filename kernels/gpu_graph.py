@@ -19,6 +19,7 @@ Imports CuPy: only a GPU run with graphs imports it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -203,8 +204,14 @@ class StepGraph:
             self.stream.begin_capture()
             try:
                 kept = fn()
-            finally:
-                graph = self.stream.end_capture()
+            except BaseException:
+                # The capture must end either way; an error of fn's has usually invalidated
+                # it, and ending it then raises "capture invalidated", which says nothing of
+                # why: fn's own error is the one raised.
+                with contextlib.suppress(Exception):
+                    self.stream.end_capture()
+                raise
+            graph = self.stream.end_capture()
         self.graph, self.kept = graph, kept
 
     def replay(self) -> None:
