@@ -270,7 +270,9 @@ def _downpour(tmp_path: Path, groups: int, rule: str, *more: str) -> config.JobC
 
 @pytest.mark.parametrize(
     "groups",
-    [pytest.param(g, marks=pytest.mark.slow) for g in (2, 4, 8, 16)],  # to an accuracy
+    # to an accuracy; 4 and 16 groups are measured by benchmarks/bench_async.py (the suite's
+    # time: 16 groups took two minutes of it)
+    [pytest.param(g, marks=pytest.mark.slow) for g in (2, 8)],
 )
 def test_downpour_groups_converge_where_the_learning_rate_follows_them(
     ray_session, tmp_path, groups
