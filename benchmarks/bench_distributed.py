@@ -185,11 +185,12 @@ def bf16_hook_for_gloo(group, bucket):
     bfloat16, rounded to nearest even, then written back as float32) under another name:
     DDP refuses a hook of that name without CUDA and NCCL, while gloo reduces bfloat16 tensors
     on the CPU."""
+    import torch
     import torch.distributed as dist
 
     buf = bucket.buffer()
     world = dist.get_world_size(group)
-    half = buf.to(dtype=torch_bf16()).div_(world)
+    half = buf.to(dtype=torch.bfloat16).div_(world)
     fut = dist.all_reduce(half, group=group, async_op=True).get_future()
 
     def back(f):
@@ -197,12 +198,6 @@ def bf16_hook_for_gloo(group, bucket):
         return buf
 
     return fut.then(back)
-
-
-def torch_bf16():
-    import torch
-
-    return torch.bfloat16
 
 
 def bench_ray_train(xp, yp, steps, warmup) -> dict:

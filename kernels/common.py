@@ -47,21 +47,21 @@ def check_dense(x, w, b) -> None:
     check_same_dtype(x=x, w=w, b=b)
 
 
-def readable(a) -> bool:
-    """Whether ``a``'s values may be read back to check them: not while a CUDA graph of a step
-    is being recorded (a read would end the capture). A graph's inputs are checked on the host
-    before they are staged (raysinga.run.graph_step)."""
-    if not type(a).__module__.startswith("cupy"):
-        return True
-    import cupy  # noqa: PLC0415 - only for CuPy arrays
-
-    return not cupy.cuda.get_current_stream().is_capturing()
-
-
 def on_host(a) -> bool:
     """Whether ``a`` lives in host memory (a NumPy array), where reading its values to check
     them costs no wait for a GPU."""
     return not type(a).__module__.startswith("cupy")
+
+
+def readable(a) -> bool:
+    """Whether ``a``'s values may be read back to check them: not while a CUDA graph of a step
+    is being recorded (a read would end the capture). A graph's inputs are checked on the host
+    before they are staged (raysinga.run.graph_step)."""
+    if on_host(a):
+        return True
+    import cupy  # noqa: PLC0415 - only for CuPy arrays
+
+    return not cupy.cuda.get_current_stream().is_capturing()
 
 
 def check_labels(logits, labels) -> None:

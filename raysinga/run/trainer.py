@@ -203,28 +203,27 @@ class Trainer:
                 done = step + 1
                 shown = done % cfg.disp_freq == 0 or done == cfg.train_steps
                 evaluated = cfg.evaluation_due(done) and self.splits.held_out()
+                # a step whose values a report, a check or the run's end reads: what the
+                # device holds back is read first
+                due = shown or evaluated or cfg.checkpoint_due(done) or done == end
                 if graphs is not None:
                     graphs.step(step, ctx, x, y)
-                    if shown or evaluated or cfg.checkpoint_due(done) or done == end:
+                    if due:
                         settle()
                     else:
                         observe(graphs.results())
-                elif xp is np:
-                    loss, grads, _ = self.net.loss_and_grads(
-                        params, state, self.net.prepare_input(x, xp), xp.asarray(y), ctx
-                    )
-                    norm = clip_grad_norm(grads, cfg.clip_norm) if cfg.clip_norm else None
-                    observe([(step, float(loss), norm)])
-                    self.optimizer.update_all(step, params, grads)
                 else:
                     loss, grads, _ = self.net.loss_and_grads(
                         params, state, self.net.prepare_input(x, xp), xp.asarray(y), ctx
                     )
                     clip = cfg.clip_norm
-                    norm = clip_grad_norm_on_device(grads, clip) if clip else None
-                    pending.append((step, loss, norm))
+                    if xp is np:
+                        norm = clip_grad_norm(grads, clip) if clip else None
+                        observe([(step, float(loss), norm)])
+                    else:
+                        norm = clip_grad_norm_on_device(grads, clip) if clip else None
+                        pending.append((step, loss, norm))
                     self.optimizer.update_all(step, params, grads)
-                    due = shown or evaluated or cfg.checkpoint_due(done) or done == end
                     if due or len(pending) >= DEPTH:
                         read_pending()
 
@@ -378,13 +377,5 @@ def read_back(xp: Any, steps: list[tuple[int, Any, Any]]) -> list[tuple[int, flo
     """``(step, loss, norm)`` of steps whose loss and norm (or None) are 0-d device arrays,
     read to the host in one copy (one wait for the device, not one per value)."""
     values = [v for _, loss, norm in steps for v in (loss, norm) if v is not None]
-    host = K.to_numpy(xp.stack([xp.asarray(v, dtype=xp.float64) for v in values])).tolist()
-    out, i = [], 0
-    for step, _, norm in steps:
-        loss_v = host[i]
-        i += 1
-        norm_v = None
-        if norm is not None:
-            norm_v, i = host[i], i + 1
-        out.append((step, loss_v, norm_v))
-    return out
+    host = iter(K.to_numpy(xp.stack([xp.asarray(v, dtype=xp.float64) for v in values])).tolist())
+    return [(step, next(host), None if norm is None else next(host)) for step, _, norm in steps]
