@@ -186,3 +186,16 @@ class Abortable:
         """The ``check`` of a doorbell wait in a serve loop."""
         if self._abort_flag().is_set():
             raise ServeAborted("serving aborted: the stub or a peer of the group was lost")
+
+    def fetch(self, refs: list[Any]) -> list[Any]:
+        """``ray.get`` of ``refs`` (objects another role made), looking for an abort while
+        they are not all here: a call that waits for an object whose maker's host went
+        silent ends when the driver's recovery aborts it, and later calls are not held."""
+        import ray  # noqa: PLC0415
+
+        while len(ray.wait(refs, num_returns=len(refs), timeout=FETCH_POLL_S)[0]) < len(refs):
+            self.check_abort()
+        return ray.get(refs)
+
+
+FETCH_POLL_S = 0.05  # how often a role waiting for objects looks for an abort

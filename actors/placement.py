@@ -71,16 +71,20 @@ def _layout(topo: Topology) -> tuple[list[dict[str, float]], Placement]:
     bundles: list[dict[str, float]] = []
     p = Placement(pg=None)
     colocate = topo.preset == "allreduce"
+    # reduce: hosts puts each block of workers (summed together) in one bundle: on one node
+    per = topo.workers_per_host if topo.reduce == "hosts" else 1
     for _ in range(topo.n_groups):
         row = []
-        for _ in range(topo.workers_per_group):
-            row.append(len(bundles))
-            bundles.append(_merge(topo.worker, topo.server) if colocate else _merge(topo.worker))
+        for i in range(topo.workers_per_group):
+            if i % per == 0:
+                block = [topo.worker] * per + ([topo.server] if colocate else [])
+                bundles.append(_merge(*block))
+            row.append(len(bundles) - 1)
         p.workers.append(row)
-    flat_workers = [b for row in p.workers for b in row]
+    flat_blocks = sorted({b for row in p.workers for b in row})
     for k in range(topo.n_servers):
-        if colocate or topo.server.empty:  # ride in a worker's bundle, on that worker's node
-            p.servers.append(flat_workers[k % len(flat_workers)])
+        if colocate or topo.server.empty:  # ride in a block's bundle, on that block's node
+            p.servers.append(flat_blocks[k % len(flat_blocks)])
         else:
             p.servers.append(len(bundles))
             bundles.append(_merge(topo.server))

@@ -39,6 +39,7 @@ class ServerSpec:
     tag: str  # names the run's shared-memory files
     device: str = "cpu"
     lr_scale: float = 1.0  # on every update's learning rate (JobConfig.lr_scale)
+    wire: str = "f32"  # topology.wire: what its values are published as (actors.wire)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class WorkerSpec:
     validation: dict[str, Any] | None = None  # data.validation: held out of the training split
     graphs: str = "off"  # a GPU worker's steps as CUDA graphs: run.graph_step.graphs_mode
     precision: str = "f32"  # the matrix products' precision.compute (kernels.precision)
+    wire: str = "f32"  # topology.wire: what gradients and values cross as (actors.wire)
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ class StubSpec:
     n_groups: int
     tag: str
     replay: int = 0  # steps of summed gradients logged for rebuilding a lost server
+    block: int = 0  # topology.reduce: hosts: workers summed together per host (0: the stub sums)
+    wire: str = "f32"  # topology.wire (actors.wire)
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,18 @@ class Published:
     the owner up (about 150 s on emulated hosts), whatever was aborted meanwhile."""
 
     ref: Any
+
+
+@dataclass(frozen=True)
+class HostParts:
+    """A server's share of one step of a group summed by hosts (``topology.reduce: hosts``):
+    the object-store refs of each block's sum of this server's slices, in block order, as
+    the blocks' leaders returned them (:meth:`~actors.worker.Worker.host_sum`; laid out as
+    :func:`actors.wire.wire_layout`). Handed over inside this, not as call arguments, so that
+    the server fetches them itself, straight from each leader's node and abortably (as
+    :class:`Published`)."""
+
+    refs: tuple[Any, ...]
 
 
 @dataclass(frozen=True)

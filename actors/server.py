@@ -32,6 +32,7 @@ from .doorbell import Abortable, Steps
 from .errors import reports_role
 from .fence import Fence
 from .protocol import (
+    HostParts,
     ServerDone,
     ServerSpec,
     SummedGrads,
@@ -41,6 +42,7 @@ from .protocol import (
 )
 from .server_grads import SumViews, step_gradient
 from .snapshots import Snapshots
+from .wire import decode, encode, wire_layout
 
 
 class ParamServer(Abortable, Fence):
@@ -71,12 +73,16 @@ class ParamServer(Abortable, Fence):
         self.copies = ServerCopies()  # of its state, fetched by its group's stub
         self.tag = spec.tag
         self.remote_readers = False
+        self.reader_nodes: list[str] | None = None  # set_remote_readers
         # group -> the last step of it applied: a step applied once is not applied again (a
         # replaced stub of an asynchronous group redoes its step from the servers' lowest)
         self.applied: dict[int, int] = {}
         self._published: Any = None
         self._attached = Attachments()
         self.sums = SumViews()  # where it sums the workers' gradients itself
+        self.wire = spec.wire
+        self.wire_layout = wire_layout(self.layout, spec.wire)
+        self._host_sum: np.ndarray | None = None  # the blocks' sum (reduce: hosts), reused
         self.gpu: ServerDevice | None = None  # device "gpu": the optimizer runs on a GPU
         if spec.device == "gpu":
             self.gpu = ServerDevice(self.layout, self.buf)
@@ -93,7 +99,10 @@ class ParamServer(Abortable, Fence):
             "handle": self.buf.handle(),
             "gpu": self.gpu is not None,
             "gpus": visible_gpus() if self.gpu is not None else None,
-            "published_bytes": self.buf.layout.nbytes,  # what a reader elsewhere pulls
+            # what a reader elsewhere pulls
+            "published_bytes": self.wire_layout.nbytes
+            if self.wire != "f32"
+            else self.buf.layout.nbytes,
         }
 
     @reports_role
@@ -112,17 +121,29 @@ class ParamServer(Abortable, Fence):
         return time.perf_counter() - t0
 
     @reports_role
-    def set_remote_readers(self, remote: bool) -> Any:
-        """Whether some reader sits on another node; if so, publish snapshots from now on."""
-        self.remote_readers = remote
+    def set_remote_readers(self, remote: bool, nodes: list[str] | None = None) -> Any:
+        """Whether some reader sits on another node; if so, publish snapshots from now on.
+        ``nodes``: the readers' nodes, each to get a copy of its own (see :meth:`_publish`)."""
+        self.remote_readers, self.reader_nodes = remote, nodes
         return self._publish()
 
     def _publish(self) -> Any:
+        """Put this server's values in the object store for readers on other nodes: one
+        object, or (``reader_nodes``) one per reader node, by node. A node pulls an object
+        from any node that holds a copy, as Ray chooses, so one object read by several nodes
+        is sometimes sent on by a reader's node (measured on emulated hosts: a host sent up
+        to 25% more than its share); a copy per node is sent from here only."""
         if not self.remote_readers:
             return None
         import ray  # noqa: PLC0415
 
-        self._published = ray.put(self.buf.snapshot())
+        if self.wire == "f32":
+            snap = self.buf.snapshot()
+        else:  # rounded as it crosses (actors.wire); the values here stay float32
+            values = {s.name: self.buf.arrays[s.name] for s in self.slices}
+            snap = encode(values, self.wire_layout)
+        nodes = self.reader_nodes
+        self._published = {n: ray.put(snap) for n in nodes} if nodes else ray.put(snap)
         return self._published
 
     @reports_role
@@ -169,6 +190,8 @@ class ParamServer(Abortable, Fence):
         t0 = time.perf_counter()
         if step <= self.applied.get(group, -1):
             return self.guard.version, self._published, 0.0
+        if isinstance(grads, HostParts):  # fetched and summed before anything changes
+            grads = self._blocks_sum(grads)
         self.applied[group] = step
         self.snaps.wait_for_copy()  # a checkpoint's copy of the values must come first
         self.copies.wait_for_copy()  # and a copy kept for a rebuild
@@ -196,6 +219,19 @@ class ParamServer(Abortable, Fence):
         if self.copies.due(self.guard.version):
             self._start_copy()
         return self.guard.version, ref, time.perf_counter() - t0
+
+    def _blocks_sum(self, parts: HostParts) -> np.ndarray:
+        """The sum of the blocks' sums of this server's slices (``topology.reduce: hosts``),
+        added in block order in float32, laid out as :attr:`layout`. Each is fetched straight
+        from its leader's node; the wait looks for an abort meanwhile (a leader on a host gone
+        silent)."""
+        got = [decode(b, self.wire_layout) for b in self.fetch(list(parts.refs))]
+        if self._host_sum is None:
+            self._host_sum = np.zeros(self.layout.nbytes, np.uint8)
+        out = self.layout.views(self._host_sum)
+        for name, o in out.items():
+            sum_into(o, [g[name] for g in got])
+        return self._host_sum
 
     def _start_copy(self) -> None:
         """Take a copy of this server's state at its current version in the background (the

@@ -26,6 +26,7 @@ from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
 from .errors import ActorLost, get_all, lost_server, reports_role
 from .fence import Fence
 from .protocol import (
+    HostParts,
     Published,
     StepStats,
     StubSpec,
@@ -37,7 +38,8 @@ from .protocol import (
     worker_buffer_layout,
 )
 from .replay import ReplayLog
-from .traffic import group_step_bytes
+from .traffic import block_step_bytes, group_step_bytes
+from .wire import blocks, wire_layout
 
 
 class Stub(Fence):
@@ -74,6 +76,7 @@ class Stub(Fence):
         self.count = self.avg.layout.nbytes // np.dtype(dtype).itemsize
         self.avg_flat = self.avg.flat.view(dtype)[: self.count]
         self.slices = spec.slices
+        self.block, self.wire = spec.block, spec.wire  # topology.reduce: hosts (0: not)
         # Summing is element-wise: contiguous ranges on several threads give the same bits.
         self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
         self.ranges = chunks(self.count, self.pool)
@@ -109,8 +112,14 @@ class Stub(Fence):
         for i, w in enumerate(worker_infos):  # mapped now: the map outlives a lost worker's file
             if self.worker_state[i] and w["node"] == self.node:
                 self._att.flat(self.worker_handles[i])
-        self.snapshot = [w["node"] != self.node for w in worker_infos]
         self.worker_nodes = [w["node"] for w in worker_infos]
+        self.snapshot = [w["node"] != self.node for w in worker_infos]
+        if self.block:  # summed by blocks: a worker's gradient goes to its block's leader
+            self.blocks = blocks(len(worker_infos), self.block)
+            lead = {i: b[0] for b in self.blocks for i in b}
+            self.snapshot = [
+                self.worker_nodes[i] != self.worker_nodes[lead[i]] for i in range(len(lead))
+            ]
         # For each worker and server: the server's shared buffer when they share a node, else
         # None, filled each step with the server's latest snapshot ref.
         self.local_src = [
@@ -123,7 +132,7 @@ class Stub(Fence):
         same_node = all(w["node"] == self.node for w in worker_infos) and not any(
             self.server_remote
         )
-        if self.n_groups == 1 and same_node:
+        if self.n_groups == 1 and same_node and not self.block:
             handles = [s["handle"] for s in self.server_infos]
             self.bells = GroupBells(self.avg.path, self.group, workers, self.servers, handles)
         # The servers sum the workers' gradients in their update, into the log's row (CPU
@@ -225,8 +234,17 @@ class Stub(Fence):
 
     def _sources(self, i: int) -> tuple[Any, ...]:
         return tuple(
-            h if h is not None else Published(self.refs[k]) for k, h in enumerate(self.local_src[i])
+            h if h is not None else Published(self._ref_for(k, i))
+            for k, h in enumerate(self.local_src[i])
         )
+
+    def _ref_for(self, k: int, i: int) -> Any:
+        """Server ``k``'s published values for worker ``i``: the copy for its node where the
+        server publishes one per node (any copy for a node it does not know yet)."""
+        ref = self.refs[k]
+        if not isinstance(ref, dict):
+            return ref
+        return ref.get(self.worker_nodes[i], next(iter(ref.values())))
 
     def _grad_flat(self, i: int, snap: np.ndarray | None) -> np.ndarray:
         """Worker ``i``'s gradient buffer as one flat array, in place when on this node."""
@@ -247,6 +265,8 @@ class Stub(Fence):
             )
             if self.summing:
                 return bells.run_alone(start, serving, self._seal)
+        if self.block:
+            return [self._block_step(step) for step in range(start, stop)]
         records = []
         for step in range(start, stop):
             t0 = time.time()  # (wall clock: the workers' own times are compared with it)
@@ -296,6 +316,63 @@ class Stub(Fence):
             row = self.log.begin(step)
             on_threads(self.pool, functools.partial(self._sum, row, grads), self.ranges)
             self.log.commit(step)
+
+    def _block_step(self, step: int) -> StepStats:
+        """One step summed by blocks (``topology.reduce: hosts``, :mod:`.wire`): each
+        worker computes; each block's leader, once its members are done, sums them and cuts
+        the sum into the servers' slices; each server fetches its slices of every block from
+        the leaders' nodes and sums them in block order. The computes and the sums go out at
+        once (Ray starts a sum when its block is done); this stub never touches a gradient."""
+        t0 = time.time()
+        n = len(self.workers)
+        if self.n_groups > 1 and any(r is not None for r in self.refs):  # (one group today)
+            self.refs = [r for _, r in get_all([s.latest.remote() for s in self.servers], "server")]
+        published = self._published_bytes()
+        computes = [
+            w.compute.options(num_returns=2).remote(
+                step, i, n, self.snapshot[i], *self._sources(i), epoch=self.epoch
+            )
+            for i, w in enumerate(self.workers)
+        ]
+        sums = []
+        for members in self.blocks:
+            srcs = tuple(
+                Published(computes[i][1]) if self.snapshot[i] else self.worker_handles[i]
+                for i in members
+            )
+            done = [computes[i][0] for i in members]  # Ray starts the sum once these are in
+            sums.append(
+                self.workers[members[0]].host_sum.remote(step, srcs, *done, epoch=self.epoch)
+            )
+        calls = [c[0] for c in computes] + sums
+        with self._server_snapshots(), _cancelled_on_failure(calls):
+            stats = get_all([c[0] for c in computes], "worker", self.group)
+            t1 = time.time()
+            leaders = [b[0] for b in self.blocks]
+            summed = get_all(sums, "worker", self.group, indices=leaders)
+        t2 = time.time()
+        ups = [
+            s.update.remote(step, HostParts(tuple(r[k] for _, r in summed)), self.group, self.epoch)
+            for k, s in enumerate(self.servers)
+        ]
+        with _cancelled_on_failure(ups):
+            results = get_all(ups, "server")
+        self.refs = [ref for _, ref, _ in results]
+        parts = [wire_layout(lay, self.wire).nbytes for lay in self.server_layouts]
+        snaps = [
+            worker_buffer_layout(self.shapes, self.dtype, st).nbytes if snap else 0
+            for snap, st in zip(self.snapshot, self.worker_state, strict=True)
+        ]
+        traffic = block_step_bytes(
+            self.worker_nodes,
+            self.blocks,
+            snaps,
+            [s["node"] for s in self.server_infos],
+            parts,
+            published,
+        )
+        seconds = [t for _, _, t in results]
+        return step_record(step, stats, t0, t1, t2, time.time(), seconds, None, traffic)
 
     # -- per-step control through Ray calls (any placement)
     def _call_workers(self, step: int) -> list[tuple[dict, np.ndarray | None]]:

@@ -44,12 +44,46 @@ def group_step_bytes(
     for node, n in zip(servers, updates, strict=True):
         if n and node != stub:
             moved[(stub, node)] += n
+    _values_back(moved, workers, servers, published)
+    return dict(moved)
+
+
+def block_step_bytes(
+    workers: Sequence[str],
+    blocks: Sequence[Sequence[int]],
+    snapshots: Sequence[int],
+    servers: Sequence[str],
+    parts: Sequence[int],
+    published: Sequence[int],
+) -> dict[Route, int]:
+    """The bytes of one step summed by blocks (``topology.reduce: hosts``) by route:
+    ``workers``/``servers`` are the roles' nodes, ``blocks`` the workers of each block (its
+    leader first), ``snapshots[i]`` the bytes worker ``i`` sent its leader (0 where it shares
+    the leader's node), ``parts[k]`` the bytes of server ``k``'s slices of one block's sum,
+    ``published[k]`` as for :func:`group_step_bytes`. Each leader's sum of server ``k``'s
+    slices goes to server ``k``'s node; the values come back as they do there."""
+    moved: Counter[Route] = Counter()
+    for b in blocks:
+        lead = workers[b[0]]
+        for i in b:
+            if snapshots[i] and workers[i] != lead:
+                moved[(workers[i], lead)] += snapshots[i]
+        for node, n in zip(servers, parts, strict=True):
+            if node != lead:
+                moved[(lead, node)] += n
+    _values_back(moved, workers, servers, published)
+    return dict(moved)
+
+
+def _values_back(
+    moved: Counter[Route], workers: Sequence[str], servers: Sequence[str], published: Sequence[int]
+) -> None:
+    """Each server's published values, pulled once by each other node with a worker."""
     readers = set(workers)
     for node, n in zip(servers, published, strict=True):
         if n:
             for reader in sorted(readers - {node}):
                 moved[(node, reader)] += n
-    return dict(moved)
 
 
 def per_host(

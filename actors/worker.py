@@ -22,6 +22,7 @@ from raysinga.kernels.cpu_sched import batch_scheduling
 from raysinga.kernels.cpu_threads import blas_threads
 from raysinga.nn.layers import StepContext
 from raysinga.nn.model import ModelSpec, Net
+from raysinga.optim.grads import sum_into
 from raysinga.run.evaluate import evaluate_splits
 from raysinga.run.graph_step import WorkerGraphStep
 
@@ -43,7 +44,9 @@ from .protocol import (
     worker_buffer_layout,
     write_state_copy,
 )
+from .server_grads import own_slices
 from .slicing import Slice
+from .wire import decode, encode, rounded, wire_layout
 
 
 class ParamReader:
@@ -60,9 +63,11 @@ class ParamReader:
         n_servers: int,
         dtype: str,
         consistent: bool = False,
+        wire: str = "f32",
     ) -> None:
-        self.shapes, self.dtype = shapes, dtype
+        self.shapes, self.dtype, self.wire = shapes, dtype, wire
         self.layouts = server_layouts(slices, n_servers, dtype)
+        self.wire_layouts = [wire_layout(lay, wire) for lay in self.layouts]
         self._private = (
             [np.empty(lay.nbytes, np.uint8) for lay in self.layouts] if consistent else []
         )
@@ -93,16 +98,15 @@ class ParamReader:
         return out
 
     def _view(self, k: int, src: ShmHandle | np.ndarray, lay: Layout) -> dict[str, np.ndarray]:
-        if not isinstance(src, ShmHandle):
-            return lay.views(src)  # a snapshot: a consistent copy already
+        """Server ``k``'s values as this worker computes with them: under ``wire: bf16``
+        rounded alike whether they crossed a link (published as bfloat16) or not."""
+        if not isinstance(src, ShmHandle):  # a snapshot: a consistent copy already
+            return lay.views(src) if self.wire == "f32" else decode(src, self.wire_layouts[k])
         if not self._private:
-            return self._att.views(src)
+            return rounded(self._att.views(src), self.wire)
         flat = self._att.flat(src)[: lay.nbytes]
         stable_copy(flat, self._att.views(src)[SEQ], self._private[k])
-        return lay.views(self._private[k])
-
-
-FETCH_POLL_S = 0.05  # how often a worker waiting for a server's values looks for an abort
+        return rounded(lay.views(self._private[k]), self.wire)
 
 
 class Worker(Abortable, Fence):
@@ -124,8 +128,16 @@ class Worker(Abortable, Fence):
         self.plan = BatchPlan(len(self.train), spec.group_batch, spec.seed, spec.shuffle)
         shapes = self.net.param_shapes()
         self.reader = ParamReader(
-            shapes, spec.slices, spec.n_servers, spec.dtype, consistent=spec.n_groups > 1
+            shapes,
+            spec.slices,
+            spec.n_servers,
+            spec.dtype,
+            consistent=spec.n_groups > 1,
+            wire=spec.wire,
         )
+        self.slices, self.wire = spec.slices, spec.wire
+        self._block: dict[str, np.ndarray] = {}  # a block leader's sum (reduce: hosts)
+        self._members = Attachments()  # the block's buffers on this node, mapped
         self.node = node_id()
         self.state_shapes = self.net.state_shapes()
         self.grads = SharedBuffer(
@@ -261,6 +273,39 @@ class Worker(Abortable, Fence):
         failed = WorkerDone(part, -1, 1, 0.0, 0.0, 0.0, 0.0, 0.0)  # wakes the stub at once
         return Steps(wiring, WorkerDone, self.check_abort).run(start, stop, step_fn, failed)
 
+    @reports_role
+    def host_sum(
+        self, step: int, members: tuple[ShmHandle | Published, ...], *done: Any, epoch: int = 0
+    ) -> tuple[float, list[Any]]:
+        """As the leader of a block (``topology.reduce: hosts``): the sum of the block's
+        workers' gradients of ``step`` (``members``, in worker order: the buffer of one on this
+        node, the published snapshot of one elsewhere), added in that order, cut into each
+        server's slices and laid out as they cross (:mod:`.wire`). ``done``: the members'
+        results of the step, which Ray hands over once each member is done. Returns the
+        seconds it took and, for each server, the ref of its buffer, put in the object store
+        here: each server fetches its own straight from this node. (Returned as values,
+        buffers under Ray's inline limit, 100 KiB, would go through the stub, the caller.)"""
+        self.admit(epoch, f"sum step {step} of its block (worker {self.index})")
+        t0 = time.perf_counter()
+        fetched = self._fetched(members)
+        self._members.keep_only({m.path for m in fetched if isinstance(m, ShmHandle)})
+        layout = self.grads.layout
+        views = [
+            self._members.views(m) if isinstance(m, ShmHandle) else layout.views(m) for m in fetched
+        ]
+        if not self._block:
+            self._block = {p: np.empty(s, self.reader.dtype) for p, s in self.reader.shapes.items()}
+        for p, out in self._block.items():
+            sum_into(out, [v[p] for v in views])
+        own = own_slices(self._block, list(self.slices))
+        import ray  # noqa: PLC0415
+
+        refs = [
+            ray.put(encode({e.name: own[e.name] for e in lay.entries}, lay))
+            for lay in self.reader.wire_layouts
+        ]
+        return time.perf_counter() - t0, refs
+
     def _compute(self, step: int, part: int, parts: int, sources: tuple) -> dict[str, float]:
         start = time.time()
         t0 = time.perf_counter()
@@ -352,11 +397,7 @@ class Worker(Abortable, Fence):
         wanted = [s.ref for s in sources if isinstance(s, Published)]
         if not wanted:
             return sources
-        import ray  # noqa: PLC0415
-
-        while len(ray.wait(wanted, num_returns=len(wanted), timeout=FETCH_POLL_S)[0]) < len(wanted):
-            self.check_abort()
-        got = iter(ray.get(wanted))
+        got = iter(self.fetch(wanted))
         return tuple(next(got) if isinstance(s, Published) else s for s in sources)
 
     @reports_role
@@ -378,6 +419,7 @@ class Worker(Abortable, Fence):
         return os.getpid()
 
     def shutdown(self) -> None:
+        self._members.close()
         if self.gpu is not None:
             self.gpu.close()
         self.grads.close()

@@ -45,6 +45,18 @@ def check_job(cfg: JobConfig) -> None:
             f"precision.compute: {cfg.precision.compute} rounds float32 operands and keeps "
             f"float32 master weights; dtype must be float32, got {cfg.dtype}"
         )
+    if topology is not None and topology.reduce == "hosts":
+        if cfg.clip_norm is not None:
+            raise ConfigError(
+                "updater.clip_norm: with topology.reduce: hosts no role sees the whole "
+                "gradient to take its norm (each server sums its own slices); drop clip_norm "
+                "or use reduce: stub"
+            )
+        if topology.wire == "bf16" and cfg.dtype != "float32":
+            raise ConfigError(
+                f"topology.wire: bf16 rounds float32 gradients and values; dtype must be "
+                f"float32, got {cfg.dtype}"
+            )
     check_elastic(cfg.fault, topology)
     check_sizes(cfg.model, data, cfg.dtype, topology)
 

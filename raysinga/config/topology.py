@@ -19,6 +19,9 @@ from pydantic import ValidationError, field_validator, model_validator
 from .section import Refusal, Section, explain, key
 
 PRESETS = ("sandblaster", "downpour", "hogwild", "allreduce")
+REDUCES = ("stub", "hosts")
+WIRES = ("f32", "bf16")
+HOSTS_SLICE_BYTES = 16 << 10  # reduce: hosts's default slice_bytes
 
 
 class TopologyError(ValueError):
@@ -94,7 +97,28 @@ class Topology(Section):
         expected="an integer >= 0 or null",
     )
     slice_bytes: int = key(
-        4 << 20, ge=1, description="a parameter larger than this is cut over the servers"
+        4 << 20,
+        ge=1,
+        description="a parameter larger than this is cut over the servers "
+        "(`reduce: hosts`: 16 KiB by default)",
+    )
+    reduce: Literal[REDUCES] = key(
+        "stub",
+        description="how one synchronous group sums its gradients: `stub` (its stub sums every "
+        "worker's) or `hosts` (the workers of each host are summed there, in shared memory, "
+        "and the hosts' sums meet at the servers: per host a step moves what ring allreduce "
+        "moves)",
+    )
+    workers_per_host: int = key(
+        1,
+        ge=1,
+        description="`reduce: hosts`: the workers placed together on one host and summed there "
+        "first (a block; the sum's order is fixed by it, wherever the blocks land)",
+    )
+    wire: Literal[WIRES] = key(
+        "f32",
+        description="`reduce: hosts`: what gradients and values cross between roles as: `f32`, "
+        "or `bf16` (rounded to nearest even; the servers keep float32 values and state)",
     )
     worker: Resources = key(
         Resources, description="Ray resources of each worker; must reserve some CPUs or GPUs"
@@ -111,8 +135,14 @@ class Topology(Section):
         for role in ("server", "stub"):
             if isinstance(data.get(role), dict):
                 data[role] = {"cpus": HELPER_CPUS, **data[role]}
+        if data.get("reduce") == "hosts" and "slice_bytes" not in data:
+            # every parameter but the smallest cut over all servers: each host's share even
+            data["slice_bytes"] = HOSTS_SLICE_BYTES
         if data.get("preset") == "allreduce" and "n_servers" not in data:
-            data["n_servers"] = data.get("workers_per_group", 1)
+            per_host = data.get("workers_per_host", 1) if data.get("reduce") == "hosts" else 1
+            w = data.get("workers_per_group", 1)
+            blocks_fit = isinstance(w, int) and isinstance(per_host, int) and per_host > 0
+            data["n_servers"] = w // per_host if blocks_fit and w % per_host == 0 else w
         return data
 
     @model_validator(mode="after")
@@ -131,15 +161,45 @@ class Topology(Section):
                 "workers_per_group",
                 f"the hogwild preset has one worker per group, got {self.workers_per_group}",
             )
-        if p == "allreduce" and self.n_servers != self.workers_per_group:
+        self._reduce_rules()
+        if p == "allreduce" and self.n_servers != self.n_blocks:
+            what = "each worker" if self.reduce == "stub" else "each host's block of workers"
             raise Refusal(
                 "n_servers",
-                "the allreduce preset places one server with each worker, so it must equal "
-                f"workers_per_group ({self.workers_per_group}), got {self.n_servers}",
+                f"the allreduce preset places one server with {what}, so it must equal "
+                f"{self.n_blocks}, got {self.n_servers}",
             )
         if self.worker.empty:
             raise Refusal("worker", "a worker must reserve some CPUs or GPUs")
         return self
+
+    def _reduce_rules(self) -> None:
+        if self.reduce == "stub":
+            for k, default in (("workers_per_host", 1), ("wire", "f32")):
+                if getattr(self, k) != default:
+                    raise Refusal(
+                        k, f"only with reduce: hosts, got {getattr(self, k)!r} (reduce: stub)"
+                    )
+            return
+        if self.preset not in ("sandblaster", "allreduce"):
+            raise Refusal(
+                "reduce",
+                "hosts: only one synchronous group (the sandblaster or allreduce preset) is "
+                f"summed by hosts, got preset {self.preset}",
+            )
+        if self.workers_per_group % self.workers_per_host:
+            raise Refusal(
+                "workers_per_host",
+                f"{self.workers_per_host} does not divide workers_per_group "
+                f"({self.workers_per_group}): every host's block has as many workers",
+            )
+
+    @property
+    def n_blocks(self) -> int:
+        """The blocks of workers summed together (``reduce: hosts``; else one per worker)."""
+        if self.reduce == "hosts":
+            return self.workers_per_group // self.workers_per_host
+        return self.workers_per_group
 
     @property
     def n_workers(self) -> int:
@@ -163,9 +223,10 @@ class Topology(Section):
 
     def resized(self, n_groups: int, workers_per_group: int) -> Topology:
         """This topology with other counts (an elastic run's smaller or larger form)."""
-        return Topology(
-            **{**self.to_dict(), "n_groups": n_groups, "workers_per_group": workers_per_group}
-        )
+        d = {**self.to_dict(), "n_groups": n_groups, "workers_per_group": workers_per_group}
+        if self.reduce == "hosts" and workers_per_group % self.workers_per_host:
+            d["workers_per_host"] = 1  # a shrunk group keeps its order only where blocks fit
+        return Topology(**d)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()

@@ -182,7 +182,8 @@ class Controller:
             session.log(f"raysinga: loaded {start.source.label} in {dt:.2f} s")
         periodic = bool(cfg.checkpoint_frequency or cfg.checkpoint_every_seconds)
         replaceable = self._replaceable()
-        rebuildable = replaceable
+        # summed by hosts, no role holds a step's whole sum to log: a lost server restarts
+        rebuildable = replaceable and self.topo.reduce == "stub"
         roles.replay = replay_steps(cfg.fault, self.plan.shapes, cfg.dtype) if rebuildable else 0
         roles.wire(prepare_snapshots=periodic and cfg.checkpoint.compression is None)
         roles.keep_copies()

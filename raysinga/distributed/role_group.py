@@ -173,6 +173,7 @@ class RoleGroup:
             self.tag,
             plan.server_device,
             cfg.lr_scale(self.topo),
+            self.topo.wire,
         )
 
     def spawn_workers(self, seed: int) -> None:
@@ -205,6 +206,7 @@ class RoleGroup:
             cfg.data.held_out(),
             graphs_mode(cfg.gpu.graphs) if plan.worker_device == "gpu" else "off",
             cfg.precision.compute,
+            topo.wire,
         )
 
     def describe(self) -> None:
@@ -231,8 +233,11 @@ class RoleGroup:
         snapshot of its values after each update); keep the snapshot's ref."""
         worker_nodes = {w["node"] for row in self.worker_infos for w in row}
         for k, (s, info) in enumerate(zip(self.servers, self.server_infos, strict=True)):
-            remote = bool(worker_nodes - {info["node"]})
-            info["ref"] = get_all([s.set_remote_readers.remote(remote)], "server", k)[0]
+            readers = sorted(worker_nodes - {info["node"]})
+            # summed by hosts, every host pulls its values from the server alone (a copy each)
+            nodes = readers if self.topo.reduce == "hosts" else None
+            call = s.set_remote_readers.remote(bool(readers), nodes)
+            info["ref"] = get_all([call], "server", k)[0]
 
     def spawn_stub(self, g: int) -> Any:
         return self._spawn("stub", self.placement.stubs[g], *self.stub_args(g))
@@ -250,6 +255,8 @@ class RoleGroup:
             self.topo.n_groups,
             self.tag,
             self.replay,
+            self.topo.workers_per_host if self.topo.reduce == "hosts" else 0,
+            self.topo.wire,
         )
         return spec, self.workers[g], self.servers, self.worker_infos[g], self.server_infos
 

@@ -33,7 +33,6 @@ updater: {name: sgd, lr: 0.05, momentum: 0.9}
 disp_freq: 20
 test_freq: 0
 checkpoint_frequency: 0
-topology: {preset: sandblaster, n_servers: 2, workers_per_group: 2, worker: {cpus: 2}}
 """
 FROM, TO = 40, 200  # the progress reports the counters are read at
 HEADERS = 0.10  # packet headers and acknowledgements, of the counted bytes
@@ -50,7 +49,7 @@ def cluster(module_lab):
     return made
 
 
-def counted_run(address: str, run_dir: str) -> None:
+def counted_run(address: str, run_dir: str, topology: str) -> None:
     """A driver on the head (:func:`hosts.drive`): trains the job, reading every host's
     counters at the reports of steps ``FROM`` and ``TO``; prints them with the run's ``net``."""
     import time  # noqa: PLC0415
@@ -63,7 +62,7 @@ def counted_run(address: str, run_dir: str) -> None:
 
     ray.init(address=address, log_to_driver=False)
     lab = hosts.RemoteCluster()
-    sets = [f"run_dir={run_dir}", f"train_steps={TO}"]
+    sets = [f"run_dir={run_dir}", f"train_steps={TO}", f"topology={topology}"]
     t = DistributedTrainer(config.load("/mnt/shared/job.yaml", sets), log=print)
     seen: dict[int, dict] = {}
 
@@ -76,9 +75,19 @@ def counted_run(address: str, run_dir: str) -> None:
     print(json.dumps(seen))
 
 
-def test_the_bytes_counted_per_host_are_what_the_interfaces_carried(cluster):
+STUB = "{preset: sandblaster, n_servers: 2, workers_per_group: 2, worker: {cpus: 2}}"
+# one worker and one server on each of the three hosts, summed by hosts (actors.wire)
+HOSTS = "{preset: allreduce, reduce: hosts, workers_per_group: 3, worker: {cpus: 2}}"
+PARAMS = 4 * (64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10)  # the model's bytes
+
+
+@pytest.mark.parametrize("topology", [STUB, HOSTS], ids=["stub", "hosts"])
+def test_the_bytes_counted_per_host_are_what_the_interfaces_carried(cluster, topology):
+    """Summed by hosts, each host also carries at most 1.1x what ring allreduce moves,
+    2 (W-1)/W of the parameters' bytes each way ([N2])."""
     head = cluster[0]
-    r = hosts.drive(cluster, counted_run, f"{head.address}:6379", "/mnt/shared/counted")
+    run = f"/mnt/shared/counted-{topology == HOSTS}"
+    r = hosts.drive(cluster, counted_run, f"{head.address}:6379", run, topology)
     assert r.returncode == 0, r.stdout
     seen = json.loads(r.stdout.strip().splitlines()[-1])
     a, b = seen[str(FROM)]["counters"], seen[str(TO)]["counters"]
@@ -101,3 +110,8 @@ def test_the_bytes_counted_per_host_are_what_the_interfaces_carried(cluster):
             low = counted[mine]
             high = counted[mine] * (1 + HEADERS) + CALLS + CHATTER * step_s
             assert low <= measured[theirs] <= high, f"{h} {mine}: not in [{low}, {high}]\n{report}"
+    if topology == HOSTS:
+        ring = 2 * (3 - 1) / 3 * PARAMS
+        assert len(net) == 3, report
+        for h, v in net.items():
+            assert max(v["in"], v["out"]) <= 1.1 * ring, f"{h}: {v} against ring {ring}\n{report}"
