@@ -252,7 +252,9 @@ def main() -> None:
     ap.add_argument("--link", default="1000,200", help="with --hosts: link rates, Mbit/s")
     ap.add_argument("--host-cpus", type=int, default=1, help="with --hosts: CPUs of each host")
     ap.add_argument(
-        "--topologies", default="sandblaster,allreduce", help="with --hosts: raysinga's"
+        "--topologies",
+        default="sandblaster,allreduce,hosts,hosts-bf16",
+        help="with --hosts: raysinga's",
     )
     ap.add_argument("--servers", type=int, default=1, help="with --hosts: sandblaster's servers")
     add_json_option(ap)

@@ -9,8 +9,10 @@ same synthetic data (on a directory every host mounts) at the same global batch,
 ``--host-cpus`` CPUs on each host:
 
 - raysinga, one synchronous group of N workers in each topology of ``--topologies``:
-  ``sandblaster`` (the servers where placement puts them, ``--servers`` of them) and
-  ``allreduce`` (one server beside each worker);
+  ``sandblaster`` (the servers where placement puts them, ``--servers`` of them),
+  ``allreduce`` (one server beside each worker, the stub summing every worker's gradient),
+  ``hosts`` (the allreduce preset summed by hosts, ``topology.reduce: hosts``: per host a step
+  moves what ring allreduce moves) and ``hosts-bf16`` (the same with ``topology.wire: bf16``);
 - DDP over gloo, float32; and DDP with its bf16 compression hook (``bf16_compress_hook``: the
   gradients cross as bfloat16).
 
@@ -20,7 +22,9 @@ allreduce's 2·(N-1)/N·P each way. raysinga's bytes are the interfaces' between
 that open and close the timed steps (nothing of a step in flight); DDP's are its whole run's
 divided by its steps (its start and its first broadcast of the parameters included: a share of
 about 1/steps of P on top). Goals (``docs/benchmarks.md``): the best raysinga topology at
-least 1.0x DDP's samples/s at every rate.
+least 1.0x DDP's samples/s at every rate; ``hosts``' busiest host at most 1.1x ring
+allreduce's bytes; ``hosts-bf16`` 0.5x ``hosts``' bytes (within 5%) and, at the slowest rate,
+at least 1.6x DDP's samples/s and 1.0x DDP's with its bf16 hook.
 """
 
 from __future__ import annotations
@@ -37,7 +41,15 @@ from report import Figure, Report
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the emulated hosts are the suite's
 
-TOPOLOGIES = ("sandblaster", "allreduce")
+TOPOLOGIES = ("sandblaster", "allreduce", "hosts", "hosts-bf16")
+# the topology keys each side sets beyond the preset's
+SIDE_SETS = {
+    "hosts": ["topology.preset=allreduce", "topology.reduce=hosts"],
+    "hosts-bf16": ["topology.preset=allreduce", "topology.reduce=hosts", "topology.wire=bf16"],
+}
+GOAL_RING = 1.1  # hosts: the busiest host's bytes per step over ring allreduce's
+GOAL_BF16_BYTES = (0.475, 0.525)  # hosts-bf16's bytes over hosts'
+GOAL_BF16_VS_DDP = 1.6  # hosts-bf16 at the slowest rate, over DDP float32's samples/s
 SHARED = "/mnt/shared"
 RESULT = "@result "  # the line a driver on the head prints its figures on
 DISP = 10  # raysinga's progress reports: the timed steps start and end at one
@@ -127,8 +139,8 @@ def one_raysinga(made, job: str, topo: str, args, run: str) -> dict[str, float]:
 
     head, n = made[0], args.hosts
     sets = [f"run_dir={SHARED}/runs/{run}", f"train_steps={args.warmup + args.steps}"]
-    sets += [f"topology.preset={topo}", f"topology.workers_per_group={n}"]
-    sets += [f"topology.worker.cpus={args.host_cpus}"]
+    sets += SIDE_SETS.get(topo, [f"topology.preset={topo}"])
+    sets += [f"topology.workers_per_group={n}", f"topology.worker.cpus={args.host_cpus}"]
     sets += [f"topology.n_servers={args.servers if topo == 'sandblaster' else n}"]
     address = f"{head.address}:6379"
     r = hosts.drive(made, raysinga_run, address, job, sets, args.warmup, args.steps, timeout=1800)
@@ -230,6 +242,8 @@ def write_report(runs, args, rates: list[float], sides: list[str]) -> None:
     names = {
         "sandblaster": f"raysinga sandblaster ({args.servers} server(s))",
         "allreduce": "raysinga allreduce (a server beside each worker)",
+        "hosts": "raysinga allreduce summed by hosts",
+        "hosts-bf16": "raysinga allreduce summed by hosts, bf16 on the wire",
         "ddp": "Ray Train DDP (gloo)",
         "ddp-bf16": "Ray Train DDP (gloo, bf16 hook)",
     }
@@ -256,5 +270,21 @@ def write_report(runs, args, rates: list[float], sides: list[str]) -> None:
             )
             for s in ours:
                 vals = [max(r["out"], r["in"]) / ring for r in runs[(rate, s)]]
-                report.add(Figure(f"{rate:g} Mbit/s, {names[s]}: busiest host / ring", vals, "x"))
+                goal = GOAL_RING if s == "hosts" else None
+                name = f"{rate:g} Mbit/s, {names[s]}: busiest host / ring"
+                report.add(Figure(name, vals, "x", goal))
+        if "hosts" in sides and "hosts-bf16" in sides:
+            most = lambda r: max(r["out"], r["in"])  # noqa: E731
+            pairs = zip(runs[(rate, "hosts-bf16")], runs[(rate, "hosts")], strict=True)
+            vals = [most(a) / most(b) for a, b in pairs]
+            name = f"{rate:g} Mbit/s: bf16 / float32 bytes, busiest host (summed by hosts)"
+            lo, hi = GOAL_BF16_BYTES
+            report.add(Figure(name, vals, "x", hi))
+            report.add(Figure(name + ", floor", vals, "x", lo, "higher"))
+            if rate == min(rates):
+                for peer, goal in (("ddp", GOAL_BF16_VS_DDP), ("ddp-bf16", GOAL_VS_DDP)):
+                    pairs = zip(sps["hosts-bf16"], sps[peer], strict=True)
+                    ratio = [a / b for a, b in pairs]
+                    name = f"{rate:g} Mbit/s: hosts-bf16 / {names[peer]} samples/s"
+                    report.add(Figure(name, ratio, "x", goal, "higher"))
     report.write(args.json)
