@@ -42,7 +42,7 @@ from .protocol import (
 )
 from .server_grads import SumViews, step_gradient
 from .snapshots import Snapshots
-from .wire import decode, encode, wire_layout
+from .wire import decode, encode
 
 
 class ParamServer(Abortable, Fence):
@@ -81,7 +81,7 @@ class ParamServer(Abortable, Fence):
         self._attached = Attachments()
         self.sums = SumViews()  # where it sums the workers' gradients itself
         self.wire = spec.wire
-        self.wire_layout = wire_layout(self.layout, spec.wire)
+        self.wire_bytes = sum(s.size for s in self.slices) * 2  # published as bf16 words
         self._host_sum: np.ndarray | None = None  # the blocks' sum (reduce: hosts), reused
         self.gpu: ServerDevice | None = None  # device "gpu": the optimizer runs on a GPU
         if spec.device == "gpu":
@@ -100,9 +100,7 @@ class ParamServer(Abortable, Fence):
             "gpu": self.gpu is not None,
             "gpus": visible_gpus() if self.gpu is not None else None,
             # what a reader elsewhere pulls
-            "published_bytes": self.wire_layout.nbytes
-            if self.wire != "f32"
-            else self.buf.layout.nbytes,
+            "published_bytes": self.wire_bytes if self.wire != "f32" else self.buf.layout.nbytes,
         }
 
     @reports_role
@@ -137,11 +135,10 @@ class ParamServer(Abortable, Fence):
             return None
         import ray  # noqa: PLC0415
 
-        if self.wire == "f32":
-            snap = self.buf.snapshot()
-        else:  # rounded as it crosses (actors.wire); the values here stay float32
-            values = {s.name: self.buf.arrays[s.name] for s in self.slices}
-            snap = encode(values, self.wire_layout)
+        if self.wire == "f32":  # (Ray copies it into its store as it puts it)
+            snap: Any = self.buf.flat
+        else:  # by slices, rounded as they cross (actors.wire); the values stay float32 here
+            snap = encode([self.buf.arrays[s.name] for s in self.slices], self.wire)
         nodes = self.reader_nodes
         self._published = {n: ray.put(snap) for n in nodes} if nodes else ray.put(snap)
         return self._published
@@ -220,18 +217,21 @@ class ParamServer(Abortable, Fence):
             self._start_copy()
         return self.guard.version, ref, time.perf_counter() - t0
 
-    def _blocks_sum(self, parts: HostParts) -> np.ndarray:
+    def _blocks_sum(self, parts: HostParts) -> dict[str, np.ndarray]:
         """The sum of the blocks' sums of this server's slices (``topology.reduce: hosts``),
-        added in block order in float32, laid out as :attr:`layout`. Each is fetched straight
+        added in block order in float32, by slice name. Each is fetched straight
         from its leader's node; the wait looks for an abort meanwhile (a leader on a host gone
         silent)."""
-        got = [decode(b, self.wire_layout) for b in self.fetch(list(parts.refs))]
+        got = [decode(b) for b in self.fetch(list(parts.refs))]
+        names = [sl.name for sl in self.slices]  # each block's slices come in this order
+        if len(got) == 1:
+            return dict(zip(names, got[0], strict=True))
         if self._host_sum is None:
             self._host_sum = np.zeros(self.layout.nbytes, np.uint8)
         out = self.layout.views(self._host_sum)
-        for name, o in out.items():
-            sum_into(o, [g[name] for g in got])
-        return self._host_sum
+        for j, name in enumerate(names):
+            sum_into(out[name], [g[j] for g in got])
+        return out
 
     def _start_copy(self) -> None:
         """Take a copy of this server's state at its current version in the background (the

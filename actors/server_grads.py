@@ -15,19 +15,21 @@ from .protocol import SummedGrads, gradient_layout
 
 
 def step_gradient(
-    grads: ShmHandle | np.ndarray | SumViews,
+    grads: ShmHandle | np.ndarray | SumViews | dict[str, np.ndarray],
     step: int,
     slices: list[Any],
     layout: Layout,
     attached: Attachments,
 ) -> tuple[dict[str, np.ndarray], dict[str, list[np.ndarray]]]:
     """A server's slices of step ``step``'s gradient as :meth:`ParamServer._update` is given
-    it, by slice name; and where the server sums it itself, the parts it sums (it writes the
+    it (or as it summed the blocks' sums), by slice name; and where the server sums it itself, the parts it sums (it writes the
     sum into the first dict)."""
     if isinstance(grads, SumViews):
         return grads.rows[step % len(grads.rows)], grads.parts
     if isinstance(grads, ShmHandle):
         return own_slices(attached.views(grads), slices), {}
+    if isinstance(grads, dict):  # by slice name already (the blocks' sum, reduce: hosts)
+        return grads, {}
     return layout.views(grads), {}
 
 

@@ -39,7 +39,7 @@ from .protocol import (
 )
 from .replay import ReplayLog
 from .traffic import block_step_bytes, group_step_bytes
-from .wire import blocks, wire_layout
+from .wire import blocks, wire_bytes
 
 
 class Stub(Fence):
@@ -358,7 +358,7 @@ class Stub(Fence):
         with _cancelled_on_failure(ups):
             results = get_all(ups, "server")
         self.refs = [ref for _, ref, _ in results]
-        parts = [wire_layout(lay, self.wire).nbytes for lay in self.server_layouts]
+        parts = [wire_bytes(lay, self.wire) for lay in self.server_layouts]
         snaps = [
             worker_buffer_layout(self.shapes, self.dtype, st).nbytes if snap else 0
             for snap, st in zip(self.snapshot, self.worker_state, strict=True)

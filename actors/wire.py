@@ -22,40 +22,25 @@ from raysinga.kernels.precision import bf16_bits, from_bf16_bits
 
 from .buffers import Layout
 
-WIRE_DTYPE = {"f32": "float32", "bf16": "uint16"}  # bf16 travels as its 16-bit words
+
+def wire_bytes(layout: Layout, wire: str) -> int:
+    """The bytes of float32 arrays laid out by ``layout`` as they cross under ``wire``."""
+    n = sum(e.nbytes for e in layout.entries)
+    return n if wire == "f32" else n // 2
 
 
-def wire_layout(layout: Layout, wire: str) -> Layout:
-    """``layout`` (float32 arrays) as it crosses under ``wire``: the same names and shapes,
-    each as float32 or as bfloat16 words."""
-    dtype = WIRE_DTYPE[wire]
-    return Layout.of({e.name: (e.shape, dtype) for e in layout.entries})
+def encode(arrays: Sequence[np.ndarray], wire: str) -> list[np.ndarray]:
+    """Float32 ``arrays`` as they cross under ``wire``: as they are (Ray copies each into its
+    object store once, as it puts the list), or rounded to bfloat16 words."""
+    if wire == "f32":
+        return list(arrays)
+    return [bf16_bits(a).reshape(a.shape) for a in arrays]
 
 
-def encode(arrays: dict[str, np.ndarray], layout: Layout) -> np.ndarray:
-    """One buffer laid out by ``layout`` (a :func:`wire_layout`) holding float32 ``arrays``
-    by name, rounded to bfloat16 where the layout says so."""
-    out = np.zeros(layout.nbytes, np.uint8)
-    views = layout.views(out)
-    for e in layout.entries:
-        src = arrays[e.name]
-        if e.dtype == "uint16":
-            views[e.name][...] = bf16_bits(src).reshape(e.shape)
-        else:
-            views[e.name][...] = src
-    return out
-
-
-def decode(buf: np.ndarray, layout: Layout) -> dict[str, np.ndarray]:
-    """Float32 arrays by name from a buffer laid out by ``layout`` (a :func:`wire_layout`):
-    views where it is float32 already, exact conversions of bfloat16 words otherwise."""
-    views = layout.views(buf)
-    return {
-        e.name: from_bf16_bits(views[e.name]).reshape(e.shape)
-        if e.dtype == "uint16"
-        else views[e.name]
-        for e in layout.entries
-    }
+def decode(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Float32 arrays from what :func:`encode` made: views where float32 already, exact
+    conversions of bfloat16 words."""
+    return [from_bf16_bits(a).reshape(a.shape) if a.dtype == np.uint16 else a for a in arrays]
 
 
 def rounded(values: dict[str, np.ndarray], wire: str) -> dict[str, np.ndarray]:
@@ -69,10 +54,3 @@ def rounded(values: dict[str, np.ndarray], wire: str) -> dict[str, np.ndarray]:
 def blocks(n_workers: int, per_block: int) -> list[list[int]]:
     """The workers of each block, in order: ``[[0, 1], [2, 3]]`` for 4 workers by 2."""
     return [list(range(b, min(b + per_block, n_workers))) for b in range(0, n_workers, per_block)]
-
-
-def sum_blocks(out: np.ndarray, parts: Sequence[np.ndarray]) -> None:
-    """``out = parts[0] + parts[1] + ...`` in block order (a server's sum of the blocks)."""
-    np.copyto(out, parts[0])
-    for x in parts[1:]:
-        np.add(out, x, out=out)

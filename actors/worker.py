@@ -46,7 +46,7 @@ from .protocol import (
 )
 from .server_grads import own_slices
 from .slicing import Slice
-from .wire import decode, encode, rounded, wire_layout
+from .wire import decode, encode, rounded
 
 
 class ParamReader:
@@ -67,7 +67,6 @@ class ParamReader:
     ) -> None:
         self.shapes, self.dtype, self.wire = shapes, dtype, wire
         self.layouts = server_layouts(slices, n_servers, dtype)
-        self.wire_layouts = [wire_layout(lay, wire) for lay in self.layouts]
         self._private = (
             [np.empty(lay.nbytes, np.uint8) for lay in self.layouts] if consistent else []
         )
@@ -100,8 +99,10 @@ class ParamReader:
     def _view(self, k: int, src: ShmHandle | np.ndarray, lay: Layout) -> dict[str, np.ndarray]:
         """Server ``k``'s values as this worker computes with them: under ``wire: bf16``
         rounded alike whether they crossed a link (published as bfloat16) or not."""
+        if isinstance(src, list):  # published by slices (actors.wire): consistent copies
+            return dict(zip((e.name for e in lay.entries), decode(src), strict=True))
         if not isinstance(src, ShmHandle):  # a snapshot: a consistent copy already
-            return lay.views(src) if self.wire == "f32" else decode(src, self.wire_layouts[k])
+            return lay.views(src)
         if not self._private:
             return rounded(self._att.views(src), self.wire)
         flat = self._att.flat(src)[: lay.nbytes]
@@ -284,7 +285,8 @@ class Worker(Abortable, Fence):
         results of the step, which Ray hands over once each member is done. Returns the
         seconds it took and, for each server, the ref of its buffer, put in the object store
         here: each server fetches its own straight from this node. (Returned as values,
-        buffers under Ray's inline limit, 100 KiB, would go through the stub, the caller.)"""
+        buffers under Ray's inline limit, 100 KiB, would go through the stub, the caller.)
+        A block of one worker hands its buffer on as it is."""
         self.admit(epoch, f"sum step {step} of its block (worker {self.index})")
         t0 = time.perf_counter()
         fetched = self._fetched(members)
@@ -293,16 +295,20 @@ class Worker(Abortable, Fence):
         views = [
             self._members.views(m) if isinstance(m, ShmHandle) else layout.views(m) for m in fetched
         ]
-        if not self._block:
-            self._block = {p: np.empty(s, self.reader.dtype) for p, s in self.reader.shapes.items()}
-        for p, out in self._block.items():
-            sum_into(out, [v[p] for v in views])
-        own = own_slices(self._block, list(self.slices))
+        if len(views) == 1:  # a block of one: its buffer, as it is
+            own = own_slices(views[0], list(self.slices))
+        else:
+            if not self._block:
+                shapes = self.reader.shapes
+                self._block = {p: np.empty(s, self.reader.dtype) for p, s in shapes.items()}
+            for p, out in self._block.items():
+                sum_into(out, [v[p] for v in views])
+            own = own_slices(self._block, list(self.slices))
         import ray  # noqa: PLC0415
 
-        refs = [
-            ray.put(encode({e.name: own[e.name] for e in lay.entries}, lay))
-            for lay in self.reader.wire_layouts
+        refs = [  # each server's slices in its order; Ray copies them into its store once
+            ray.put(encode([own[e.name] for e in lay.entries], self.wire))
+            for lay in self.reader.layouts
         ]
         return time.perf_counter() - t0, refs
 
