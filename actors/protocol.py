@@ -98,10 +98,10 @@ class Published:
 class HostParts:
     """A server's share of one step of a group summed by hosts (``topology.reduce: hosts``):
     the object-store refs of each block's sum of this server's slices, in block order, as
-    the blocks' leaders returned them (:meth:`~actors.worker.Worker.host_sum`; laid out as
-    :func:`actors.wire.encode`: the server's slices in its order). Handed over inside this, not as call arguments, so that
-    the server fetches them itself, straight from each leader's node and abortably (as
-    :class:`Published`)."""
+    the blocks' leaders returned them (:meth:`~actors.worker.Worker.host_sum`; each a list
+    of the server's slices in its order, :func:`actors.wire.encode`). Handed over inside
+    this, not as call arguments, so that the server fetches them itself, straight from each
+    leader's node and abortably (as :class:`Published`)."""
 
     refs: tuple[Any, ...]
 

@@ -22,8 +22,8 @@ def step_gradient(
     attached: Attachments,
 ) -> tuple[dict[str, np.ndarray], dict[str, list[np.ndarray]]]:
     """A server's slices of step ``step``'s gradient as :meth:`ParamServer._update` is given
-    it (or as it summed the blocks' sums), by slice name; and where the server sums it itself, the parts it sums (it writes the
-    sum into the first dict)."""
+    it (or as it summed the blocks' sums), by slice name; and where the server sums it
+    itself, the parts it sums (it writes the sum into the first dict)."""
     if isinstance(grads, SumViews):
         return grads.rows[step % len(grads.rows)], grads.parts
     if isinstance(grads, ShmHandle):
