@@ -30,6 +30,7 @@ at least 1.6x DDP's samples/s and 1.0x DDP's with its bf16 hook.
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -184,7 +185,7 @@ def one_ddp(made, xp: str, yp: str, bf16: bool, args, run: str) -> dict[str, flo
 
 def main(args) -> None:
     import hosts  # noqa: PLC0415
-    from bench_distributed import BATCH, make_data  # noqa: PLC0415
+    from bench_distributed import BATCH  # noqa: PLC0415
 
     why = hosts.unavailable()
     if why:
@@ -203,6 +204,18 @@ def main(args) -> None:
     sides = [*topos, "ddp", "ddp-bf16"]
     runs: dict[tuple[float, str], list[dict[str, float]]] = {}
     root = Path(tempfile.mkdtemp(prefix="bench-distributed-hosts-"))
+    try:
+        measure(root, args, rates, sides, runs)
+    finally:  # the hosts' files (their mounts and processes went with the lab)
+        shutil.rmtree(root, ignore_errors=True)
+    write_report(runs, args, rates, sides)
+
+
+def measure(root: Path, args, rates: list[float], sides: list[str], runs: dict) -> None:
+    """Every round of every side at every rate on a lab of emulated hosts under ``root``."""
+    import hosts  # noqa: PLC0415
+    from bench_distributed import make_data  # noqa: PLC0415
+
     with hosts.lab(root) as lab:
         made = hosts.ray_cluster(lab, [0] + [args.host_cpus] * args.hosts)
         shared = made[0].path(SHARED)
@@ -223,7 +236,6 @@ def main(args) -> None:
                         fig = one_raysinga(made, job, side, args, run)
                     runs.setdefault((rate, side), []).append(fig)
                     print(f"  {rate:g} Mbit/s, {side}, round {r}: {fig}", flush=True)
-    write_report(runs, args, rates, sides)
 
 
 def write_report(runs, args, rates: list[float], sides: list[str]) -> None:

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from raysinga.actors.traffic import group_step_bytes, host_names, per_host
+from raysinga.actors.traffic import block_step_bytes, group_step_bytes, host_names, per_host
 
 
 def test_a_group_on_one_node_moves_nothing():
@@ -52,3 +52,19 @@ def test_hosts_are_named_by_address_and_nodes_sharing_one_by_their_id_too():
         "cccccccc33": "10.0.0.2/cccccccc",
         "dddddddd44": "10.0.0.1",
     }
+
+
+def test_summed_by_hosts_each_host_moves_what_ring_allreduce_moves():
+    """Four hosts, a block and a server on each, P = 400 bytes cut evenly: each host sends
+    its sum's three other quarters and pulls the three other servers' values, and is sent
+    as much: 2 (W-1)/W P = 600 each way, as ring allreduce."""
+    nodes = ["a", "b", "c", "d"]
+    moved = block_step_bytes(nodes, [[0], [1], [2], [3]], [0] * 4, nodes, [100] * 4, [100] * 4)
+    out = per_host([[(s, d, n) for (s, d), n in moved.items()]], {}, 1)
+    assert out == {h: {"in": 600, "out": 600} for h in nodes}
+
+
+def test_a_block_member_elsewhere_sends_its_gradient_to_its_leader():
+    # block [0, 1]: worker 1 landed on c (a replacement); its leader and the server on a
+    moved = block_step_bytes(["a", "c"], [[0, 1]], [0, 300], ["a"], [200], [200])
+    assert moved == {("c", "a"): 300, ("a", "c"): 200}

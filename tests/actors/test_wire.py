@@ -1,0 +1,51 @@
+"""What crosses between roles under ``topology.wire`` and the blocks of a group summed by
+hosts (:mod:`actors.wire`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from raysinga.actors.buffers import Layout
+from raysinga.actors.wire import blocks, decode, encode, rounded, wire_bytes
+from raysinga.kernels.precision import round_bf16
+
+
+def arrays(seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(n).astype(np.float32) for n in (5, 1, 300)]
+
+
+def test_float32_crosses_as_it_is():
+    a = arrays()
+    got = decode(encode(a, "f32"))
+    assert all(x is y for x, y in zip(got, a, strict=True))  # no copy of ours
+
+
+def test_bf16_rounds_to_nearest_even_and_comes_back_exactly_as_float32():
+    a = arrays()
+    a[0][:3] = [1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, np.nan]  # two ties, and a NaN
+    words = encode(a, "bf16")
+    assert [w.dtype for w in words] == [np.uint16] * 3
+    got = decode(words)
+    assert all(g.dtype == np.float32 for g in got)
+    assert got[0][0] == 1.0 and got[0][1] == 1.0 + 4 * 2.0**-8  # ties to even
+    assert np.isnan(got[0][2])
+    for g, x in zip(got, a, strict=True):
+        np.testing.assert_array_equal(g, round_bf16(x))
+
+
+def test_a_reader_beside_the_server_rounds_as_one_across_a_link():
+    a = arrays(1)
+    names = {f"p{i}": x for i, x in enumerate(a)}
+    assert rounded(names, "f32") is names
+    near = rounded(names, "bf16")
+    far = decode(encode(a, "bf16"))
+    for i, x in enumerate(far):
+        assert near[f"p{i}"].tobytes() == x.tobytes()
+
+
+def test_bytes_on_the_wire_and_blocks():
+    lay = Layout.of({"a": ((10,), "float32"), "b": ((3,), "float32")})
+    assert wire_bytes(lay, "f32") == 52 and wire_bytes(lay, "bf16") == 26
+    assert blocks(4, 2) == [[0, 1], [2, 3]]
+    assert blocks(3, 1) == [[0], [1], [2]]
