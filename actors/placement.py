@@ -209,10 +209,8 @@ def spawn_spare(cls: type, node_id: str, *args: Any, gpus: str | None = None) ->
     (it then runs on the CPUs, and the share of a GPU, the lost role leaves).
 
     ``gpus``: the GPUs the spare of a GPU role sees (``CUDA_VISIBLE_DEVICES``, those of the
-    roles it may replace). Holding no GPU of Ray's, it gets them through its environment: Ray
-    leaves that variable alone in a role given no GPU (unless ``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO``
-    is set, when the spare sees none, fails to start, and a lost role is replaced by a new one
-    in its bundle instead)."""
+    roles it may replace). Holding no GPU of Ray's, it gets them through its environment
+    (:func:`spare_env`)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
 
     opts: dict[str, Any] = {
@@ -220,8 +218,22 @@ def spawn_spare(cls: type, node_id: str, *args: Any, gpus: str | None = None) ->
         "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
     }
     if gpus is not None:
-        opts["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": gpus}}
+        opts["runtime_env"] = {"env_vars": spare_env(gpus)}
     return _remote(cls, opts, args)
+
+
+def spare_env(gpus: str) -> dict[str, str]:
+    """The environment of a GPU role's spare that sees ``gpus``. Ray 2.60 leaves
+    ``CUDA_VISIBLE_DEVICES`` alone in a role given no GPU; Ray from before ray-project/ray#54868
+    (which the ``ray>=2.40`` floor allows), and a cluster that sets
+    ``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1``, blank it, and the spare would see no GPU. Ray's
+    own switches keep it: the override off, and ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``
+    (every Ray since 2.40 reads it: Ray then never sets the variable in this process)."""
+    return {
+        "CUDA_VISIBLE_DEVICES": gpus,
+        "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+        "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+    }
 
 
 def _remote(cls: type, opts: dict[str, Any], args: tuple) -> Any:

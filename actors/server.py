@@ -130,7 +130,7 @@ class ParamServer(Abortable, Fence):
         object, or (``reader_nodes``) one per reader node, by node. A node pulls an object
         from any node that holds a copy, as Ray chooses, so one object read by several nodes
         is sometimes sent on by a reader's node (measured on emulated hosts: a host sent up
-        to 25% more than its share); a copy per node is sent from here only."""
+        to 24% more than its share); a copy per node is sent from here only."""
         if not self.remote_readers:
             return None
         import ray  # noqa: PLC0415

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from raysinga import config
-from raysinga.actors.placement import packs, shrunk, spawn_spare
+from raysinga.actors.placement import packs, shrunk, spare_env, spawn_spare
 from raysinga.config.topology import Resources, Topology
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -71,4 +71,26 @@ def test_a_spare_of_a_gpu_role_sees_the_gpus_it_is_given_and_holds_none(ray_sess
         assert seen != "3" and held == []
     finally:
         for a in (gpu_spare, cpu_spare):
+            ray.kill(a)
+
+
+def test_a_gpu_spare_keeps_its_gpus_where_ray_blanks_them_in_a_role_without_gpus(ray_session):
+    """Older Ray, and clusters that set RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1, blank
+    CUDA_VISIBLE_DEVICES in a role given no GPU (G4 defect 4). Here the override is forced on
+    over the spare's own environment: a plain role loses its variable, the spare keeps it."""
+    import ray
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    forced = {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "1"}
+    envs = ({"CUDA_VISIBLE_DEVICES": "3", **forced}, {**spare_env("3"), **forced})
+    actors = [
+        ray.remote(_Env).options(num_cpus=0, runtime_env={"env_vars": e}).remote() for e in envs
+    ]
+    try:
+        plain, spare = ray.get([a.gpus.remote() for a in actors])
+        assert plain[0] != "3"  # the hazard is real in this Ray
+        assert spare == ("3", [])
+    finally:
+        for a in actors:
             ray.kill(a)
