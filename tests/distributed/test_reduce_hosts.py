@@ -104,8 +104,8 @@ def test_a_killed_role_of_a_block_is_recovered_bit_exact(blocks, tmp_path, role)
     t.hub.subscribe(hook)
     res = t.fit()
     assert fired
-    assert same_bits(res.params, blocks.params)
     kinds = [r for r in res.history if r["kind"] == "failure"]
+    assert same_bits(res.params, blocks.params), kinds
     assert len(kinds) == 1 and kinds[0]["role"] == role, kinds
     want = "replaced" if role == "worker" else "restarted"
     assert kinds[0]["recovery"].startswith(want), kinds
