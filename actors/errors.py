@@ -7,9 +7,10 @@ chain of actors it passed through on the way.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -159,3 +160,20 @@ def _failed_index(refs: list[Any]) -> int:
         except Exception:  # noqa: BLE001 - looking for the one that failed
             return i
     return 0
+
+
+@contextlib.contextmanager
+def cancelled_on_failure(calls: list[Any]) -> Iterator[None]:
+    """Where one of a step's calls fails (a role lost), cancel the others: a live worker's
+    call may still wait for an argument whose owner was on a host that went silent, and would
+    hold every later call to that worker behind it until Ray gives the owner up (a minute or
+    more on a real network, measured on emulated hosts)."""
+    try:
+        yield
+    except Exception:
+        import ray  # noqa: PLC0415
+
+        for ref in calls:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
+        raise

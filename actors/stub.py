@@ -23,10 +23,10 @@ from raysinga.optim.grads import chunks, clip_grad_norm, on_threads, sum_into
 
 from .bells import GroupBells, step_record
 from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
-from .errors import ActorLost, get_all, lost_server, reports_role
+from .errors import ActorLost, cancelled_on_failure, get_all, lost_server, reports_role
 from .fence import Fence
+from .host_sums import block_step
 from .protocol import (
-    HostParts,
     Published,
     StepStats,
     StubSpec,
@@ -38,8 +38,8 @@ from .protocol import (
     worker_buffer_layout,
 )
 from .replay import ReplayLog
-from .traffic import block_step_bytes, group_step_bytes
-from .wire import blocks, wire_bytes
+from .traffic import group_step_bytes
+from .wire import blocks
 
 
 class Stub(Fence):
@@ -266,7 +266,7 @@ class Stub(Fence):
             if self.summing:
                 return bells.run_alone(start, serving, self._seal)
         if self.block:
-            return [self._block_step(step) for step in range(start, stop)]
+            return [block_step(self, step) for step in range(start, stop)]
         records = []
         for step in range(start, stop):
             t0 = time.time()  # (wall clock: the workers' own times are compared with it)
@@ -317,63 +317,6 @@ class Stub(Fence):
             on_threads(self.pool, functools.partial(self._sum, row, grads), self.ranges)
             self.log.commit(step)
 
-    def _block_step(self, step: int) -> StepStats:
-        """One step summed by blocks (``topology.reduce: hosts``, :mod:`.wire`): each
-        worker computes; each block's leader, once its members are done, sums them and cuts
-        the sum into the servers' slices; each server fetches its slices of every block from
-        the leaders' nodes and sums them in block order. The computes and the sums go out at
-        once (Ray starts a sum when its block is done); this stub never touches a gradient."""
-        t0 = time.time()
-        n = len(self.workers)
-        if self.n_groups > 1 and any(r is not None for r in self.refs):  # (one group today)
-            self.refs = [r for _, r in get_all([s.latest.remote() for s in self.servers], "server")]
-        published = self._published_bytes()
-        computes = [
-            w.compute.options(num_returns=2).remote(
-                step, i, n, self.snapshot[i], *self._sources(i), epoch=self.epoch
-            )
-            for i, w in enumerate(self.workers)
-        ]
-        sums = []
-        for members in self.blocks:
-            srcs = tuple(
-                Published(computes[i][1]) if self.snapshot[i] else self.worker_handles[i]
-                for i in members
-            )
-            done = [computes[i][0] for i in members]  # Ray starts the sum once these are in
-            sums.append(
-                self.workers[members[0]].host_sum.remote(step, srcs, *done, epoch=self.epoch)
-            )
-        calls = [c[0] for c in computes] + sums
-        with self._server_snapshots(), _cancelled_on_failure(calls):
-            stats = get_all([c[0] for c in computes], "worker", self.group)
-            t1 = time.time()
-            leaders = [b[0] for b in self.blocks]
-            summed = get_all(sums, "worker", self.group, indices=leaders)
-        t2 = time.time()
-        ups = [
-            s.update.remote(step, HostParts(tuple(r[k] for _, r in summed)), self.group, self.epoch)
-            for k, s in enumerate(self.servers)
-        ]
-        with _cancelled_on_failure(ups):
-            results = get_all(ups, "server")
-        self.refs = [ref for _, ref, _ in results]
-        parts = [wire_bytes(lay, self.wire) for lay in self.server_layouts]
-        snaps = [
-            worker_buffer_layout(self.shapes, self.dtype, st).nbytes if snap else 0
-            for snap, st in zip(self.snapshot, self.worker_state, strict=True)
-        ]
-        traffic = block_step_bytes(
-            self.worker_nodes,
-            self.blocks,
-            snaps,
-            [s["node"] for s in self.server_infos],
-            parts,
-            published,
-        )
-        seconds = [t for _, _, t in results]
-        return step_record(step, stats, t0, t1, t2, time.time(), seconds, None, traffic)
-
     # -- per-step control through Ray calls (any placement)
     def _call_workers(self, step: int) -> list[tuple[dict, np.ndarray | None]]:
         if self.n_groups > 1 and any(r is not None for r in self.refs):
@@ -384,7 +327,7 @@ class Stub(Fence):
             w.compute.remote(step, i, parts, self.snapshot[i], *self._sources(i), epoch=self.epoch)
             for i, w in enumerate(self.workers)
         ]
-        with self._server_snapshots(), _cancelled_on_failure(futs):
+        with self._server_snapshots(), cancelled_on_failure(futs):
             return get_all(futs, "worker", self.group)
 
     def _call_servers(self, step: int) -> tuple[list[float], list[int]]:
@@ -395,7 +338,7 @@ class Stub(Fence):
             s.update.remote(step, arg, self.group, self.epoch)
             for s, arg in zip(self.servers, args, strict=True)
         ]
-        with _cancelled_on_failure(ups):
+        with cancelled_on_failure(ups):
             results = get_all(ups, "server")
         self.refs = [ref for _, ref, _ in results]
         sent = [a.nbytes if isinstance(a, np.ndarray) else 0 for a in args]
@@ -458,20 +401,3 @@ class Stub(Fence):
         self.pool.shutdown(wait=False)
         self._att.close()
         self.avg.close()
-
-
-@contextlib.contextmanager
-def _cancelled_on_failure(calls: list[Any]) -> Iterator[None]:
-    """Where one of a step's calls fails (a role lost), cancel the others: a live worker's
-    call may still wait for an argument whose owner was on a host that went silent, and would
-    hold every later call to that worker behind it until Ray gives the owner up (a minute or
-    more on a real network, measured on emulated hosts)."""
-    try:
-        yield
-    except Exception:
-        import ray  # noqa: PLC0415
-
-        for ref in calls:
-            with contextlib.suppress(Exception):
-                ray.cancel(ref)
-        raise

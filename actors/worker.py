@@ -22,7 +22,6 @@ from raysinga.kernels.cpu_sched import batch_scheduling
 from raysinga.kernels.cpu_threads import blas_threads
 from raysinga.nn.layers import StepContext
 from raysinga.nn.model import ModelSpec, Net
-from raysinga.optim.grads import sum_into
 from raysinga.run.evaluate import evaluate_splits
 from raysinga.run.graph_step import WorkerGraphStep
 
@@ -31,6 +30,7 @@ from .device import WorkerDevice
 from .doorbell import Abortable, Steps
 from .errors import reports_role
 from .fence import Fence
+from .host_sums import BlockSums, block_sum
 from .protocol import (
     STATE_TAGS,
     Published,
@@ -44,9 +44,8 @@ from .protocol import (
     worker_buffer_layout,
     write_state_copy,
 )
-from .server_grads import own_slices
 from .slicing import Slice
-from .wire import decode, encode, rounded
+from .wire import decode, rounded
 
 
 class ParamReader:
@@ -137,8 +136,7 @@ class Worker(Abortable, Fence):
             wire=spec.wire,
         )
         self.slices, self.wire = spec.slices, spec.wire
-        self._block: dict[str, np.ndarray] = {}  # a block leader's sum (reduce: hosts)
-        self._members = Attachments()  # the block's buffers on this node, mapped
+        self.block_sums = BlockSums()  # as a block's leader (reduce: hosts)
         self.node = node_id()
         self.state_shapes = self.net.state_shapes()
         self.grads = SharedBuffer(
@@ -282,35 +280,10 @@ class Worker(Abortable, Fence):
         workers' gradients of ``step`` (``members``, in worker order: the buffer of one on this
         node, the published snapshot of one elsewhere), added in that order, cut into each
         server's slices and laid out as they cross (:mod:`.wire`). ``done``: the members'
-        results of the step, which Ray hands over once each member is done. Returns the
-        seconds it took and, for each server, the ref of its buffer, put in the object store
-        here: each server fetches its own straight from this node. (Returned as values,
-        buffers under Ray's inline limit, 100 KiB, would go through the stub, the caller.)
-        A block of one worker hands its buffer on as it is."""
+        results of the step, which Ray hands over once each member is done
+        (:func:`.host_sums.block_sum`)."""
         self.admit(epoch, f"sum step {step} of its block (worker {self.index})")
-        t0 = time.perf_counter()
-        fetched = self._fetched(members)
-        self._members.keep_only({m.path for m in fetched if isinstance(m, ShmHandle)})
-        layout = self.grads.layout
-        views = [
-            self._members.views(m) if isinstance(m, ShmHandle) else layout.views(m) for m in fetched
-        ]
-        if len(views) == 1:  # a block of one: its buffer, as it is
-            own = own_slices(views[0], list(self.slices))
-        else:
-            if not self._block:
-                shapes = self.reader.shapes
-                self._block = {p: np.empty(s, self.reader.dtype) for p, s in shapes.items()}
-            for p, out in self._block.items():
-                sum_into(out, [v[p] for v in views])
-            own = own_slices(self._block, list(self.slices))
-        import ray  # noqa: PLC0415
-
-        refs = [  # each server's slices in its order; Ray copies them into its store once
-            ray.put(encode([own[e.name] for e in lay.entries], self.wire))
-            for lay in self.reader.layouts
-        ]
-        return time.perf_counter() - t0, refs
+        return block_sum(self, self._fetched(members))
 
     def _compute(self, step: int, part: int, parts: int, sources: tuple) -> dict[str, float]:
         start = time.time()
@@ -425,7 +398,7 @@ class Worker(Abortable, Fence):
         return os.getpid()
 
     def shutdown(self) -> None:
-        self._members.close()
+        self.block_sums.close()
         if self.gpu is not None:
             self.gpu.close()
         self.grads.close()

@@ -15,21 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
 from ray.util.placement_group import placement_group_table, remove_placement_group
 
 from raysinga.actors import placement
 from raysinga.actors.errors import get_all
 from raysinga.actors.protocol import ServerSpec, StubSpec, WorkerSpec
-from raysinga.checkpoint import Checkpoint, CheckpointError
-from raysinga.data.cursor import DataCursor
 from raysinga.kernels.cpu_threads import compute_threads
-from raysinga.run import sources as run_sources
 from raysinga.run.graph_step import graphs_mode
-from raysinga.run.sources import Source
-from raysinga.run.state import worker_state
 
+from .role_checkpoints import RoleCheckpoints
 from .silence import Role
 
 
@@ -50,8 +45,9 @@ class RunPlan:
     chance_loss: float | None = None  # a classifier's loss of a uniform guess (the guard's floor)
 
 
-class RoleGroup:
-    """Servers, workers and stubs of one placement of a run's topology."""
+class RoleGroup(RoleCheckpoints):
+    """Servers, workers and stubs of one placement of a run's topology (the calls that take
+    and load checkpoints: :class:`.role_checkpoints.RoleCheckpoints`)."""
 
     def __init__(
         self,
@@ -232,11 +228,10 @@ class RoleGroup:
         """Tell each server whether workers on other nodes read it (it then publishes a
         snapshot of its values after each update); keep the snapshot's ref."""
         worker_nodes = {w["node"] for row in self.worker_infos for w in row}
+        per_node = self.topo.reduce == "hosts"  # every host pulls from the server alone
         for k, (s, info) in enumerate(zip(self.servers, self.server_infos, strict=True)):
             readers = sorted(worker_nodes - {info["node"]})
-            # summed by hosts, every host pulls its values from the server alone (a copy each)
-            nodes = readers if self.topo.reduce == "hosts" else None
-            call = s.set_remote_readers.remote(bool(readers), nodes)
+            call = s.set_remote_readers.remote(bool(readers), readers if per_node else None)
             info["ref"] = get_all([call], "server", k)[0]
 
     def spawn_stub(self, g: int) -> Any:
@@ -266,67 +261,6 @@ class RoleGroup:
         if self.replay:
             ks = list(range(len(self.servers))) if which is None else which
             get_all([self.stubs[0].keep_copies.remote(ks)], "stub", 0)
-
-    # ------------------------------------------------------------------ checkpoints in
-    def verify(self, src: Source, ck: Checkpoint) -> None:
-        """Hash a checkpoint's files in full, the servers sharing the work."""
-        files = [f["file"] for f in ck.manifest["files"]]
-        plan = run_sources.plan_verification(files, len(self.servers))
-        errors = get_all(
-            [s.verify.remote(src, plan[k]) for k, s in enumerate(self.servers)], "server"
-        )
-        if any(errors):
-            raise CheckpointError("; ".join(e for e in errors if e))
-
-    def restore(self, start: Any, cursor: DataCursor, state_names: list[str]) -> None:
-        """Load a verified start checkpoint into the servers (parameters; on a resume also the
-        optimizer) and the workers (non-trainable state; on a resume also the data cursor)."""
-        names = None if start.resumed else start.names
-        fork = start.kind == "fork"  # the job's optimizer hyperparameters, not the checkpoint's
-        get_all(
-            [s.load.remote(start.source, start.resumed, names, fork) for s in self.servers],
-            "server",
-        )
-        calls = []
-        for g, row in enumerate(self.workers):
-            for i, w in enumerate(row):
-                st = worker_state(start.checkpoint, g, i, state_names)
-                calls.append(w.restore.remote(st, cursor if start.resumed else DataCursor()))
-        get_all(calls, "worker")
-
-    # ------------------------------------------------------------------ checkpoints out
-    def snapshot(self, tmp: Any, compression: str | None) -> tuple[list[dict], dict]:
-        """Each server copies its shard at this step boundary and writes it in the background
-        (their infos); each worker hands its non-trainable state ((group, index) -> arrays)."""
-        infos = get_all(
-            [s.snapshot.remote(tmp, k, compression) for k, s in enumerate(self.servers)],
-            "server",
-        )
-        states = {}
-        for g, row in enumerate(self.workers):
-            for i, st in enumerate(get_all([w.get_state.remote() for w in row], "worker", g)):
-                states[(g, i)] = st
-        return infos, states
-
-    def snapshot_results(self, servers: list[int], wait: bool) -> list[dict[str, Any] | None]:
-        """The shard records of those servers' background writes (None: still writing)."""
-        return get_all([self.servers[k].snapshot_result.remote(wait) for k in servers], "server")
-
-    def gather_state(self) -> dict[str, np.ndarray]:
-        """The non-trainable state (batch norm's running statistics) of group 0's first
-        worker: the one a checkpoint of a single-process run would hold."""
-        return get_all([self.workers[0][0].get_state.remote()], "worker", 0)[0]
-
-    def gather_params(self) -> dict[str, np.ndarray]:
-        """Whole parameters assembled from the servers' slices (small models, tests)."""
-        values: dict[str, np.ndarray] = {}
-        for vals in get_all([s.values.remote() for s in self.servers], "server"):
-            values.update(vals)
-        out = {}
-        for p, shape in self.plan.shapes.items():
-            pieces = sorted((s for s in self.plan.slices if s.param == p), key=lambda s: s.start)
-            out[p] = np.concatenate([values[s.name] for s in pieces]).reshape(shape)
-        return out
 
     # ------------------------------------------------------------------ the end
     def shutdown(self, graceful: bool = True, calls: Any = ()) -> None:

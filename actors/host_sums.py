@@ -1,0 +1,125 @@
+"""A synchronous group summed by hosts (``topology.reduce: hosts``, :mod:`.wire`): the
+stub's step, and a block leader's sum.
+
+Each worker computes its gradient into its shared-memory buffer. Each block's leader, once its
+members are done, sums their buffers in worker order and puts each server's slices of the sum
+into its own node's object store. Each server fetches its slices of every block straight from
+the leaders' nodes and sums them in block order (:meth:`~.server.ParamServer._update`). The
+stub only sends the calls: no gradient passes through it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from raysinga.optim.grads import sum_into
+
+from .bells import step_record
+from .buffers import Attachments, ShmHandle
+from .errors import cancelled_on_failure, get_all
+from .protocol import HostParts, Published, StepStats, worker_buffer_layout
+from .server_grads import own_slices
+from .traffic import block_step_bytes
+from .wire import encode, wire_bytes
+
+if TYPE_CHECKING:
+    from .stub import Stub
+    from .worker import Worker
+
+
+def block_step(stub: Stub, step: int) -> StepStats:
+    """One step summed by blocks (``topology.reduce: hosts``, :mod:`.wire`): each
+    worker computes; each block's leader, once its members are done, sums them and cuts
+    the sum into the servers' slices; each server fetches its slices of every block from
+    the leaders' nodes and sums them in block order. The computes and the sums go out at
+    once (Ray starts a sum when its block is done); this stub never touches a gradient."""
+    t0 = time.time()
+    n = len(stub.workers)  # (one synchronous group: the servers' refs are this stub's)
+    published = stub._published_bytes()
+    computes = [
+        w.compute.options(num_returns=2).remote(
+            step, i, n, stub.snapshot[i], *stub._sources(i), epoch=stub.epoch
+        )
+        for i, w in enumerate(stub.workers)
+    ]
+    sums = []
+    for members in stub.blocks:
+        srcs = tuple(
+            Published(computes[i][1]) if stub.snapshot[i] else stub.worker_handles[i]
+            for i in members
+        )
+        done = [computes[i][0] for i in members]  # Ray starts the sum once these are in
+        sums.append(stub.workers[members[0]].host_sum.remote(step, srcs, *done, epoch=stub.epoch))
+    calls = [c[0] for c in computes] + sums
+    with stub._server_snapshots(), cancelled_on_failure(calls):
+        stats = get_all([c[0] for c in computes], "worker", stub.group)
+        t1 = time.time()
+        leaders = [b[0] for b in stub.blocks]
+        summed = get_all(sums, "worker", stub.group, indices=leaders)
+    t2 = time.time()
+    ups = [
+        s.update.remote(step, HostParts(tuple(r[k] for _, r in summed)), stub.group, stub.epoch)
+        for k, s in enumerate(stub.servers)
+    ]
+    with cancelled_on_failure(ups):
+        results = get_all(ups, "server")
+    stub.refs = [ref for _, ref, _ in results]
+    parts = [wire_bytes(lay, stub.wire) for lay in stub.server_layouts]
+    snaps = [
+        worker_buffer_layout(stub.shapes, stub.dtype, st).nbytes if snap else 0
+        for snap, st in zip(stub.snapshot, stub.worker_state, strict=True)
+    ]
+    traffic = block_step_bytes(
+        stub.worker_nodes,
+        stub.blocks,
+        snaps,
+        [s["node"] for s in stub.server_infos],
+        parts,
+        published,
+    )
+    seconds = [t for _, _, t in results]
+    return step_record(step, stats, t0, t1, t2, time.time(), seconds, None, traffic)
+
+
+class BlockSums:
+    """A block leader's own: the block's buffers on its node, mapped from one step to the
+    next, and the block's sum, reused."""
+
+    def __init__(self) -> None:
+        self.maps = Attachments()
+        self.sum: dict[str, np.ndarray] = {}
+
+    def close(self) -> None:
+        self.maps.close()
+
+
+def block_sum(worker: Worker, members: tuple[Any, ...]) -> tuple[float, list[Any]]:
+    """The sum of a block's gradients of one step as its leader ``worker`` makes it:
+    ``members`` in worker order, each the buffer of a member on this node or the snapshot
+    of one elsewhere. Returns the seconds it took and, for each server, the ref of its slices
+    (in its order, as they cross: :func:`.wire.encode`), put in this node's object store: each
+    server fetches its own straight from here. (Returned as values instead, those under Ray's
+    inline limit, 100 KiB, would go through the stub, the caller: measured on emulated
+    hosts.) A block of one worker hands its buffer on as it is."""
+    import ray  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    mine, reader = worker.block_sums, worker.reader
+    mine.maps.keep_only({m.path for m in members if isinstance(m, ShmHandle)})
+    layout = worker.grads.layout
+    views = [mine.maps.views(m) if isinstance(m, ShmHandle) else layout.views(m) for m in members]
+    if len(views) == 1:
+        own = own_slices(views[0], list(worker.slices))
+    else:
+        if not mine.sum:
+            mine.sum = {p: np.empty(s, reader.dtype) for p, s in reader.shapes.items()}
+        for p, out in mine.sum.items():
+            sum_into(out, [v[p] for v in views])
+        own = own_slices(mine.sum, list(worker.slices))
+    refs = [  # Ray copies each array into its store once, as it puts the list
+        ray.put(encode([own[e.name] for e in lay.entries], worker.wire)) for lay in reader.layouts
+    ]
+    return time.perf_counter() - t0, refs
