@@ -382,3 +382,32 @@ def signal_worker_at(trainer, step: int, sig: int) -> list[int]:
 
     trainer.hub.subscribe(hook)
     return fired
+
+
+def sigkill_once(cmd: list[str], made: Path, timeout_s: float = 240) -> None:
+    """Start ``cmd`` (a training run) and SIGKILL it as soon as ``made`` exists (its
+    checkpoint directory of some step); fails, with the run's output, where it ends first or
+    ``made`` is not there within ``timeout_s``."""
+    import signal  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not made.exists():
+            assert p.poll() is None, p.stdout.read()
+            assert time.monotonic() < deadline, f"the run never made {made}"
+            time.sleep(0.02)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        p.kill()
+
+
+def checkpoint_tensors(path: Path | str) -> dict[str, bytes]:
+    """Every tensor of a checkpoint (parameters, optimizer slots, state) by name, as bytes,
+    read after a full check of its files."""
+    from raysinga.checkpoint import Checkpoint  # noqa: PLC0415
+
+    ck = Checkpoint.open(path, verify="full")
+    return {n: ck.array(n).tobytes() for k in ("param", "slot", "state") for n in ck.names(k)}

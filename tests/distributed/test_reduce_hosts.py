@@ -10,12 +10,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import load_job, start_ray
+from helpers import checkpoint_tensors, load_job, sigkill_once, start_ray
 
 from raysinga import config
 from raysinga.checkpoint import Checkpoint, steps
@@ -164,17 +163,7 @@ def test_bf16_on_the_wire_resumes_bit_exact_after_the_driver_is_sigkilled(blocks
     address = ray.get_runtime_context().gcs_address
     cmd = [sys.executable, "-m", "raysinga.cli", "train", str(run / "job.yaml")]
     cmd += ["--address", address, "--set", f"run_dir={run}"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 240
-    try:
-        while not (run / "checkpoints/step-40").exists():
-            assert p.poll() is None, p.stdout.read()
-            assert time.monotonic() < deadline, "the run never reached step 40"
-            time.sleep(0.02)
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait(timeout=30)
-    finally:
-        p.kill()
+    sigkill_once(cmd, run / "checkpoints/step-40")
     killed_at = steps(run / "checkpoints")[0]
     assert 40 <= killed_at < 80
     ck = Checkpoint.open(run / f"checkpoints/step-{killed_at}")
@@ -182,10 +171,6 @@ def test_bf16_on_the_wire_resumes_bit_exact_after_the_driver_is_sigkilled(blocks
     r = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"resuming 'blocks' at step {killed_at}" in r.stdout
-    assert tensors(run / "checkpoints/step-80") == tensors(ref / "checkpoints/step-80")
+    got, ref_ck = (checkpoint_tensors(d / "checkpoints/step-80") for d in (run, ref))
+    assert got == ref_ck
     assert want.history  # (the reference ran)
-
-
-def tensors(path: Path) -> dict[str, bytes]:
-    ck = Checkpoint.open(path, verify="full")
-    return {n: ck.array(n).tobytes() for k in ("param", "slot", "state") for n in ck.names(k)}

@@ -4,15 +4,13 @@ never interrupted."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from helpers import signal_worker_at
+from helpers import sigkill_once, signal_worker_at
 
 from raysinga import config
 from raysinga.checkpoint import Checkpoint, steps
@@ -46,16 +44,7 @@ def test_the_example_resumes_bit_identically_after_a_sigkill(ray_session, tmp_pa
     address = ray_session.get_runtime_context().gcs_address
     cmd = [sys.executable, "-m", "raysinga.cli", "train", str(JOB), "--address", address]
     cmd += [x for s in [*SMALL, f"run_dir={run}"] for x in ("--set", s)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not (run / "checkpoints" / "step-4").exists():
-            assert p.poll() is None and time.monotonic() < deadline, p.stdout.read()
-            time.sleep(0.05)
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait(timeout=30)
-    finally:
-        p.kill()
+    sigkill_once(cmd, run / "checkpoints" / "step-4", timeout_s=300)
     assert steps(run / "checkpoints")[0] < 12
     r = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -10,15 +10,12 @@ a run with graphs resumes bit-exactly after a SIGKILL.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import sigkill_once
 
 from raysinga import config
 from raysinga.config.section import ConfigError
@@ -223,16 +220,7 @@ def test_a_run_with_graphs_resumes_bit_exactly_after_a_sigkill(tmp_path, monkeyp
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "raysinga.cli", "train", str(EXAMPLES / "digits_cnn.yaml")]
     cmd += ["--local", "--set", f"run_dir={run}", *(x for c in common for x in ("--set", c))]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 240
-    try:
-        while not (run / "checkpoints/step-150").exists():
-            assert p.poll() is None, p.stdout.read()
-            assert time.monotonic() < deadline, "the run never reached step 150"
-            time.sleep(0.02)
-        os.kill(p.pid, signal.SIGKILL)
-    finally:
-        p.wait()
+    sigkill_once(cmd, run / "checkpoints/step-150")
     cfg = config.load(EXAMPLES / "digits_cnn.yaml", [f"run_dir={run}", *common])
     got = Trainer(cfg, log=lambda line: None, resume=True).fit()
     for k in want.params:

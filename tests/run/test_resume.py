@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import run_cli, start_ray, tensorboard_scalars, trained_to
+from helpers import checkpoint_tensors as tensors
+from helpers import run_cli, sigkill_once, start_ray, tensorboard_scalars, trained_to
 
 from raysinga import config
 from raysinga.checkpoint import Checkpoint, CheckpointError, save, steps
@@ -49,11 +50,6 @@ def job(tmp_path: Path, *more: str) -> config.JobConfig:
     if not f.exists():
         f.write_text(JOB)
     return config.load(f, [f"run_dir={tmp_path}", *more])
-
-
-def tensors(path: Path | str) -> dict[str, bytes]:
-    ck = Checkpoint.open(path, verify="full")
-    return {n: ck.array(n).tobytes() for k in ("param", "slot", "state") for n in ck.names(k)}
 
 
 def losses(history: list[dict], after: int) -> dict[int, float]:
@@ -423,17 +419,7 @@ def _long_run(ray_session, tmp_path: Path, checkpoint_frequency: int) -> tuple:
 @pytest.mark.slow
 def test_sigkilled_driver_resumes_bit_exact(ray_session, tmp_path):
     ref, run, want, cmd = _long_run(ray_session, tmp_path, checkpoint_frequency=20)
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 240
-    try:
-        while not (run / "checkpoints/step-120").exists():
-            assert p.poll() is None, p.stdout.read()
-            assert time.monotonic() < deadline, "the run never reached step 120"
-            time.sleep(0.02)
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait(timeout=30)
-    finally:
-        p.kill()
+    sigkill_once(cmd, run / "checkpoints/step-120")
     killed_at = steps(run / "checkpoints")[0]
     assert 120 <= killed_at < 200
     r = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=300)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import checkpoint_tensors as tensors
 
 from raysinga import config
 from raysinga.checkpoint import Checkpoint, CheckpointError, steps
@@ -44,11 +45,6 @@ def job(d: Path, *more: str) -> config.JobConfig:
 def train(d: Path, *more: str, lines: list[str] | None = None, **kw):
     log = (lambda line: None) if lines is None else lines.append
     return Trainer(job(d, *more), log=log, **kw).fit()
-
-
-def tensors(path: Path) -> dict[str, bytes]:
-    ck = Checkpoint.open(path, verify="full")
-    return {n: ck.array(n).tobytes() for k in ("param", "slot", "state") for n in ck.names(k)}
 
 
 def flip_a_byte(ck_dir: Path) -> None:
