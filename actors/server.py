@@ -42,7 +42,7 @@ from .protocol import (
 )
 from .server_grads import SumViews, step_gradient
 from .snapshots import Snapshots
-from .wire import decode, encode
+from .wire import decode, encode, wire_bytes
 
 
 class ParamServer(Abortable, Fence):
@@ -81,7 +81,6 @@ class ParamServer(Abortable, Fence):
         self._attached = Attachments()
         self.sums = SumViews()  # where it sums the workers' gradients itself
         self.wire = spec.wire
-        self.wire_bytes = sum(s.size for s in self.slices) * 2  # published as bf16 words
         self._host_sum: np.ndarray | None = None  # the blocks' sum (reduce: hosts), reused
         self.gpu: ServerDevice | None = None  # device "gpu": the optimizer runs on a GPU
         if spec.device == "gpu":
@@ -100,7 +99,9 @@ class ParamServer(Abortable, Fence):
             "gpu": self.gpu is not None,
             "gpus": visible_gpus() if self.gpu is not None else None,
             # what a reader elsewhere pulls
-            "published_bytes": self.wire_bytes if self.wire != "f32" else self.buf.layout.nbytes,
+            "published_bytes": wire_bytes(self.layout, self.wire)
+            if self.wire != "f32"
+            else self.buf.layout.nbytes,
         }
 
     @reports_role

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from raysinga.kernels.precision import bf16_bits, from_bf16_bits
+from raysinga.kernels.precision import bf16_bits, from_bf16_bits, round_bf16
 
 from .buffers import Layout
 
@@ -34,13 +34,13 @@ def encode(arrays: Sequence[np.ndarray], wire: str) -> list[np.ndarray]:
     object store once, as it puts the list), or rounded to bfloat16 words."""
     if wire == "f32":
         return list(arrays)
-    return [bf16_bits(a).reshape(a.shape) for a in arrays]
+    return [bf16_bits(a) for a in arrays]
 
 
 def decode(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     """Float32 arrays from what :func:`encode` made: views where float32 already, exact
     conversions of bfloat16 words."""
-    return [from_bf16_bits(a).reshape(a.shape) if a.dtype == np.uint16 else a for a in arrays]
+    return [from_bf16_bits(a) if a.dtype == np.uint16 else a for a in arrays]
 
 
 def rounded(values: dict[str, np.ndarray], wire: str) -> dict[str, np.ndarray]:
@@ -48,7 +48,7 @@ def rounded(values: dict[str, np.ndarray], wire: str) -> dict[str, np.ndarray]:
     bfloat16 (new float32 arrays)."""
     if wire == "f32":
         return values
-    return {k: from_bf16_bits(bf16_bits(v)).reshape(v.shape) for k, v in values.items()}
+    return {k: round_bf16(v) for k, v in values.items()}
 
 
 def blocks(n_workers: int, per_block: int) -> list[list[int]]:
