@@ -2,15 +2,16 @@
 stub's step, and a block leader's sum.
 
 Each worker computes its gradient into its shared-memory buffer. Each block's leader, once its
-members are done, sums their buffers in worker order and puts each server's slices of the sum
-into its own node's object store. Each server fetches its slices of every block straight from
-the leaders' nodes and sums them in block order (:meth:`~.server.ParamServer._update`). The
-stub only sends the calls: no gradient passes through it.
+members are done, sums their buffers in worker order and sends each server its slices of the
+sum over a TCP connection of its own (:mod:`.tcp`). Each server takes its slices of every block
+in and sums them in block order (:meth:`~.server.ParamServer._update`). The stub only sends
+the calls: no gradient passes through it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,9 +20,10 @@ from raysinga.optim.grads import sum_into
 
 from .bells import step_record
 from .buffers import Attachments, ShmHandle
-from .errors import cancelled_on_failure, get_all
-from .protocol import HostParts, Published, StepStats, worker_buffer_layout
+from .errors import ActorLost, cancelled_on_failure, get_all
+from .protocol import HostFrames, Published, StepStats, worker_buffer_layout
 from .server_grads import own_slices
+from .tcp import Outbox, PeerLost
 from .traffic import block_step_bytes
 from .wire import encode, wire_bytes
 
@@ -33,9 +35,10 @@ if TYPE_CHECKING:
 def block_step(stub: Stub, step: int) -> StepStats:
     """One step summed by blocks (``topology.reduce: hosts``, :mod:`.wire`): each
     worker computes; each block's leader, once its members are done, sums them and cuts
-    the sum into the servers' slices; each server fetches its slices of every block from
-    the leaders' nodes and sums them in block order. The computes and the sums go out at
-    once (Ray starts a sum when its block is done); this stub never touches a gradient."""
+    the sum into the servers' slices and sends each its own (:mod:`.tcp`); each server takes
+    its slices of every block in and sums them in block order. The computes and the sums go
+    out at once (Ray starts a sum when its block is done); this stub never touches a
+    gradient."""
     t0 = time.time()
     n = len(stub.workers)  # (one synchronous group: the servers' refs are this stub's)
     published = stub._published_bytes()
@@ -45,25 +48,25 @@ def block_step(stub: Stub, step: int) -> StepStats:
         )
         for i, w in enumerate(stub.workers)
     ]
+    to = tuple(s["inbox"] for s in stub.server_infos)
     sums = []
-    for members in stub.blocks:
+    for b, members in enumerate(stub.blocks):
         srcs = tuple(
             Published(computes[i][1]) if stub.snapshot[i] else stub.worker_handles[i]
             for i in members
         )
         done = [computes[i][0] for i in members]  # Ray starts the sum once these are in
-        sums.append(stub.workers[members[0]].host_sum.remote(step, srcs, *done, epoch=stub.epoch))
+        leader = stub.workers[members[0]]
+        sums.append(leader.host_sum.remote(step, srcs, *done, to=to, block=b, epoch=stub.epoch))
     calls = [c[0] for c in computes] + sums
     with stub._server_snapshots(), cancelled_on_failure(calls):
         stats = get_all([c[0] for c in computes], "worker", stub.group)
         t1 = time.time()
         leaders = [b[0] for b in stub.blocks]
-        summed = get_all(sums, "worker", stub.group, indices=leaders)
+        get_all(sums, "worker", stub.group, indices=leaders)
     t2 = time.time()
-    ups = [
-        s.update.remote(step, HostParts(tuple(r[k] for _, r in summed)), stub.group, stub.epoch)
-        for k, s in enumerate(stub.servers)
-    ]
+    frames = HostFrames(stub.epoch, len(stub.blocks))
+    ups = [s.update.remote(step, frames, stub.group, stub.epoch) for s in stub.servers]
     with cancelled_on_failure(ups):
         results = get_all(ups, "server")
     stub.refs = [ref for _, ref, _ in results]
@@ -86,26 +89,33 @@ def block_step(stub: Stub, step: int) -> StepStats:
 
 class BlockSums:
     """A block leader's own: the block's buffers on its node, mapped from one step to the
-    next, and the block's sum, reused."""
+    next, the block's sum, reused, and its connections to the servers."""
 
     def __init__(self) -> None:
         self.maps = Attachments()
         self.sum: dict[str, np.ndarray] = {}
+        self.outbox = Outbox()
 
     def close(self) -> None:
         self.maps.close()
+        self.outbox.close()
 
 
-def block_sum(worker: Worker, members: tuple[Any, ...]) -> tuple[float, list[Any]]:
+def block_sum(
+    worker: Worker,
+    members: tuple[Any, ...],
+    to: Sequence[tuple[str, int, bytes]],
+    step: int,
+    block: int,
+    epoch: int,
+) -> tuple[float, int]:
     """The sum of a block's gradients of one step as its leader ``worker`` makes it:
     ``members`` in worker order, each the buffer of a member on this node or the snapshot
-    of one elsewhere. Returns the seconds it took and, for each server, the ref of its slices
-    (in its order, as they cross: :func:`.wire.encode`), put in this node's object store: each
-    server fetches its own straight from here. (Returned as values instead, those under Ray's
-    inline limit, 100 KiB, would go through the stub, the caller: measured on emulated
-    hosts.) A block of one worker hands its buffer on as it is."""
-    import ray  # noqa: PLC0415
-
+    of one elsewhere. Each server's slices of it (in its order, as they cross:
+    :func:`.wire.encode`) go to that server's inbox, ``to`` in server order, all at once.
+    Returns the seconds it took and the bytes sent. A server that cannot be reached is
+    reported lost (:class:`.errors.ActorLost`: its connection broke, its process or host is
+    gone). A block of one worker sends its buffer's slices as they are."""
     t0 = time.perf_counter()
     mine, reader = worker.block_sums, worker.reader
     mine.maps.keep_only({m.path for m in members if isinstance(m, ShmHandle)})
@@ -119,7 +129,10 @@ def block_sum(worker: Worker, members: tuple[Any, ...]) -> tuple[float, list[Any
         for p, out in mine.sum.items():
             sum_into(out, [v[p] for v in views])
         own = own_slices(mine.sum, list(worker.slices))
-    refs = [  # Ray copies each array into its store once, as it puts the list
-        ray.put(encode([own[e.name] for e in lay.entries], worker.wire)) for lay in reader.layouts
-    ]
-    return time.perf_counter() - t0, refs
+    frames = [encode([own[e.name] for e in lay.entries], worker.wire) for lay in reader.layouts]
+    try:
+        sent = mine.outbox.send(to, epoch, step, block, frames, worker.check_abort)
+    except PeerLost as e:
+        k = next(k for k, c in enumerate(to) if (c[0], c[1]) == e.where)
+        raise ActorLost("server", k, None, f"its inbox: {e}") from None
+    return time.perf_counter() - t0, sent

@@ -40,6 +40,7 @@ class ServerSpec:
     device: str = "cpu"
     lr_scale: float = 1.0  # on every update's learning rate (JobConfig.lr_scale)
     wire: str = "f32"  # topology.wire: what its values are published as (actors.wire)
+    inbox: bool = False  # topology.reduce hosts: it takes the blocks' sums in (actors.tcp)
 
 
 @dataclass(frozen=True)
@@ -95,15 +96,14 @@ class Published:
 
 
 @dataclass(frozen=True)
-class HostParts:
+class HostFrames:
     """A server's share of one step of a group summed by hosts (``topology.reduce: hosts``):
-    the object-store refs of each block's sum of this server's slices, in block order, as
-    the blocks' leaders returned them (:meth:`~actors.worker.Worker.host_sum`; each a list
-    of the server's slices in its order, :func:`actors.wire.encode`). Handed over inside
-    this, not as call arguments, so that the server fetches them itself, straight from each
-    leader's node and abortably (as :class:`Published`)."""
+    the frames of the ``blocks`` blocks' leaders, each the block's sum of this server's slices
+    in its order (as they cross: :func:`actors.wire.encode`), sent under ``epoch`` straight
+    to the server's inbox (:mod:`actors.tcp`; :meth:`~actors.worker.Worker.host_sum`)."""
 
-    refs: tuple[Any, ...]
+    epoch: int
+    blocks: int
 
 
 @dataclass(frozen=True)
@@ -291,6 +291,14 @@ def node_id() -> str:
     import ray  # noqa: PLC0415 - roles run under Ray; the module imports without it
 
     return ray.get_runtime_context().get_node_id()
+
+
+def node_ip() -> str:
+    """The address of the Ray node this role runs on (where its peers on other nodes reach
+    it)."""
+    import ray  # noqa: PLC0415
+
+    return ray.util.get_node_ip_address()
 
 
 def visible_gpus() -> str | None:

@@ -32,16 +32,18 @@ from .doorbell import Abortable, Steps
 from .errors import reports_role
 from .fence import Fence
 from .protocol import (
-    HostParts,
+    HostFrames,
     ServerDone,
     ServerSpec,
     SummedGrads,
     Wiring,
     node_id,
+    node_ip,
     visible_gpus,
 )
 from .server_grads import SumViews, step_gradient
 from .snapshots import Snapshots
+from .tcp import Inbox
 from .wire import decode, encode, wire_bytes
 
 
@@ -82,6 +84,8 @@ class ParamServer(Abortable, Fence):
         self.sums = SumViews()  # where it sums the workers' gradients itself
         self.wire = spec.wire
         self._host_sum: np.ndarray | None = None  # the blocks' sum (reduce: hosts), reused
+        # reduce: hosts: the blocks' leaders send their sums of its slices here (actors.tcp)
+        self.inbox = Inbox(node_ip()) if spec.inbox else None
         self.gpu: ServerDevice | None = None  # device "gpu": the optimizer runs on a GPU
         if spec.device == "gpu":
             self.gpu = ServerDevice(self.layout, self.buf)
@@ -102,6 +106,7 @@ class ParamServer(Abortable, Fence):
             "published_bytes": wire_bytes(self.layout, self.wire)
             if self.wire != "f32"
             else self.buf.layout.nbytes,
+            "inbox": self.inbox.contact if self.inbox is not None else None,
         }
 
     @reports_role
@@ -188,8 +193,8 @@ class ParamServer(Abortable, Fence):
         t0 = time.perf_counter()
         if step <= self.applied.get(group, -1):
             return self.guard.version, self._published, 0.0
-        if isinstance(grads, HostParts):  # fetched and summed before anything changes
-            grads = self._blocks_sum(grads)
+        if isinstance(grads, HostFrames):  # taken in and summed before anything changes
+            grads = self._blocks_sum(step, grads)
         self.applied[group] = step
         self.snaps.wait_for_copy()  # a checkpoint's copy of the values must come first
         self.copies.wait_for_copy()  # and a copy kept for a rebuild
@@ -218,12 +223,14 @@ class ParamServer(Abortable, Fence):
             self._start_copy()
         return self.guard.version, ref, time.perf_counter() - t0
 
-    def _blocks_sum(self, parts: HostParts) -> dict[str, np.ndarray]:
+    def _blocks_sum(self, step: int, frames: HostFrames) -> dict[str, np.ndarray]:
         """The sum of the blocks' sums of this server's slices (``topology.reduce: hosts``),
-        added in block order in float32, by slice name. Each is fetched straight
-        from its leader's node; the wait looks for an abort meanwhile (a leader on a host gone
-        silent)."""
-        got = [decode(b) for b in self.fetch(list(parts.refs))]
+        added in block order in float32, by slice name. Each leader sends its block's
+        straight to this server's inbox; the wait looks for an abort meanwhile (a leader lost,
+        or on a host gone silent)."""
+        assert self.inbox is not None, "a server of a group summed by hosts has an inbox"
+        taken = self.inbox.take(frames.epoch, step, frames.blocks, self.check_abort)
+        got = [decode(f) for f in taken]
         names = [sl.name for sl in self.slices]  # each block's slices come in this order
         if len(got) == 1:
             return dict(zip(names, got[0], strict=True))
@@ -427,6 +434,8 @@ class ParamServer(Abortable, Fence):
         return os.getpid()
 
     def shutdown(self) -> None:
+        if self.inbox is not None:
+            self.inbox.close()
         self.snaps.close()
         self.copies.close()
         self.pool.shutdown(wait=False)

@@ -274,16 +274,22 @@ class Worker(Abortable, Fence):
 
     @reports_role
     def host_sum(
-        self, step: int, members: tuple[ShmHandle | Published, ...], *done: Any, epoch: int = 0
-    ) -> tuple[float, list[Any]]:
-        """As the leader of a block (``topology.reduce: hosts``): the sum of the block's
-        workers' gradients of ``step`` (``members``, in worker order: the buffer of one on this
-        node, the published snapshot of one elsewhere), added in that order, cut into each
-        server's slices and laid out as they cross (:mod:`.wire`). ``done``: the members'
-        results of the step, which Ray hands over once each member is done
-        (:func:`.host_sums.block_sum`)."""
+        self,
+        step: int,
+        members: tuple[ShmHandle | Published, ...],
+        *done: Any,
+        to: Sequence[tuple[str, int, bytes]] = (),
+        block: int = 0,
+        epoch: int = 0,
+    ) -> tuple[float, int]:
+        """As the leader of block ``block`` (``topology.reduce: hosts``): the sum of the
+        block's workers' gradients of ``step`` (``members``, in worker order: the buffer of
+        one on this node, the published snapshot of one elsewhere), added in that order, cut
+        into each server's slices, laid out as they cross (:mod:`.wire`) and sent to each
+        server's inbox (``to``, in server order). ``done``: the members' results of the step,
+        which Ray hands over once each member is done (:func:`.host_sums.block_sum`)."""
         self.admit(epoch, f"sum step {step} of its block (worker {self.index})")
-        return block_sum(self, self._fetched(members))
+        return block_sum(self, self._fetched(members), to, step, block, epoch)
 
     def _compute(self, step: int, part: int, parts: int, sources: tuple) -> dict[str, float]:
         start = time.time()

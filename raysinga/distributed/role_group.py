@@ -170,6 +170,7 @@ class RoleGroup(RoleCheckpoints):
             plan.server_device,
             cfg.lr_scale(self.topo),
             self.topo.wire,
+            self.topo.reduce == "hosts",
         )
 
     def spawn_workers(self, seed: int) -> None:

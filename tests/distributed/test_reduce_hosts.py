@@ -104,10 +104,11 @@ def test_a_killed_role_of_a_block_is_recovered_bit_exact(blocks, tmp_path, role)
     res = t.fit()
     assert fired
     kinds = [r for r in res.history if r["kind"] == "failure"]
-    assert same_bits(res.params, blocks.params), kinds
-    assert len(kinds) == 1 and kinds[0]["role"] == role, kinds
+    seen = [f"{r['role']} {r['index']} ({r['recovery']}): {r['error']}" for r in kinds]
+    assert same_bits(res.params, blocks.params), seen
+    assert len(kinds) == 1 and kinds[0]["role"] == role, seen
     want = "replaced" if role == "worker" else "restarted"
-    assert kinds[0]["recovery"].startswith(want), kinds
+    assert kinds[0]["recovery"].startswith(want), seen
 
 
 @pytest.mark.parametrize(

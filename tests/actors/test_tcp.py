@@ -1,0 +1,183 @@
+"""Frames of arrays between roles over TCP connections of their own (actors/tcp.py): what a
+block's leader sends a server's inbox, taken in sender order, under the run's epoch; what a
+broken, cut off or foreign connection leaves (nothing)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from actors.tcp import HEAD, HELLO, MAGIC, Inbox, Outbox, PeerLost
+
+
+class Aborted(Exception):
+    pass
+
+
+def never() -> None:
+    pass
+
+
+def after(seconds: float):
+    """A check that raises once ``seconds`` have passed (an abort coming)."""
+    end = time.monotonic() + seconds
+
+    def check() -> None:
+        if time.monotonic() > end:
+            raise Aborted
+
+    return check
+
+
+@pytest.fixture
+def inbox():
+    box = Inbox("127.0.0.1")
+    yield box
+    box.close()
+
+
+def frames(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [
+        rng.standard_normal((3, 5)).astype(np.float32),
+        rng.integers(0, 2**16, 7, dtype=np.uint16),  # bfloat16 words
+        np.zeros(0, np.float32),
+    ]
+
+
+def test_frames_are_taken_in_sender_order_with_their_bits_and_shapes(inbox):
+    sent = {b: frames(b) for b in range(3)}
+    boxes = [Outbox() for _ in range(3)]
+    try:
+        for b in (2, 0, 1):  # arriving in any order
+            n = boxes[b].send([inbox.contact], 4, 10, b, [sent[b]], never)
+            assert n > sum(a.nbytes for a in sent[b])  # with its header
+        got = inbox.take(4, 10, 3, after(10))
+    finally:
+        for box in boxes:
+            box.close()
+    for b, arrays in enumerate(got):
+        assert [a.dtype for a in arrays] == [a.dtype for a in sent[b]]
+        assert [a.shape for a in arrays] == [a.shape for a in sent[b]]
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(arrays, sent[b], strict=True))
+    assert inbox.received == sum(a.nbytes for f in sent.values() for a in f)
+
+
+def test_one_send_reaches_several_inboxes_and_the_connections_are_kept():
+    inboxes = [Inbox("127.0.0.1") for _ in range(3)]
+    box = Outbox()
+    try:
+        for step in (1, 2):
+            box.send([i.contact for i in inboxes], 0, step, 0, [frames(k) for k in range(3)], never)
+            for k, i in enumerate(inboxes):
+                (got,) = i.take(0, step, 1, after(10))
+                assert got[0].tobytes() == frames(k)[0].tobytes()
+        assert len(box._conns) == 3
+    finally:
+        box.close()
+        for i in inboxes:
+            i.close()
+
+
+def test_a_wait_for_frames_that_do_not_come_ends_with_what_the_check_raises(inbox):
+    t0 = time.monotonic()
+    with pytest.raises(Aborted):
+        inbox.take(0, 1, 1, after(0.3))
+    assert time.monotonic() - t0 < 5
+
+
+def test_frames_of_an_earlier_epoch_are_never_taken_and_are_dropped(inbox):
+    box = Outbox()
+    try:
+        box.send([inbox.contact], 1, 7, 0, [frames(0)], never)  # a step then interrupted
+        box.send([inbox.contact], 2, 7, 0, [frames(1)], never)  # redone under the next epoch
+        (got,) = inbox.take(2, 7, 1, after(10))
+        assert got[0].tobytes() == frames(1)[0].tobytes()
+        assert inbox.refused == 1 and not inbox._frames
+        with pytest.raises(Aborted):  # and the old one is not there to take
+            inbox.take(1, 7, 1, after(0.2))
+    finally:
+        box.close()
+
+
+def test_a_connection_without_the_token_is_closed_unread(inbox):
+    with socket.create_connection(inbox.address) as s:
+        s.sendall(HELLO.pack(MAGIC, b"\0" * 16) + HEAD.pack(MAGIC, 0, 1, 0, 1))
+        s.settimeout(10)
+        try:  # closed by the inbox (reset: what it left unread)
+            assert s.recv(1) == b""
+        except ConnectionResetError:
+            pass
+    assert inbox.refused == 1
+    box = Outbox()
+    try:
+        box.send([inbox.contact], 0, 1, 0, [frames(0)], never)
+        assert len(inbox.take(0, 1, 1, after(10))) == 1
+    finally:
+        box.close()
+
+
+def test_a_frame_cut_short_by_its_sender_is_dropped(inbox):
+    with socket.create_connection(inbox.address) as s:
+        s.sendall(HELLO.pack(MAGIC, inbox.token) + HEAD.pack(MAGIC, 0, 1, 0, 1))
+        s.sendall(bytes([0, 1]) + (1000).to_bytes(8, "little") + b"\0" * 100)  # 100 of 4000
+    with pytest.raises(Aborted):
+        inbox.take(0, 1, 1, after(0.5))
+    assert not inbox._frames
+
+
+def test_a_receiver_gone_is_named_and_the_next_send_connects_anew():
+    gone, live = Inbox("127.0.0.1"), Inbox("127.0.0.1")
+    box = Outbox()
+    try:
+        box.send([gone.contact, live.contact], 0, 1, 0, [frames(0), frames(1)], never)
+        gone.close()
+        with pytest.raises(PeerLost) as e:
+            for step in range(2, 50):  # the first writes may land in the kernel's buffers
+                box.send([gone.contact], 0, step, 0, [[np.zeros(1 << 20, np.float32)]], never)
+        assert e.value.where == gone.address
+        assert gone.address not in box._conns
+        replaced = Inbox("127.0.0.1")  # its replacement, elsewhere: the old one is let go
+        try:
+            box.send([replaced.contact, live.contact], 0, 2, 0, [frames(2), frames(3)], never)
+            assert replaced.take(0, 2, 1, after(10))[0][0].tobytes() == frames(2)[0].tobytes()
+            assert set(box._conns) == {replaced.address, live.address}
+        finally:
+            replaced.close()
+    finally:
+        box.close()
+        live.close()
+
+
+def test_a_send_blocked_by_a_receiver_that_takes_nothing_in_ends_with_the_abort():
+    """The receiver's host went silent: the send stops at the abort, its connection dropped
+    (the rest of the frame never follows what was sent)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
+    contact = (*listener.getsockname(), b"t" * 16)
+    box = Outbox()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(Aborted):
+            box.send([contact], 0, 1, 0, [[np.zeros(64 << 20, np.float32)]], after(0.5))
+        assert time.monotonic() - t0 < 10
+        assert not box._conns
+    finally:
+        box.close()
+        listener.close()
+        for conn, _ in accepted:
+            conn.close()
+
+
+def test_an_unknown_dtype_is_refused_before_anything_is_sent(inbox):
+    box = Outbox()
+    try:
+        with pytest.raises(ValueError, match="float32 or bfloat16"):
+            box.send([inbox.contact], 0, 1, 0, [[np.zeros(3, np.float64)]], never)
+    finally:
+        box.close()
