@@ -65,6 +65,7 @@ class WorkerSpec:
     graphs: str = "off"  # a GPU worker's steps as CUDA graphs: run.graph_step.graphs_mode
     precision: str = "f32"  # the matrix products' precision.compute (kernels.precision)
     wire: str = "f32"  # topology.wire: what gradients and values cross as (actors.wire)
+    mirrors: bool = False  # topology.reduce hosts: it can take the servers' values in (.mirrors)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,24 @@ class Published:
     the owner up (about 150 s on emulated hosts), whatever was aborted meanwhile."""
 
     ref: Any
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """A server's values as it pushed them to a worker's inbox on each node that reads them
+    (``topology.reduce: hosts``, :mod:`actors.mirrors`): after ``version`` updates."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class MirrorAt:
+    """A server's values in its mirror on a worker's node (:mod:`actors.mirrors`), to be read
+    once the mirror holds those after ``version`` updates of server ``server``."""
+
+    handle: Any  # the mirror's ShmHandle
+    version: int
+    server: int
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from .errors import reports_role
 from .fence import Fence
 from .protocol import (
     HostFrames,
+    Pushed,
     ServerDone,
     ServerSpec,
     SummedGrads,
@@ -43,7 +44,7 @@ from .protocol import (
 )
 from .server_grads import SumViews, step_gradient
 from .snapshots import Snapshots
-from .tcp import Inbox
+from .tcp import Inbox, Outbox, PeerLost
 from .wire import decode, encode, wire_bytes
 
 
@@ -86,6 +87,8 @@ class ParamServer(Abortable, Fence):
         self._host_sum: np.ndarray | None = None  # the blocks' sum (reduce: hosts), reused
         # reduce: hosts: the blocks' leaders send their sums of its slices here (actors.tcp)
         self.inbox = Inbox(node_ip()) if spec.inbox else None
+        self.pushes: list[tuple[str, int, bytes]] | None = None  # set_remote_readers
+        self.outbox = Outbox()  # to the reader nodes' inboxes, where it pushes
         self.gpu: ServerDevice | None = None  # device "gpu": the optimizer runs on a GPU
         if spec.device == "gpu":
             self.gpu = ServerDevice(self.layout, self.buf)
@@ -125,10 +128,17 @@ class ParamServer(Abortable, Fence):
         return time.perf_counter() - t0
 
     @reports_role
-    def set_remote_readers(self, remote: bool, nodes: list[str] | None = None) -> Any:
+    def set_remote_readers(
+        self,
+        remote: bool,
+        nodes: list[str] | None = None,
+        pushes: list[tuple[str, int, bytes]] | None = None,
+    ) -> Any:
         """Whether some reader sits on another node; if so, publish snapshots from now on.
-        ``nodes``: the readers' nodes, each to get a copy of its own (see :meth:`_publish`)."""
-        self.remote_readers, self.reader_nodes = remote, nodes
+        ``nodes``: the readers' nodes, each to get a copy of its own (see :meth:`_publish`);
+        ``pushes``: instead, the inbox on each of them to push the values to (their mirrors,
+        :mod:`.mirrors`), now and after each update."""
+        self.remote_readers, self.reader_nodes, self.pushes = remote, nodes, pushes
         return self._publish()
 
     def _publish(self) -> Any:
@@ -136,9 +146,14 @@ class ParamServer(Abortable, Fence):
         object, or (``reader_nodes``) one per reader node, by node. A node pulls an object
         from any node that holds a copy, as Ray chooses, so one object read by several nodes
         is sometimes sent on by a reader's node (measured on emulated hosts: a host sent up
-        to 24% more than its share); a copy per node is sent from here only."""
+        to 24% more than its share); a copy per node is sent from here only. With
+        ``pushes``, the values go straight to each reader node's inbox instead."""
         if not self.remote_readers:
             return None
+        if self.pushes:
+            self._push(self.pushes)
+            self._published = Pushed(self.guard.version)
+            return self._published
         import ray  # noqa: PLC0415
 
         if self.wire == "f32":  # (Ray copies it into its store as it puts it)
@@ -148,6 +163,16 @@ class ParamServer(Abortable, Fence):
         nodes = self.reader_nodes
         self._published = {n: ray.put(snap) for n in nodes} if nodes else ray.put(snap)
         return self._published
+
+    def _push(self, to: list[tuple[str, int, bytes]]) -> None:
+        """This server's values (as they cross, :func:`.wire.encode`) to each inbox of ``to``,
+        all at once. A reader node that cannot be reached is left out: its worker's loss is
+        the stub's to find (its next call there fails, or the driver finds its host silent),
+        and a worker waiting for values that never come reports this server lost."""
+        arrays = encode([self.buf.arrays[s.name] for s in self.slices], self.wire)
+        frames = [arrays] * len(to)
+        with contextlib.suppress(PeerLost):
+            self.outbox.send(to, 0, self.guard.version, self.index, frames, self.check_abort)
 
     @reports_role
     def serve(
@@ -436,6 +461,7 @@ class ParamServer(Abortable, Fence):
     def shutdown(self) -> None:
         if self.inbox is not None:
             self.inbox.close()
+        self.outbox.close()
         self.snaps.close()
         self.copies.close()
         self.pool.shutdown(wait=False)

@@ -27,7 +27,9 @@ from .errors import ActorLost, cancelled_on_failure, get_all, lost_server, repor
 from .fence import Fence
 from .host_sums import block_step
 from .protocol import (
+    MirrorAt,
     Published,
+    Pushed,
     StepStats,
     StubSpec,
     SummedGrads,
@@ -120,6 +122,13 @@ class Stub(Fence):
             self.snapshot = [
                 self.worker_nodes[i] != self.worker_nodes[lead[i]] for i in range(len(lead))
             ]
+        # Summed by hosts: each worker's node's mirrors of the servers, its first worker's
+        firsts: dict[str, dict[str, Any]] = {}
+        for w in worker_infos:
+            firsts.setdefault(w["node"], w)
+        self.mirror_src = [
+            (firsts[w["node"]].get("mirror") or {}).get("handles") for w in worker_infos
+        ]
         # For each worker and server: the server's shared buffer when they share a node, else
         # None, filled each step with the server's latest snapshot ref.
         self.local_src = [
@@ -234,9 +243,17 @@ class Stub(Fence):
 
     def _sources(self, i: int) -> tuple[Any, ...]:
         return tuple(
-            h if h is not None else Published(self._ref_for(k, i))
+            h if h is not None else self._remote_source(k, i)
             for k, h in enumerate(self.local_src[i])
         )
+
+    def _remote_source(self, k: int, i: int) -> Any:
+        """Server ``k``'s values for worker ``i`` on another node: its mirror on the worker's
+        node where the server pushes them there (:mod:`.mirrors`), else published."""
+        ref = self.refs[k]
+        if isinstance(ref, Pushed):
+            return MirrorAt(self.mirror_src[i][k], ref.version, k)
+        return Published(self._ref_for(k, i))
 
     def _ref_for(self, k: int, i: int) -> Any:
         """Server ``k``'s published values for worker ``i``: the copy for its node where the

@@ -52,11 +52,15 @@ class PeerLost(ConnectionError):
         self.where = where
 
 
+Sink = Callable[[int, int, int, list[np.ndarray]], None]
+
+
 class Inbox:
     """A role's listening socket for frames from its peers, kept by ``(epoch, step, sender)``
-    until :meth:`take` takes them. One thread accepts; one per connection reads."""
+    until :meth:`take` takes them, or each handed to ``sink(epoch, step, sender, arrays)`` as
+    it comes in. One thread accepts; one per connection reads."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, sink: Sink | None = None) -> None:
         self.sock = socket.create_server((host, 0), backlog=128)
         self.address: Address = (host, self.sock.getsockname()[1])
         self.token = secrets.token_bytes(16)
@@ -66,6 +70,7 @@ class Inbox:
         self._cond = threading.Condition()
         self._conns: set[socket.socket] = set()
         self._closed = False
+        self._sink = sink
         threading.Thread(target=self._accept, name="inbox-accept", daemon=True).start()
 
     @property
@@ -138,8 +143,11 @@ class Inbox:
                     self._refuse()
                     return
                 arrays = [_recv_array(conn) for _ in range(count)]
+                if self._sink is not None:
+                    self._sink(epoch, step, sender, arrays)
                 with self._cond:
-                    self._frames[(epoch, step, sender)] = arrays
+                    if self._sink is None:
+                        self._frames[(epoch, step, sender)] = arrays
                     self.received += sum(a.nbytes for a in arrays)
                     self._cond.notify_all()
         except (OSError, EOFError, ValueError):

@@ -31,13 +31,16 @@ from .doorbell import Abortable, Steps
 from .errors import reports_role
 from .fence import Fence
 from .host_sums import BlockSums, block_sum
+from .mirrors import Mirrors, wait_for
 from .protocol import (
     STATE_TAGS,
+    MirrorAt,
     Published,
     Wiring,
     WorkerDone,
     WorkerSpec,
     node_id,
+    node_ip,
     read_state_copy,
     server_layouts,
     visible_gpus,
@@ -98,6 +101,8 @@ class ParamReader:
     def _view(self, k: int, src: ShmHandle | np.ndarray, lay: Layout) -> dict[str, np.ndarray]:
         """Server ``k``'s values as this worker computes with them: under ``wire: bf16``
         rounded alike whether they crossed a link (published as bfloat16) or not."""
+        if isinstance(src, MirrorAt):  # as they crossed (rounded already), on this node
+            return self._att.views(src.handle)
         if isinstance(src, list):  # published by slices (actors.wire): consistent copies
             return dict(zip((e.name for e in lay.entries), decode(src), strict=True))
         if not isinstance(src, ShmHandle):  # a snapshot: a consistent copy already
@@ -138,6 +143,15 @@ class Worker(Abortable, Fence):
         self.slices, self.wire = spec.slices, spec.wire
         self.block_sums = BlockSums()  # as a block's leader (reduce: hosts)
         self.node = node_id()
+        # reduce: hosts: where this is its node's first worker, the servers elsewhere push
+        # their values to its inbox, into mirrors every worker of the node reads (.mirrors)
+        self.mirrors = (
+            Mirrors(
+                f"{spec.tag}-g{spec.group}w{spec.index}", self.reader.layouts, self.node, node_ip()
+            )
+            if spec.mirrors
+            else None
+        )
         self.state_shapes = self.net.state_shapes()
         self.grads = SharedBuffer(
             f"{spec.tag}-g{spec.group}w{spec.index}",
@@ -177,6 +191,7 @@ class Worker(Abortable, Fence):
             "handle": self.grads.handle(),
             "state": self.state_shapes,
             "gpus": visible_gpus() if self.gpu is not None else None,
+            "mirror": self.mirrors.describe() if self.mirrors is not None else None,
         }
 
     @reports_role
@@ -379,6 +394,9 @@ class Worker(Abortable, Fence):
         """``sources`` with each server's published values (:class:`Published`) fetched here,
         looking for an abort meanwhile: a call waiting for the values of a server on a silent
         host ends when the driver's recovery aborts it, and later calls are not held."""
+        for s in sources:  # values pushed to this node: once they are in
+            if isinstance(s, MirrorAt):
+                wait_for(self.reader._att, s, self.check_abort)
         wanted = [s.ref for s in sources if isinstance(s, Published)]
         if not wanted:
             return sources
@@ -405,6 +423,8 @@ class Worker(Abortable, Fence):
 
     def shutdown(self) -> None:
         self.block_sums.close()
+        if self.mirrors is not None:
+            self.mirrors.close()
         if self.gpu is not None:
             self.gpu.close()
         self.grads.close()

@@ -204,6 +204,7 @@ class RoleGroup(RoleCheckpoints):
             graphs_mode(cfg.gpu.graphs) if plan.worker_device == "gpu" else "off",
             cfg.precision.compute,
             topo.wire,
+            topo.reduce == "hosts",
         )
 
     def describe(self) -> None:
@@ -227,12 +228,22 @@ class RoleGroup(RoleCheckpoints):
 
     def publish_where_read(self) -> None:
         """Tell each server whether workers on other nodes read it (it then publishes a
-        snapshot of its values after each update); keep the snapshot's ref."""
+        snapshot of its values after each update); keep the snapshot's ref. Summed by hosts,
+        each server pushes its values to the inbox of the first worker of each such node
+        instead (:mod:`actors.mirrors`)."""
         worker_nodes = {w["node"] for row in self.worker_infos for w in row}
-        per_node = self.topo.reduce == "hosts"  # every host pulls from the server alone
+        hosts = self.topo.reduce == "hosts"
+        firsts: dict[str, dict[str, Any]] = {}
+        for row in self.worker_infos:
+            for w in row:
+                firsts.setdefault(w["node"], w)
         for k, (s, info) in enumerate(zip(self.servers, self.server_infos, strict=True)):
             readers = sorted(worker_nodes - {info["node"]})
-            call = s.set_remote_readers.remote(bool(readers), readers if per_node else None)
+            if hosts and all(firsts[n].get("mirror") for n in readers):
+                pushes = [firsts[n]["mirror"]["contact"] for n in readers]
+                call = s.set_remote_readers.remote(bool(readers), readers, pushes)
+            else:
+                call = s.set_remote_readers.remote(bool(readers), readers if hosts else None)
             info["ref"] = get_all([call], "server", k)[0]
 
     def spawn_stub(self, g: int) -> Any:

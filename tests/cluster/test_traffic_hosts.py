@@ -16,6 +16,10 @@ import json
 
 import hosts
 import pytest
+from helpers import checkpoint_tensors, start_ray
+
+from raysinga import config
+from raysinga.distributed import DistributedTrainer
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -115,3 +119,22 @@ def test_the_bytes_counted_per_host_are_what_the_interfaces_carried(cluster, top
         assert len(net) == 3, report
         for h, v in net.items():
             assert max(v["in"], v["out"]) <= 1.1 * ring, f"{h}: {v} against ring {ring}\n{report}"
+
+
+def test_summed_by_hosts_over_the_network_ends_as_on_one_machine(cluster, tmp_path):
+    """Three hosts, the sums sent to the servers' inboxes and the values pushed to mirrors
+    on each host (actors/tcp.py, actors/mirrors.py): every tensor of the final checkpoint
+    the bits of the same job run on this machine alone, where every read is local."""
+    head = cluster[0]
+    run = "/mnt/shared/over-the-network"
+    r = hosts.drive(cluster, counted_run, f"{head.address}:6379", run, HOSTS)
+    assert r.returncode == 0, r.stdout
+    start_ray()
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB)
+    sets = [f"run_dir={tmp_path / 'here'}", f"train_steps={TO}", f"topology={HOSTS}"]
+    DistributedTrainer(config.load(job, sets), log=None).fit()
+    theirs = checkpoint_tensors(head.path(f"{run}/checkpoints/step-{TO}"))
+    ours = checkpoint_tensors(tmp_path / f"here/checkpoints/step-{TO}")
+    assert theirs.keys() == ours.keys()
+    assert [n for n in ours if ours[n] != theirs[n]] == []

@@ -1,0 +1,83 @@
+"""A node's copies of the servers' values in a group summed by hosts (``topology.reduce:
+hosts``): after each update, each server pushes its values over a TCP connection of its own
+(:mod:`.tcp`) to one worker on each other node that reads them, whose inbox writes them into
+shared memory there, one mirror per server. Every worker of that node reads the mirror as it
+reads a server on its own node, once the mirror holds the version the stub names
+(:class:`~.protocol.MirrorAt`).
+
+The order keeps a mirror from changing under a reader: a server pushes the values of an update
+only once every worker of the step has computed (the update waits for the blocks' sums, which
+wait for their workers). Under ``wire: bf16`` a mirror holds the values as they crossed,
+rounded: the bits a worker beside the server reads (:func:`.wire.rounded`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from raysinga.kernels.precision import from_bf16_bits
+
+from .buffers import SEQ, Attachments, Layout, SharedBuffer, with_seq
+from .errors import ActorLost
+from .protocol import MirrorAt
+from .tcp import Inbox
+
+WAIT_S = 60.0  # values that have not come by then were lost on the way: the server is lost
+POLL_S = 0.0005
+
+
+class Mirrors:
+    """A worker's mirrors of every server (used where it is its node's first worker) and the
+    inbox that fills them."""
+
+    def __init__(self, tag: str, layouts: Sequence[Layout], node: str, host: str) -> None:
+        self.layouts = list(layouts)
+        self.bufs = [
+            SharedBuffer(f"{tag}-m{k}", with_seq(lay), node) for k, lay in enumerate(layouts)
+        ]
+        for b in self.bufs:
+            b.arrays[SEQ][0] = -1  # holds no version yet
+        self.inbox = Inbox(host, sink=self._fill)
+
+    def describe(self) -> dict[str, Any]:
+        return {"contact": self.inbox.contact, "handles": [b.handle() for b in self.bufs]}
+
+    def _fill(self, epoch: int, version: int, k: int, arrays: list[np.ndarray]) -> None:
+        """Server ``k``'s values after ``version`` updates, as they crossed: into its mirror,
+        then the version (a reader waits for it before it reads)."""
+        if not 0 <= k < len(self.bufs):
+            return
+        buf, entries = self.bufs[k], self.layouts[k].entries
+        if len(arrays) != len(entries):
+            return
+        for e, a in zip(entries, arrays, strict=True):
+            dst = buf.arrays[e.name]
+            dst[...] = (from_bf16_bits(a) if a.dtype == np.uint16 else a).reshape(dst.shape)
+        buf.arrays[SEQ][0] = version
+
+    def close(self) -> None:
+        self.inbox.close()
+        for b in self.bufs:
+            b.close()
+
+
+def wait_for(maps: Attachments, at: MirrorAt, check: Callable[[], None]) -> None:
+    """Until the mirror ``at`` names holds its version; ``check`` runs meanwhile (it raises
+    to give up). Values that do not come within :data:`WAIT_S` were lost on the way: their
+    server is reported lost (the run restarts its roles from the newest checkpoint)."""
+    seq = maps.views(at.handle)[SEQ]
+    end = time.monotonic() + WAIT_S
+    while int(seq[0]) != at.version:
+        if time.monotonic() > end:
+            raise ActorLost(
+                "server",
+                at.server,
+                None,
+                f"its values after update {at.version} did not reach this node in {WAIT_S:g} s",
+            )
+        check()
+        time.sleep(POLL_S)

@@ -1,0 +1,87 @@
+"""A node's mirrors of the servers' values (actors/mirrors.py): what a server pushes lands in
+shared memory under its version, as it crossed; a reader waits for the version it was named,
+and values that never come report their server lost."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import actors.mirrors as mirrors
+from actors.buffers import SEQ, Attachments, Layout
+from actors.errors import ActorLost
+from actors.protocol import MirrorAt
+from actors.tcp import Outbox
+from actors.wire import encode, rounded
+
+LAYOUTS = [
+    Layout.of({"a": ((6,), "float32"), "b": ((3,), "float32")}),
+    Layout.of({"c": ((5,), "float32")}),
+]
+
+
+def values(k: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(k)
+    return [rng.standard_normal(e.shape).astype(np.float32) for e in LAYOUTS[k].entries]
+
+
+@pytest.fixture
+def node():
+    m = mirrors.Mirrors("test-mirrors", LAYOUTS, "node", "127.0.0.1")
+    box, maps = Outbox(), Attachments()
+    yield m, box, maps
+    box.close()
+    maps.close()
+    m.close()
+
+
+def never() -> None:
+    pass
+
+
+@pytest.mark.parametrize("wire", ["f32", "bf16"])
+def test_pushed_values_are_read_at_their_version_as_they_crossed(node, wire):
+    m, box, maps = node
+    handles = m.describe()["handles"]
+    for k in (1, 0):
+        box.send([m.describe()["contact"]], 0, 7, k, [encode(values(k), wire)], never)
+    for k, lay in enumerate(LAYOUTS):
+        at = MirrorAt(handles[k], 7, k)
+        mirrors.wait_for(maps, at, never)
+        got = maps.views(handles[k])
+        want = rounded(dict(zip((e.name for e in lay.entries), values(k), strict=True)), wire)
+        for name, arr in want.items():
+            assert got[name].tobytes() == arr.tobytes()
+        assert got[SEQ][0] == 7
+
+
+def test_a_reader_waits_for_the_version_it_was_named(node, monkeypatch):
+    m, box, maps = node
+    contact, handles = m.describe()["contact"], m.describe()["handles"]
+    box.send([contact], 0, 3, 0, [values(0)], never)
+    mirrors.wait_for(maps, MirrorAt(handles[0], 3, 0), never)
+    monkeypatch.setattr(mirrors, "WAIT_S", 0.3)
+    with pytest.raises(ActorLost) as e:  # version 4 never comes: server 0 is lost
+        mirrors.wait_for(maps, MirrorAt(handles[0], 4, 0), never)
+    assert (e.value.role, e.value.index) == ("server", 0)
+    assert "did not reach this node" in str(e.value)
+
+
+def test_a_wait_ends_with_what_the_check_raises(node):
+    m, _, maps = node
+
+    def abort() -> None:
+        raise InterruptedError("aborted")
+
+    with pytest.raises(InterruptedError):
+        mirrors.wait_for(maps, MirrorAt(m.describe()["handles"][1], 0, 1), abort)
+
+
+def test_a_frame_that_is_not_a_servers_values_is_dropped(node):
+    m, box, maps = node
+    contact, handles = m.describe()["contact"], m.describe()["handles"]
+    box.send([contact], 0, 1, 5, [values(0)], never)  # no server 5
+    box.send([contact], 0, 1, 1, [values(0)], never)  # server 0's arrays for server 1
+    box.send([contact], 0, 2, 1, [values(1)], never)
+    mirrors.wait_for(maps, MirrorAt(handles[1], 2, 1), never)
+    assert maps.views(handles[0])[SEQ][0] == -1
