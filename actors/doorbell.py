@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from .protocol import Go, Wiring
+from .protocol import Go, Published, Wiring
 
 # A message class of :mod:`.protocol`: a NamedTuple whose ``FORMAT`` is its struct format.
 Message = TypeVar("Message", bound=tuple)
@@ -186,6 +186,15 @@ class Abortable:
         """The ``check`` of a doorbell wait in a serve loop."""
         if self._abort_flag().is_set():
             raise ServeAborted("serving aborted: the stub or a peer of the group was lost")
+
+    def fetched(self, sources: tuple) -> tuple:
+        """``sources`` with each server's published values (:class:`.protocol.Published`)
+        fetched here, abortably (:meth:`fetch`)."""
+        wanted = [s.ref for s in sources if isinstance(s, Published)]
+        if not wanted:
+            return sources
+        got = iter(self.fetch(wanted))
+        return tuple(next(got) if isinstance(s, Published) else s for s in sources)
 
     def fetch(self, refs: list[Any]) -> list[Any]:
         """``ray.get`` of ``refs`` (objects another role made), looking for an abort while

@@ -130,8 +130,17 @@ def block_sum(
             sum_into(out, [v[p] for v in views])
         own = own_slices(mine.sum, list(worker.slices))
     frames = [encode([own[e.name] for e in lay.entries], worker.wire) for lay in reader.layouts]
+    turn = [(block + 1 + j) % len(to) for j in range(len(to))]  # one block into a server at once
     try:
-        sent = mine.outbox.send(to, epoch, step, block, frames, worker.check_abort)
+        sent = mine.outbox.send(
+            [to[k] for k in turn],
+            epoch,
+            step,
+            block,
+            [frames[k] for k in turn],
+            worker.check_abort,
+            one_at_a_time=True,
+        )
     except PeerLost as e:
         k = next(k for k, c in enumerate(to) if (c[0], c[1]) == e.where)
         raise ActorLost("server", k, None, f"its inbox: {e}") from None

@@ -23,7 +23,7 @@ from raysinga.kernels.precision import from_bf16_bits
 
 from .buffers import SEQ, Attachments, Layout, SharedBuffer, with_seq
 from .errors import ActorLost
-from .protocol import MirrorAt
+from .protocol import MirrorAt, node_ip
 from .tcp import Inbox
 
 WAIT_S = 60.0  # values that have not come by then were lost on the way: the server is lost
@@ -42,6 +42,13 @@ class Mirrors:
         for b in self.bufs:
             b.arrays[SEQ][0] = -1  # holds no version yet
         self.inbox = Inbox(host, sink=self._fill)
+
+    @classmethod
+    def of(cls, spec: Any, layouts: Sequence[Layout], node: str) -> Mirrors | None:
+        """A worker's (of :class:`~.protocol.WorkerSpec` ``spec``), where its spec asks."""
+        if not spec.mirrors:
+            return None
+        return cls(f"{spec.tag}-g{spec.group}w{spec.index}", layouts, node, node_ip())
 
     def describe(self) -> dict[str, Any]:
         return {"contact": self.inbox.contact, "handles": [b.handle() for b in self.bufs]}

@@ -33,7 +33,6 @@ from .errors import reports_role
 from .fence import Fence
 from .protocol import (
     HostFrames,
-    Pushed,
     ServerDone,
     ServerSpec,
     SummedGrads,
@@ -43,9 +42,10 @@ from .protocol import (
     visible_gpus,
 )
 from .server_grads import SumViews, step_gradient
+from .server_values import ValueReaders
 from .snapshots import Snapshots
-from .tcp import Inbox, Outbox, PeerLost
-from .wire import decode, encode, wire_bytes
+from .tcp import Inbox
+from .wire import decode, wire_bytes
 
 
 class ParamServer(Abortable, Fence):
@@ -75,20 +75,16 @@ class ParamServer(Abortable, Fence):
         self.snaps = Snapshots(self.pool)
         self.copies = ServerCopies()  # of its state, fetched by its group's stub
         self.tag = spec.tag
-        self.remote_readers = False
-        self.reader_nodes: list[str] | None = None  # set_remote_readers
+        self.readers = ValueReaders(spec.index, spec.wire)  # on other nodes: set_remote_readers
         # group -> the last step of it applied: a step applied once is not applied again (a
         # replaced stub of an asynchronous group redoes its step from the servers' lowest)
         self.applied: dict[int, int] = {}
-        self._published: Any = None
         self._attached = Attachments()
         self.sums = SumViews()  # where it sums the workers' gradients itself
         self.wire = spec.wire
         self._host_sum: np.ndarray | None = None  # the blocks' sum (reduce: hosts), reused
         # reduce: hosts: the blocks' leaders send their sums of its slices here (actors.tcp)
         self.inbox = Inbox(node_ip()) if spec.inbox else None
-        self.pushes: list[tuple[str, int, bytes]] | None = None  # set_remote_readers
-        self.outbox = Outbox()  # to the reader nodes' inboxes, where it pushes
         self.gpu: ServerDevice | None = None  # device "gpu": the optimizer runs on a GPU
         if spec.device == "gpu":
             self.gpu = ServerDevice(self.layout, self.buf)
@@ -138,41 +134,17 @@ class ParamServer(Abortable, Fence):
         ``nodes``: the readers' nodes, each to get a copy of its own (see :meth:`_publish`);
         ``pushes``: instead, the inbox on each of them to push the values to (their mirrors,
         :mod:`.mirrors`), now and after each update."""
-        self.remote_readers, self.reader_nodes, self.pushes = remote, nodes, pushes
+        self.readers.set(remote, nodes, pushes)
         return self._publish()
 
     def _publish(self) -> Any:
-        """Put this server's values in the object store for readers on other nodes: one
-        object, or (``reader_nodes``) one per reader node, by node. A node pulls an object
-        from any node that holds a copy, as Ray chooses, so one object read by several nodes
-        is sometimes sent on by a reader's node (measured on emulated hosts: a host sent up
-        to 24% more than its share); a copy per node is sent from here only. With
-        ``pushes``, the values go straight to each reader node's inbox instead."""
-        if not self.remote_readers:
-            return None
-        if self.pushes:
-            self._push(self.pushes)
-            self._published = Pushed(self.guard.version)
-            return self._published
-        import ray  # noqa: PLC0415
-
-        if self.wire == "f32":  # (Ray copies it into its store as it puts it)
-            snap: Any = self.buf.flat
-        else:  # by slices, rounded as they cross (actors.wire); the values stay float32 here
-            snap = encode([self.buf.arrays[s.name] for s in self.slices], self.wire)
-        nodes = self.reader_nodes
-        self._published = {n: ray.put(snap) for n in nodes} if nodes else ray.put(snap)
-        return self._published
-
-    def _push(self, to: list[tuple[str, int, bytes]]) -> None:
-        """This server's values (as they cross, :func:`.wire.encode`) to each inbox of ``to``,
-        all at once. A reader node that cannot be reached is left out: its worker's loss is
-        the stub's to find (its next call there fails, or the driver finds its host silent),
-        and a worker waiting for values that never come reports this server lost."""
-        arrays = encode([self.buf.arrays[s.name] for s in self.slices], self.wire)
-        frames = [arrays] * len(to)
-        with contextlib.suppress(PeerLost):
-            self.outbox.send(to, 0, self.guard.version, self.index, frames, self.check_abort)
+        """Hand this server's values to its readers on other nodes (:mod:`.server_values`)."""
+        return self.readers.publish(
+            [self.buf.arrays[s.name] for s in self.slices],
+            self.buf.flat,
+            self.guard.version,
+            self.check_abort,
+        )
 
     @reports_role
     def serve(
@@ -217,7 +189,7 @@ class ParamServer(Abortable, Fence):
         """
         t0 = time.perf_counter()
         if step <= self.applied.get(group, -1):
-            return self.guard.version, self._published, 0.0
+            return self.guard.version, self.readers.published, 0.0
         if isinstance(grads, HostFrames):  # taken in and summed before anything changes
             grads = self._blocks_sum(step, grads)
         self.applied[group] = step
@@ -332,7 +304,7 @@ class ParamServer(Abortable, Fence):
     @reports_role
     def latest(self) -> tuple[int, Any]:
         """The current version and its published snapshot (None without remote readers)."""
-        return self.guard.version, self._published
+        return self.guard.version, self.readers.published
 
     @reports_role
     def values(self) -> dict[str, np.ndarray]:
@@ -461,7 +433,7 @@ class ParamServer(Abortable, Fence):
     def shutdown(self) -> None:
         if self.inbox is not None:
             self.inbox.close()
-        self.outbox.close()
+        self.readers.close()
         self.snaps.close()
         self.copies.close()
         self.pool.shutdown(wait=False)

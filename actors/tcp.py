@@ -177,11 +177,18 @@ class Outbox:
         sender: int,
         frames: Sequence[Sequence[np.ndarray]],
         check: Check,
+        one_at_a_time: bool = False,
     ) -> int:
-        """``frames[k]`` to the inbox ``to[k]`` (its :attr:`Inbox.contact`), all at once.
-        Returns the bytes sent; raises :class:`PeerLost` naming the first receiver that
-        could not be reached (its connection is dropped: the next send connects anew), or
-        what ``check`` raised (it runs every :data:`POLL_S` while a send is blocked)."""
+        """``frames[k]`` to the inbox ``to[k]`` (its :attr:`Inbox.contact`), all at once or
+        (``one_at_a_time``) in the order of ``to``. Returns the bytes sent; raises
+        :class:`PeerLost` naming the first receiver that could not be reached (its connection
+        is dropped: the next send connects anew), or what ``check`` raised (it runs every
+        :data:`POLL_S` while a send is blocked).
+
+        One at a time, senders that each go through their receivers in a rotation (sender
+        ``b`` first to receiver ``b + 1``, then ``b + 2`` ...) keep each receiver to one
+        sender at a time: on links of finite bandwidth several senders into one receiver fill
+        its queue and lose packets, which TCP then waits out."""
         keep = {(h, p) for h, p, _ in to}
         with self._lock:
             for where in [w for w in self._conns if w not in keep]:  # receivers replaced
@@ -192,6 +199,16 @@ class Outbox:
                 self._pool_size = max(1, len(to))
                 self._pool = ThreadPoolExecutor(self._pool_size, thread_name_prefix="outbox")
             pool = self._pool
+        if one_at_a_time:  # a receiver lost: the others still get theirs
+            sent, lost = 0, None
+            for c, f in zip(to, frames, strict=True):
+                try:
+                    sent += self._send_one(c, epoch, step, sender, f, check)
+                except PeerLost as e:
+                    lost = lost or e
+            if lost is not None:
+                raise lost
+            return sent
         jobs = [
             pool.submit(self._send_one, c, epoch, step, sender, f, check)
             for c, f in zip(to, frames, strict=True)

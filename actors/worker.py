@@ -8,7 +8,7 @@ gradient into a persistent buffer that the stub reads in place.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,6 @@ from .protocol import (
     WorkerDone,
     WorkerSpec,
     node_id,
-    node_ip,
     read_state_copy,
     server_layouts,
     visible_gpus,
@@ -66,8 +65,9 @@ class ParamReader:
         dtype: str,
         consistent: bool = False,
         wire: str = "f32",
+        check: Callable[[], None] = lambda: None,
     ) -> None:
-        self.shapes, self.dtype, self.wire = shapes, dtype, wire
+        self.shapes, self.dtype, self.wire, self.check = shapes, dtype, wire, check
         self.layouts = server_layouts(slices, n_servers, dtype)
         self._private = (
             [np.empty(lay.nbytes, np.uint8) for lay in self.layouts] if consistent else []
@@ -101,7 +101,8 @@ class ParamReader:
     def _view(self, k: int, src: ShmHandle | np.ndarray, lay: Layout) -> dict[str, np.ndarray]:
         """Server ``k``'s values as this worker computes with them: under ``wire: bf16``
         rounded alike whether they crossed a link (published as bfloat16) or not."""
-        if isinstance(src, MirrorAt):  # as they crossed (rounded already), on this node
+        if isinstance(src, MirrorAt):  # as they crossed (rounded already), once they are in
+            wait_for(self._att, src, self.check)
             return self._att.views(src.handle)
         if isinstance(src, list):  # published by slices (actors.wire): consistent copies
             return dict(zip((e.name for e in lay.entries), decode(src), strict=True))
@@ -139,19 +140,13 @@ class Worker(Abortable, Fence):
             spec.dtype,
             consistent=spec.n_groups > 1,
             wire=spec.wire,
+            check=self.check_abort,
         )
         self.slices, self.wire = spec.slices, spec.wire
         self.block_sums = BlockSums()  # as a block's leader (reduce: hosts)
         self.node = node_id()
-        # reduce: hosts: where this is its node's first worker, the servers elsewhere push
-        # their values to its inbox, into mirrors every worker of the node reads (.mirrors)
-        self.mirrors = (
-            Mirrors(
-                f"{spec.tag}-g{spec.group}w{spec.index}", self.reader.layouts, self.node, node_ip()
-            )
-            if spec.mirrors
-            else None
-        )
+        # reduce: hosts: where this is its node's first worker, its mirrors of the servers
+        self.mirrors = Mirrors.of(spec, self.reader.layouts, self.node)
         self.state_shapes = self.net.state_shapes()
         self.grads = SharedBuffer(
             f"{spec.tag}-g{spec.group}w{spec.index}",
@@ -260,7 +255,7 @@ class Worker(Abortable, Fence):
         snapshot of the gradient buffer.
         """
         self.admit(epoch, f"compute step {step} (worker {self.index} of group {self.group})")
-        stats = self._compute(step, part, parts, self._fetched(sources))
+        stats = self._compute(step, part, parts, self.fetched(sources))
         return stats, (self.grads.snapshot() if snapshot else None)
 
     @reports_role
@@ -304,7 +299,7 @@ class Worker(Abortable, Fence):
         server's inbox (``to``, in server order). ``done``: the members' results of the step,
         which Ray hands over once each member is done (:func:`.host_sums.block_sum`)."""
         self.admit(epoch, f"sum step {step} of its block (worker {self.index})")
-        return block_sum(self, self._fetched(members), to, step, block, epoch)
+        return block_sum(self, self.fetched(members), to, step, block, epoch)
 
     def _compute(self, step: int, part: int, parts: int, sources: tuple) -> dict[str, float]:
         start = time.time()
@@ -390,24 +385,11 @@ class Worker(Abortable, Fence):
                     self.grads.arrays[k][...] = g
         return loss
 
-    def _fetched(self, sources: tuple) -> tuple:
-        """``sources`` with each server's published values (:class:`Published`) fetched here,
-        looking for an abort meanwhile: a call waiting for the values of a server on a silent
-        host ends when the driver's recovery aborts it, and later calls are not held."""
-        for s in sources:  # values pushed to this node: once they are in
-            if isinstance(s, MirrorAt):
-                wait_for(self.reader._att, s, self.check_abort)
-        wanted = [s.ref for s in sources if isinstance(s, Published)]
-        if not wanted:
-            return sources
-        got = iter(self.fetch(wanted))
-        return tuple(next(got) if isinstance(s, Published) else s for s in sources)
-
     @reports_role
     def evaluate(self, batch_size: int, *sources: Any) -> dict[str, float]:
         if not self.splits.held_out():
             return {}
-        params = self.reader.read(self._fetched(sources))
+        params = self.reader.read(self.fetched(sources))
         if self.gpu is not None:
             params = self.gpu.upload(params)
             xp = self.gpu.cp

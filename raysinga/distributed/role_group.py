@@ -237,10 +237,14 @@ class RoleGroup(RoleCheckpoints):
         for row in self.worker_infos:
             for w in row:
                 firsts.setdefault(w["node"], w)
+        order = sorted(worker_nodes | {i["node"] for i in self.server_infos})
         for k, (s, info) in enumerate(zip(self.servers, self.server_infos, strict=True)):
             readers = sorted(worker_nodes - {info["node"]})
             if hosts and all(firsts[n].get("mirror") for n in readers):
-                pushes = [firsts[n]["mirror"]["contact"] for n in readers]
+                # in turn from the node after the server's: one server into a node at once
+                at = order.index(info["node"])
+                turn = [order[(at + 1 + j) % len(order)] for j in range(len(order))]
+                pushes = [firsts[n]["mirror"]["contact"] for n in turn if n in readers]
                 call = s.set_remote_readers.remote(bool(readers), readers, pushes)
             else:
                 call = s.set_remote_readers.remote(bool(readers), readers if hosts else None)
