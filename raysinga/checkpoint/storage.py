@@ -9,6 +9,7 @@ copy) is :mod:`.placement`; hashing files is :mod:`.filehash`; the run's writer 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -175,8 +176,13 @@ def replace_bytes(loc: Location, data: bytes) -> None:
         write_bytes(loc, data)
         return
     tmp = Location(loc.fs, f"{loc.path}.tmp-{os.getpid()}")
-    write_bytes(tmp, data)
-    os.replace(tmp.path, loc.path)
+    try:
+        write_bytes(tmp, data)
+        os.replace(tmp.path, loc.path)
+    except BaseException:  # a full disk, say: nothing is left beside the older content
+        with contextlib.suppress(OSError):
+            os.unlink(tmp.path)
+        raise
 
 
 def read_bytes(loc: Location, limit: int | None = None) -> bytes:

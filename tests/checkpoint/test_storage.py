@@ -55,3 +55,18 @@ def test_every_uri_in_a_message_is_shown_without_its_credentials():
         "s3://b/run?region=x: cannot open this location: 'gs://b/x?token=***' "
         "and http://127.0.0.1:8265 (see /tmp/a)"
     )
+
+
+def test_a_whole_replace_on_a_full_disk_leaves_the_older_content_and_nothing_beside(small_fs):
+    import os  # noqa: PLC0415
+
+    import pyarrow.fs as pafs  # noqa: PLC0415
+
+    from raysinga.checkpoint.storage import Location, replace_bytes  # noqa: PLC0415
+
+    target = Location(pafs.LocalFileSystem(), str(small_fs / "lock"))
+    replace_bytes(target, b"older")
+    with pytest.raises(OSError):  # more than the 2 MiB disk holds
+        replace_bytes(target, b"x" * (3 << 20))
+    assert (small_fs / "lock").read_bytes() == b"older"
+    assert os.listdir(small_fs) == ["lock"]
