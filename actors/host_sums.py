@@ -140,7 +140,6 @@ def block_sum(
             block,
             [frames[k] for k in turn],
             worker.check_abort,
-            one_at_a_time=True,
         )
     except PeerLost as e:
         k = next(k for k, c in enumerate(to) if (c[0], c[1]) == e.where)

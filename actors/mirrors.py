@@ -14,7 +14,7 @@ rounded: the bits a worker beside the server reads (:func:`.wire.rounded`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -70,6 +70,15 @@ class Mirrors:
         self.inbox.close()
         for b in self.bufs:
             b.close()
+
+
+def first_on_each_node(infos: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The first of the workers ``infos`` (their ``describe()`` answers, in worker order) on
+    each node, by node: the one whose mirrors every worker of that node reads."""
+    firsts: dict[str, dict[str, Any]] = {}
+    for w in infos:
+        firsts.setdefault(w["node"], w)
+    return firsts
 
 
 def wait_for(maps: Attachments, at: MirrorAt, check: Callable[[], None]) -> None:

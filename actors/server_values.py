@@ -56,7 +56,7 @@ class ValueReaders:
             to = self.pushes
             frames = [encode(slices, self.wire)] * len(to)
             with contextlib.suppress(PeerLost):
-                self.outbox.send(to, 0, version, self.index, frames, check, one_at_a_time=True)
+                self.outbox.send(to, 0, version, self.index, frames, check)
             self.published = Pushed(version)
             return self.published
         import ray  # noqa: PLC0415

@@ -26,6 +26,7 @@ from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
 from .errors import ActorLost, cancelled_on_failure, get_all, lost_server, reports_role
 from .fence import Fence
 from .host_sums import block_step
+from .mirrors import first_on_each_node
 from .protocol import (
     MirrorAt,
     Published,
@@ -123,9 +124,7 @@ class Stub(Fence):
                 self.worker_nodes[i] != self.worker_nodes[lead[i]] for i in range(len(lead))
             ]
         # Summed by hosts: each worker's node's mirrors of the servers, its first worker's
-        firsts: dict[str, dict[str, Any]] = {}
-        for w in worker_infos:
-            firsts.setdefault(w["node"], w)
+        firsts = first_on_each_node(worker_infos)
         self.mirror_src = [
             (firsts[w["node"]].get("mirror") or {}).get("handles") for w in worker_infos
         ]

@@ -24,7 +24,6 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -160,13 +159,10 @@ class Inbox:
 
 
 class Outbox:
-    """A sender's connections, one per receiving role (kept from one step to the next), and
-    the threads that write to several of them at once."""
+    """A sender's connections, one per receiving role (kept from one step to the next)."""
 
     def __init__(self) -> None:
         self._conns: dict[Address, socket.socket] = {}
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_size = 0
         self._lock = threading.Lock()
 
     def send(
@@ -177,50 +173,29 @@ class Outbox:
         sender: int,
         frames: Sequence[Sequence[np.ndarray]],
         check: Check,
-        one_at_a_time: bool = False,
     ) -> int:
-        """``frames[k]`` to the inbox ``to[k]`` (its :attr:`Inbox.contact`), all at once or
-        (``one_at_a_time``) in the order of ``to``. Returns the bytes sent; raises
-        :class:`PeerLost` naming the first receiver that could not be reached (its connection
-        is dropped: the next send connects anew), or what ``check`` raised (it runs every
-        :data:`POLL_S` while a send is blocked).
+        """``frames[k]`` to the inbox ``to[k]`` (its :attr:`Inbox.contact`), one receiver at
+        a time in the order of ``to``. Returns the bytes sent; raises :class:`PeerLost`
+        naming the first receiver that could not be reached, once the others have theirs
+        (its connection is dropped: the next send connects anew), or at once what ``check``
+        raised (it runs every :data:`POLL_S` while a send is blocked).
 
-        One at a time, senders that each go through their receivers in a rotation (sender
-        ``b`` first to receiver ``b + 1``, then ``b + 2`` ...) keep each receiver to one
-        sender at a time: on links of finite bandwidth several senders into one receiver fill
-        its queue and lose packets, which TCP then waits out."""
+        Senders that each go through their receivers in a rotation (sender ``b`` first to
+        receiver ``b + 1``, then ``b + 2`` ...) keep each receiver to one sender at a time: on
+        links of finite bandwidth several senders into one receiver fill its queue and lose
+        packets, which TCP then waits out."""
         keep = {(h, p) for h, p, _ in to}
         with self._lock:
             for where in [w for w in self._conns if w not in keep]:  # receivers replaced
                 _close(self._conns.pop(where))
-            if self._pool is None or self._pool_size < len(to):
-                if self._pool is not None:
-                    self._pool.shutdown(wait=False)
-                self._pool_size = max(1, len(to))
-                self._pool = ThreadPoolExecutor(self._pool_size, thread_name_prefix="outbox")
-            pool = self._pool
-        if one_at_a_time:  # a receiver lost: the others still get theirs
-            sent, lost = 0, None
-            for c, f in zip(to, frames, strict=True):
-                try:
-                    sent += self._send_one(c, epoch, step, sender, f, check)
-                except PeerLost as e:
-                    lost = lost or e
-            if lost is not None:
-                raise lost
-            return sent
-        jobs = [
-            pool.submit(self._send_one, c, epoch, step, sender, f, check)
-            for c, f in zip(to, frames, strict=True)
-        ]
-        sent, first = 0, None
-        for j in jobs:
+        sent, lost = 0, None
+        for c, f in zip(to, frames, strict=True):
             try:
-                sent += j.result()
-            except BaseException as e:  # noqa: BLE001 - every job ends before this returns
-                first = first or e
-        if first is not None:
-            raise first
+                sent += self._send_one(c, epoch, step, sender, f, check)
+            except PeerLost as e:
+                lost = lost or e
+        if lost is not None:
+            raise lost
         return sent
 
     def close(self) -> None:
@@ -228,9 +203,6 @@ class Outbox:
             for s in self._conns.values():
                 _close(s)
             self._conns.clear()
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
-                self._pool = None
 
     def _send_one(
         self,
@@ -252,17 +224,13 @@ class Outbox:
         try:
             for p in pieces:
                 _send_all(sock, p, check)
-        except OSError as e:
+        except BaseException as e:  # broken, or an abort mid-frame: the rest never follows
             with self._lock:
                 if self._conns.get(where) is sock:
                     del self._conns[where]
             _close(sock)
-            raise PeerLost(where, f"the connection broke: {e}") from None
-        except BaseException:  # an abort mid-frame: the receiver must not see the rest
-            with self._lock:
-                if self._conns.get(where) is sock:
-                    del self._conns[where]
-            _close(sock)
+            if isinstance(e, OSError):
+                raise PeerLost(where, f"the connection broke: {e}") from None
             raise
         return sum(len(p) for p in pieces)
 
@@ -307,18 +275,26 @@ def _send_all(sock: socket.socket, data: Any, check: Check) -> None:
         view = view[n:]
 
 
+def _fill(conn: socket.socket, view: memoryview) -> int:
+    """Bytes into ``view`` until it is full or the connection ends; returns how many."""
+    got = 0
+    while got < len(view):
+        k = conn.recv_into(view[got:])
+        if k == 0:
+            break
+        got += k
+    return got
+
+
 def _recv(conn: socket.socket, n: int) -> bytes | None:
     """Exactly ``n`` bytes, or None where the connection ended before the first; one that
     ends part way raises EOFError."""
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = conn.recv_into(view[got:])
-        if k == 0:
-            if got == 0:
-                return None
-            raise EOFError("the connection ended inside a frame")
-        got += k
+    got = _fill(conn, memoryview(buf))
+    if got == 0 and n:
+        return None
+    if got < n:
+        raise EOFError("the connection ended inside a frame")
     return bytes(buf)
 
 
@@ -334,12 +310,8 @@ def _recv_array(conn: socket.socket) -> np.ndarray:
         raise EOFError("the connection ended inside a frame")
     shape = struct.unpack(f"<{ndim}Q", dims)
     out = np.empty(shape, DTYPES[code])
-    view, got = memoryview(out).cast("B"), 0
-    while got < out.nbytes:
-        k = conn.recv_into(view[got:])
-        if k == 0:
-            raise EOFError("the connection ended inside a frame")
-        got += k
+    if _fill(conn, memoryview(out).cast("B")) < out.nbytes:
+        raise EOFError("the connection ended inside a frame")
     return out
 
 

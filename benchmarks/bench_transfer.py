@@ -73,7 +73,7 @@ def exchanges(address: str, n: int, nbytes: int, rounds: int, per_round: int) ->
             k = len(contacts)
             turn = [(self.i + 1 + j) % k for j in range(k)]
             to = [contacts[t] for t in turn]
-            self.outbox.send(to, 0, step, self.i, [[self.data]] * k, lambda: None, True)
+            self.outbox.send(to, 0, step, self.i, [[self.data]] * k, lambda: None)
             self.inbox.take(0, step, k, lambda: None)
 
     peers = [

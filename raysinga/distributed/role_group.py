@@ -20,6 +20,7 @@ from ray.util.placement_group import placement_group_table, remove_placement_gro
 
 from raysinga.actors import placement
 from raysinga.actors.errors import get_all
+from raysinga.actors.mirrors import first_on_each_node
 from raysinga.actors.protocol import ServerSpec, StubSpec, WorkerSpec
 from raysinga.kernels.cpu_threads import compute_threads
 from raysinga.run.graph_step import graphs_mode
@@ -233,10 +234,7 @@ class RoleGroup(RoleCheckpoints):
         instead (:mod:`actors.mirrors`)."""
         worker_nodes = {w["node"] for row in self.worker_infos for w in row}
         hosts = self.topo.reduce == "hosts"
-        firsts: dict[str, dict[str, Any]] = {}
-        for row in self.worker_infos:
-            for w in row:
-                firsts.setdefault(w["node"], w)
+        firsts = first_on_each_node(w for row in self.worker_infos for w in row)
         order = sorted(worker_nodes | {i["node"] for i in self.server_infos})
         for k, (s, info) in enumerate(zip(self.servers, self.server_infos, strict=True)):
             readers = sorted(worker_nodes - {info["node"]})
