@@ -3,10 +3,14 @@ and the driver that trains with it on an emulated host.
 
 A stub whose host is partitioned is replaced; once the link is back, the old one may act
 before Ray reaches it to end it. Whether it does depends on races between TCP's
-retransmissions and Ray's kill. :class:`ReturningStub` makes it certain: once a chunk has
-waited far longer than steps take (it is cut off), it sends each server the update of the
-step it stands at, again and again, until its process ends. Messages it sent from across the
-partition reach the servers when the link comes back; the run's epoch must refuse them.
+retransmissions and Ray's kill. :class:`ReturningStub` makes it certain: it watches its link
+itself (a TCP connection to the head, which a host that is up answers from its kernel). Once
+the head has not answered while no chunk of steps moved for a while (it is cut off), it waits
+for the head to answer again and then sends each server the update of the step it last
+started, again and again, until its process ends. The sends leave only once the link is back,
+over connections that hold nothing from the partition, so they reach the servers before Ray's
+kill reaches the stub (that waits on retransmissions backed off through the partition); the
+run's epoch must refuse them.
 """
 
 from __future__ import annotations
@@ -14,32 +18,44 @@ from __future__ import annotations
 import threading
 import time
 
-from raysinga.actors.stub import Stub
+import ray
 
-CUT_OFF_S = 5.0  # a chunk held this long: the stub is cut off (chunks take about a second)
+from raysinga.actors.stub import Stub
+from raysinga.cluster.connect import host_answers
+
+QUIET_S = 5.0  # no chunk began or ended for this long (chunks take about a second) ...
+PROBE_S = 0.5  # ... and the head did not answer a connection within this: cut off
 
 
 class ReturningStub(Stub):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._running: tuple[int, float] | None = None  # (first step, since) of the chunk
+        self._start = -1  # the first step of the chunk begun last
+        self._moved = time.monotonic()  # when a chunk last began or ended
+        host, port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
+        self._head = (host, int(port))
         threading.Thread(target=self._return, daemon=True).start()
 
     def run(self, start: int, stop: int):
-        self._running = (start, time.monotonic())
+        self._start, self._moved = start, time.monotonic()
         try:
             return super().run(start, stop)
         finally:
-            self._running = None
+            self._moved = time.monotonic()
 
     def _return(self) -> None:
-        while True:
+        while True:  # until the process ends (a daemon thread)
             time.sleep(0.25)
-            running = self._running
-            if running is None or time.monotonic() - running[1] < CUT_OFF_S:
+            quiet = time.monotonic() - self._moved >= QUIET_S
+            if self._start < 0 or not quiet or host_answers(self._head, PROBE_S):
                 continue
-            for k, server in enumerate(self.servers):
-                server.update.remote(running[0], self._update_arg(k), self.group, self.epoch)
+            while not host_answers(self._head, PROBE_S):  # cut off: wait for the link
+                time.sleep(0.05)
+            step = self._start
+            while True:
+                for k, server in enumerate(self.servers):
+                    server.update.remote(step, self._update_arg(k), self.group, self.epoch)
+                time.sleep(0.25)
 
 
 DRIVER = """
