@@ -323,9 +323,10 @@ class Controller:
         lost = roles.actors
         try:
             done = self.replacer.replace(g, self.cursor, steps.done[g])
-        except (*LOSSES, ReplaceFailed):
-            done = None  # another role went too, or the new one did not come: restart all
-        if done is None:
+        except (*LOSSES, ReplaceFailed) as why:  # another role went too, or (said) no room ...
+            what = why if isinstance(why, ReplaceFailed) else f"another role was lost: {why}"
+            rec["not_replaced"] = str(what)
+            self.hub.notice(f"raysinga: not replaced alone ({what}); restarting every role")
             return False
         self.coordinator.drop_if_lost(roles, done.rebuilt)
         redone = 1 if steps.interrupted is not None else 0

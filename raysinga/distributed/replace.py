@@ -46,16 +46,15 @@ class Replacer:
         self.spares.prepare(set(self.avoid))
 
     # ------------------------------------------------------------------ replacing
-    def replace(
-        self, g: int, cursor: DataCursor, done: int, timeout_s: float = 20.0
-    ) -> Replaced | None:
+    def replace(self, g: int, cursor: DataCursor, done: int, timeout_s: float = 20.0) -> Replaced:
         """Replace the lost workers, servers and the stub of group ``g`` in place. A lost
         server is rebuilt from its newest copy and the stub's log of the steps since. Returns
-        the step the group stands at (the servers' update count), or None where that cannot
-        be done: a lost node's bundles find no room on the live nodes, a server was lost with
-        the stub (its log went too) or has no copy to rebuild from, the servers disagree on
-        the step (a stub lost between two servers' updates of one step), or a role does not
-        answer within ``timeout_s`` (the caller then restarts every role).
+        the step the group stands at (the servers' update count). Raises
+        :class:`ReplaceFailed`, saying why, where that cannot be done (the caller then
+        restarts every role): a lost node's bundles find no room on the live nodes, a server
+        was lost with the stub (its log went too) or has no copy to rebuild from, the servers
+        disagree on the step (a stub lost between two servers' updates of one step), or a
+        role does not answer within ``timeout_s``.
 
         Of several (asynchronous) groups, only group ``g``'s workers and stub are replaced,
         while the others run on; it goes on from the first step of it that not every server
@@ -67,14 +66,14 @@ class Replacer:
         sync = len(roles.stubs) == 1
         stopped = self._stop_serving(g, timeout_s, servers=sync)
         if stopped is None:
-            return None
+            raise ReplaceFailed(f"a role of group {g} or a server did not stop in {timeout_s:g} s")
         lost, lost_servers = stopped
         t1 = time.perf_counter()
         if lost_servers and not roles.replay:
-            return None
+            raise ReplaceFailed("a server was lost and the stub logs no steps to rebuild it from")
         stub_lost = not answers(roles.stubs[g], timeout_s)
         if lost_servers and stub_lost:
-            return None  # the copies and the log went with the stub
+            raise ReplaceFailed("a server was lost with the stub, and its copy and log with it")
         alive = live_nodes() - set(self.avoid)
         self.spares.drop_off(alive)
         was_on = {roles.worker_infos[g][i]["node"] for i in lost}
@@ -87,9 +86,11 @@ class Replacer:
         if was_on & set(self.avoid) and not roles.relocate(
             set(self.avoid), RESCHEDULE_S, self.spares.standby
         ):
-            return None
+            raise ReplaceFailed("the live nodes have no room for what the unreachable ones held")
         if nodes_lost and not _rescheduled(roles.placement.pg, RESCHEDULE_S):
-            return None
+            raise ReplaceFailed(
+                f"Ray did not move the lost node's bundles to a live node in {RESCHEDULE_S:g} s"
+            )
         roles.replaced = True  # the lost roles' shared files go at shutdown, by tag
         new_servers = {k: self.new_server(k) for k in lost_servers}  # they start meanwhile
         roles.spares += new_servers.values()  # stopped with the others, whatever comes next
@@ -100,24 +101,27 @@ class Replacer:
         t2 = time.perf_counter()
         replayed = self._rebuild(g, new_servers, timeout_s) if new_servers else 0
         if replayed is None:
-            return None
+            raise ReplaceFailed("a new server has no copy and log to be rebuilt from")
         sizes = get_all([roles.stubs[g].replay_sizes.remote()], "stub", g)[0] if new_servers else {}
         t3 = time.perf_counter()
         at = self._sync_position() if sync else self.async_position(g, done)
         if at is None:
-            return None
+            raise ReplaceFailed(
+                "the servers disagree on the step (the stub was lost between two servers' "
+                "updates of one step)"
+            )
         # A new worker starts from the lost one's state at the step the group redoes (batch
         # norm's running statistics, copied after every step into its buffer, which the stub
         # maps); a stub lost too took that with it.
         with_state = bool(roles.plan.state_names) and bool(lost)
         if with_state and stub_lost:
-            return None
+            raise ReplaceFailed("the lost workers' own state went with the stub")
         for i, (worker, info) in new_workers.items():
             state = {}
             if with_state:
                 state = get_all([roles.stubs[g].worker_state.remote(i, at)], "stub", g)[0]
                 if state is None:
-                    return None
+                    raise ReplaceFailed(f"the stub holds no state of worker {i} at step {at}")
             get_all([worker.restore.remote(state, cursor)], "worker", g)
             roles.workers[g][i], roles.worker_infos[g][i] = worker, info
         roles.publish_where_read()
@@ -272,7 +276,8 @@ class Replaced(NamedTuple):
 
 
 class ReplaceFailed(RuntimeError):
-    """A replacement did not come up in time: the run restarts every role instead."""
+    """The lost roles cannot be replaced alone (the message says why): the run restarts
+    every role from the newest committed checkpoint instead."""
 
 
 RESCHEDULE_S = 5.0  # how long a lost node's bundles may take to move to a live node

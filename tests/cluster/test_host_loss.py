@@ -150,6 +150,7 @@ def test_a_lost_host_that_held_the_stub_restarts_from_the_newest_checkpoint(clus
     lines = head.path(f"{run_dir}/metrics.jsonl").read_text().splitlines()
     (ev,) = [r for r in map(json.loads, lines) if r["kind"] == "failure"]
     assert ev["recovery"] == "restarted" and ev["restored_from"] == 100, ev
+    assert "with the stub" in ev["not_replaced"], ev  # why, said
     assert ev["steps_redone"] == ev["step"] - ev["restored_from"], ev
     assert meta(lambda p: head.path(p).read_text(), f"{run_dir}/checkpoints", 400) == reference[400]
     add_a_host(cluster)
