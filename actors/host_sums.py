@@ -112,8 +112,8 @@ def block_sum(
     """The sum of a block's gradients of one step as its leader ``worker`` makes it:
     ``members`` in worker order, each the buffer of a member on this node or the snapshot
     of one elsewhere. Each server's slices of it (in its order, as they cross:
-    :func:`.wire.encode`) go to that server's inbox (``to``, in server order), one server
-    at a time from the one after this block (:meth:`.tcp.Outbox.send`).
+    :func:`.wire.encode`) go to that server's inbox (``to``, in server order), handed
+    over from the one after this block on (:meth:`.tcp.Outbox.send`).
     Returns the seconds it took and the bytes sent. A server that cannot be reached is
     reported lost (:class:`.errors.ActorLost`: its connection broke, its process or host is
     gone). A block of one worker sends its buffer's slices as they are."""

@@ -174,16 +174,19 @@ class Outbox:
         frames: Sequence[Sequence[np.ndarray]],
         check: Check,
     ) -> int:
-        """``frames[k]`` to the inbox ``to[k]`` (its :attr:`Inbox.contact`), one receiver at
-        a time in the order of ``to``. Returns the bytes sent; raises :class:`PeerLost`
-        naming the first receiver that could not be reached, once the others have theirs
-        (its connection is dropped: the next send connects anew), or at once what ``check``
-        raised (it runs every :data:`POLL_S` while a send is blocked).
+        """``frames[k]`` to the inbox ``to[k]`` (its :attr:`Inbox.contact`), handed to their
+        connections in the order of ``to``. Returns the bytes sent (a send returns once the
+        kernel's buffer holds the frame, which it does whole at :data:`BUFFER_BYTES`: the
+        frames then cross together); raises :class:`PeerLost` naming the first receiver that
+        could not be reached, once the others have theirs (its connection is dropped: the next
+        send connects anew), or at once what ``check`` raised (it runs every :data:`POLL_S`
+        while a send is blocked).
 
-        Senders that each go through their receivers in a rotation (sender ``b`` first to
-        receiver ``b + 1``, then ``b + 2`` ...) keep each receiver to one sender at a time: on
-        links of finite bandwidth several senders into one receiver fill its queue and lose
-        packets, which TCP then waits out."""
+        Senders that each start from another receiver (sender ``b`` first to receiver
+        ``b + 1``, then ``b + 2`` ...) put each receiver's first bytes on one sender's
+        connection. Holding each frame back until the one before was delivered (one
+        connection per link at a time) was slower on emulated hosts at 1 Gbit/s
+        (``docs/concepts.md``)."""
         keep = {(h, p) for h, p, _ in to}
         with self._lock:
             for where in [w for w in self._conns if w not in keep]:  # receivers replaced
