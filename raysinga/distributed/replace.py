@@ -100,8 +100,6 @@ class Replacer:
             new_workers[i] = (worker, info)
         t2 = time.perf_counter()
         replayed = self._rebuild(g, new_servers, timeout_s) if new_servers else 0
-        if replayed is None:
-            raise ReplaceFailed("a new server has no copy and log to be rebuilt from")
         sizes = get_all([roles.stubs[g].replay_sizes.remote()], "stub", g)[0] if new_servers else {}
         t3 = time.perf_counter()
         at = self._sync_position() if sync else self.async_position(g, done)
@@ -164,16 +162,20 @@ class Replacer:
         spare = self.spares.take_server(k)
         return spare if spare is not None else self.roles.spawn_server(k)
 
-    def _rebuild(self, g: int, new: dict[int, Any], timeout_s: float) -> int | None:
+    def _rebuild(self, g: int, new: dict[int, Any], timeout_s: float) -> int:
         """Bring each new server in ``new`` (by lost index) to the live servers' version (with
         none alive, the newest step the stub logged) from its copy and the stub's log; the
         new servers then stand in the lost ones' places. Returns the steps replayed (the most
-        of any server), or None where a server has nothing to rebuild from."""
+        of any server); raises :class:`ReplaceFailed` where the live servers disagree on the
+        step or a server has nothing to rebuild from."""
         roles = self.roles
         live = [s for k, s in enumerate(roles.servers) if k not in new]
         versions = {v for v, _ in get_all([s.latest.remote() for s in live], "server")}
         if len(versions) > 1:
-            return None
+            raise ReplaceFailed(
+                "the live servers disagree on the step (the stub was lost between two "
+                "servers' updates of one step)"
+            )
         target = versions.pop() if versions else None
         infos = get_all(
             [a.describe.remote() for a in new.values()], "server", None, timeout_s, list(new)
@@ -182,7 +184,9 @@ class Replacer:
         for (k, actor), info in zip(new.items(), infos, strict=True):
             n = get_all([stub.rebuild.remote(k, actor, target)], "stub", g)[0]
             if n is None:
-                return None
+                raise ReplaceFailed(
+                    f"server {k}: no copy of it, or the log does not reach back to it"
+                )
             roles.servers[k], roles.server_infos[k], most = actor, info, max(most, n)
         return most
 

@@ -134,6 +134,7 @@ def test_a_killed_role_is_recovered_bit_exact(straight, tmp_path, role, recovery
             assert ev["steps_replayed"] == 0, ev
     else:
         assert ev["recovery"] == "restarted" and ev["restored_from"] in (0, 10), ev
+        assert "not_replaced" not in ev, ev  # chosen (the job's settings), not a failed try
         assert ev["steps_redone"] == ev["rolled_back"] == ev["step"] - ev["restored_from"]
     assert ev["restore_s"] > 0 and ev["source"]
     assert any("recovering (failure 1 of at most 3)" in line for line in lines), lines
