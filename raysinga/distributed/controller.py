@@ -324,7 +324,8 @@ class Controller:
         try:
             done = self.replacer.replace(g, self.cursor, steps.done[g])
         except (*LOSSES, ReplaceFailed) as why:  # another role went too, or (said) no room ...
-            what = why if isinstance(why, ReplaceFailed) else f"another role was lost: {why}"
+            what = str(why).splitlines()[0] if str(why) else type(why).__name__
+            what = what if isinstance(why, ReplaceFailed) else f"another role was lost: {what}"
             rec["not_replaced"] = str(what)
             self.hub.notice(f"raysinga: not replaced alone ({what}); restarting every role")
             return False
