@@ -21,10 +21,11 @@ per step of the busiest host, out and in, read off the hosts' interfaces, beside
 allreduce's 2·(N-1)/N·P each way. raysinga's bytes are the interfaces' between the reports
 that open and close the timed steps (nothing of a step in flight); DDP's are its whole run's
 divided by its steps (its start and its first broadcast of the parameters included: a share of
-about 1/steps of P on top). Goals (``docs/benchmarks.md``): the best raysinga topology at
-least 1.0x DDP's samples/s at every rate; ``hosts``' busiest host at most 1.1x ring
-allreduce's bytes; ``hosts-bf16`` 0.5x ``hosts``' bytes (within 5%) and, at the slowest rate,
-at least 1.6x DDP's samples/s and 1.0x DDP's with its bf16 hook.
+about 1/steps of P on top). Each raysinga round also prints its mean step by phase (the
+reports' ``ms``, as in ``metrics.jsonl``: where the step goes). Goals (``docs/benchmarks.md``):
+the best raysinga topology at least 1.0x DDP's samples/s at every rate; ``hosts``' busiest host
+at most 1.1x ring allreduce's bytes; ``hosts-bf16`` 0.5x ``hosts``' bytes (within 5%) and, at
+the slowest rate, at least 1.6x DDP's samples/s and 1.0x DDP's with its bf16 hook.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from report import Figure, Report
 
@@ -71,11 +73,13 @@ def raysinga_run(address: str, job: str, sets: list[str], warmup: int, steps: in
     ray.init(address=address, log_to_driver=False)
     lab = hosts.RemoteCluster()
     t = DistributedTrainer(config.load(job, sets), log=None)
-    marks: dict[int, dict] = {}
+    marks: dict[Any, Any] = {"ms": []}
 
     def hook(ev) -> None:
         if isinstance(ev, TrainStep) and ev.step in (warmup, warmup + steps):
             marks[ev.step] = {"t": time.perf_counter(), "counters": lab.counters(), "net": ev.net}
+        if isinstance(ev, TrainStep) and warmup < ev.step <= warmup + steps:
+            marks["ms"].append(ev.ms)  # the phases of the timed steps' reports
 
     t.hub.subscribe(hook)
     t.fit()
@@ -156,11 +160,13 @@ def one_raysinga(made, job: str, topo: str, args, run: str) -> dict[str, float]:
     out, into = busiest(a["counters"], b["counters"], args.steps, workers)
     counted = b["net"] or {}
     most = max((max(v["in"], v["out"]) for h, v in counted.items() if h in workers), default=0.0)
+    phases = marks["ms"]  # each report's mean step, by phase: their mean (equal windows)
     return {
         "samples_per_s": args.steps * BATCH / (b["t"] - a["t"]),
         "out": out,
         "in": into,
         "counted": float(most),
+        "ms": {k: round(statistics.mean(p[k] for p in phases), 1) for k in phases[0]},
     }
 
 
