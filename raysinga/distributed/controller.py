@@ -45,7 +45,7 @@ from raysinga.run.session import RunSession
 
 from .coordinator import CheckpointCoordinator
 from .elastic import Elastic
-from .failures import FailureBook
+from .failures import FailureBook, first_line
 from .rebuild_async import rebuild_async
 from .replace import ReplaceFailed, Replacer, grad_nbytes, replay_steps
 from .role_group import RoleGroup
@@ -324,9 +324,9 @@ class Controller:
         try:
             done = self.replacer.replace(g, self.cursor, steps.done[g])
         except (*LOSSES, ReplaceFailed) as why:  # another role went too, or (said) no room ...
-            what = str(why).splitlines()[0] if str(why) else type(why).__name__
+            what = first_line(why)
             what = what if isinstance(why, ReplaceFailed) else f"another role was lost: {what}"
-            rec["not_replaced"] = str(what)
+            rec["not_replaced"] = what
             self.hub.notice(f"raysinga: not replaced alone ({what}); restarting every role")
             return False
         self.coordinator.drop_if_lost(roles, done.rebuilt)

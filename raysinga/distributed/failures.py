@@ -67,7 +67,7 @@ class FailureBook:
             "role": getattr(e, "role", "object"),
             "index": getattr(e, "index", None),
             "group": getattr(e, "group", None),
-            "error": str(e).splitlines()[0] if str(e) else type(e).__name__,
+            "error": first_line(e),
             "time": detected,
         }
         fc = self.fault
@@ -172,3 +172,9 @@ class FailureBook:
         self.failures.append(rec)
         self.notes.append(rec)
         self.hub.emit(Recovered(rec))
+
+
+def first_line(e: BaseException) -> str:
+    """An error's first line, as a record or a notice gives it (its type where it says
+    nothing)."""
+    return str(e).splitlines()[0] if str(e) else type(e).__name__

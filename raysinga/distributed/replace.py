@@ -104,10 +104,7 @@ class Replacer:
         t3 = time.perf_counter()
         at = self._sync_position() if sync else self.async_position(g, done)
         if at is None:
-            raise ReplaceFailed(
-                "the servers disagree on the step (the stub was lost between two servers' "
-                "updates of one step)"
-            )
+            raise ReplaceFailed(f"the servers {DISAGREE}")
         # A new worker starts from the lost one's state at the step the group redoes (batch
         # norm's running statistics, copied after every step into its buffer, which the stub
         # maps); a stub lost too took that with it.
@@ -172,10 +169,7 @@ class Replacer:
         live = [s for k, s in enumerate(roles.servers) if k not in new]
         versions = {v for v, _ in get_all([s.latest.remote() for s in live], "server")}
         if len(versions) > 1:
-            raise ReplaceFailed(
-                "the live servers disagree on the step (the stub was lost between two "
-                "servers' updates of one step)"
-            )
+            raise ReplaceFailed(f"the live servers {DISAGREE}")
         target = versions.pop() if versions else None
         infos = get_all(
             [a.describe.remote() for a in new.values()], "server", None, timeout_s, list(new)
@@ -285,6 +279,7 @@ class ReplaceFailed(RuntimeError):
 
 
 RESCHEDULE_S = 5.0  # how long a lost node's bundles may take to move to a live node
+DISAGREE = "disagree on the step (the stub was lost between two servers' updates of one step)"
 
 
 def _rescheduled(pg: Any, timeout_s: float) -> bool:
