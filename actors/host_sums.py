@@ -25,7 +25,7 @@ from .protocol import HostFrames, Published, StepStats, worker_buffer_layout
 from .server_grads import own_slices
 from .tcp import Outbox, PeerLost
 from .traffic import block_step_bytes
-from .wire import encode, wire_bytes
+from .wire import cut, encode, parts_of, wire_bytes
 
 if TYPE_CHECKING:
     from .stub import Stub
@@ -112,8 +112,9 @@ def block_sum(
     """The sum of a block's gradients of one step as its leader ``worker`` makes it:
     ``members`` in worker order, each the buffer of a member on this node or the snapshot
     of one elsewhere. Each server's slices of it (in its order, as they cross:
-    :func:`.wire.encode`) go to that server's inbox (``to``, in server order), handed
-    over from the one after this block on (:meth:`.tcp.Outbox.send`).
+    :func:`.wire.encode`) go to that server's inbox (``to``, in server order) in parts
+    (:func:`.wire.parts_of`): every server's first part, then every server's second, ...,
+    each round handed over from the server after this block on (:meth:`.tcp.Outbox.send`).
     Returns the seconds it took and the bytes sent. A server that cannot be reached is
     reported lost (:class:`.errors.ActorLost`: its connection broke, its process or host is
     gone). A block of one worker sends its buffer's slices as they are."""
@@ -130,18 +131,29 @@ def block_sum(
         for p, out in mine.sum.items():
             sum_into(out, [v[p] for v in views])
         own = own_slices(mine.sum, list(worker.slices))
-    frames = [encode([own[e.name] for e in lay.entries], worker.wire) for lay in reader.layouts]
+    plans = [parts_of(lay) for lay in reader.layouts]
     turn = [(block + 1 + j) % len(to) for j in range(len(to))]  # one block into a server at once
-    try:
-        sent = mine.outbox.send(
-            [to[k] for k in turn],
-            epoch,
-            step,
-            block,
-            [frames[k] for k in turn],
-            worker.check_abort,
-        )
-    except PeerLost as e:
-        k = next(k for k, c in enumerate(to) if (c[0], c[1]) == e.where)
-        raise ActorLost("server", k, None, f"its inbox: {e}") from None
+    sent, lost, first = 0, set(), None
+    for c in range(max(len(p) for p in plans)):
+        # part c of every server's slices, then part c + 1: each server can take the first
+        # parts of every block in and update them while the later ones cross
+        ks = [k for k in turn if c < len(plans[k]) and k not in lost]
+        frames = [encode(cut(own, plans[k][c]), worker.wire) for k in ks]
+        try:
+            sent += mine.outbox.send(
+                [to[k] for k in ks],
+                epoch,
+                step,
+                block,
+                frames,
+                worker.check_abort,
+                part=c,
+                parts=[len(plans[k]) for k in ks],
+            )
+        except PeerLost as e:  # the others had theirs; these get no more
+            lost |= {k for k, t in enumerate(to) if (t[0], t[1]) in e.every}
+            first = first or e
+    if first is not None:
+        k = next(k for k, t in enumerate(to) if (t[0], t[1]) == first.where)
+        raise ActorLost("server", k, None, f"its inbox: {first}") from None
     return time.perf_counter() - t0, sent

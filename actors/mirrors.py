@@ -25,6 +25,7 @@ from .buffers import SEQ, Attachments, Layout, SharedBuffer, with_seq
 from .errors import ActorLost
 from .protocol import MirrorAt, node_ip
 from .tcp import Inbox
+from .wire import parts_of
 
 WAIT_S = 60.0  # values that have not come by then were lost on the way: the server is lost
 POLL_S = 0.0005
@@ -41,6 +42,9 @@ class Mirrors:
         ]
         for b in self.bufs:
             b.arrays[SEQ][0] = -1  # holds no version yet
+        self.plans = [parts_of(lay) for lay in layouts]  # as each server's values cross
+        # by server: the version whose parts are kept, and those parts by index
+        self._parts: list[tuple[int, dict[int, list[np.ndarray]]]] = [(-1, {}) for _ in layouts]
         self.inbox = Inbox(host, sink=self._fill)
 
     @classmethod
@@ -53,17 +57,34 @@ class Mirrors:
     def describe(self) -> dict[str, Any]:
         return {"contact": self.inbox.contact, "handles": [b.handle() for b in self.bufs]}
 
-    def _fill(self, epoch: int, version: int, k: int, arrays: list[np.ndarray]) -> None:
-        """Server ``k``'s values after ``version`` updates, as they crossed: into its mirror,
-        then the version (a reader waits for it before it reads)."""
+    def _fill(
+        self, epoch: int, version: int, k: int, part: int, parts: int, arrays: list[np.ndarray]
+    ) -> None:
+        """Part ``part`` of server ``k``'s values after ``version`` updates, as they crossed
+        (:func:`.wire.parts_of`), kept until every part is in; then all of them into its
+        mirror, then the version (a reader waits for it before it reads). A server sends the
+        parts in order, so a first part starts the version anew: the parts of an update the
+        server took back (:meth:`~.server.ParamServer._update`) are never written."""
         if not 0 <= k < len(self.bufs):
             return
-        buf, entries = self.bufs[k], self.layouts[k].entries
-        if len(arrays) != len(entries):
+        plan = self.plans[k]
+        if parts != len(plan) or not 0 <= part < parts or len(arrays) != len(plan[part]):
             return
-        for e, a in zip(entries, arrays, strict=True):
-            dst = buf.arrays[e.name]
-            dst[...] = (from_bf16_bits(a) if a.dtype == np.uint16 else a).reshape(dst.shape)
+        if any(a.size != b - lo for a, (_, lo, b) in zip(arrays, plan[part], strict=True)):
+            return
+        kept, got = self._parts[k]
+        if part == 0 or kept != version:
+            got = {}
+            self._parts[k] = (version, got)
+        got[part] = arrays
+        if len(got) < parts:
+            return
+        buf = self.bufs[k]
+        for c in range(parts):
+            for (name, lo, hi), a in zip(plan[c], got[c], strict=True):
+                dst = buf.arrays[name].reshape(-1)[lo:hi]
+                dst[...] = (from_bf16_bits(a) if a.dtype == np.uint16 else a).reshape(-1)
+        self._parts[k] = (-1, {})
         buf.arrays[SEQ][0] = version
 
     def close(self) -> None:

@@ -45,7 +45,7 @@ from .server_grads import SumViews, step_gradient
 from .server_values import ValueReaders
 from .snapshots import Snapshots
 from .tcp import Inbox
-from .wire import decode, wire_bytes
+from .wire import Span, cut, decode, parts_of, wire_bytes
 
 
 class ParamServer(Abortable, Fence):
@@ -75,7 +75,9 @@ class ParamServer(Abortable, Fence):
         self.snaps = Snapshots(self.pool)
         self.copies = ServerCopies()  # of its state, fetched by its group's stub
         self.tag = spec.tag
-        self.readers = ValueReaders(spec.index, spec.wire)  # on other nodes: set_remote_readers
+        self.parts = parts_of(self.layout)  # as its slices cross (reduce: hosts)
+        # on other nodes: set_remote_readers
+        self.readers = ValueReaders(spec.index, spec.wire, self.parts)
         # group -> the last step of it applied: a step applied once is not applied again (a
         # replaced stub of an asynchronous group redoes its step from the servers' lowest)
         self.applied: dict[int, int] = {}
@@ -140,7 +142,7 @@ class ParamServer(Abortable, Fence):
     def _publish(self) -> Any:
         """Hand this server's values to its readers on other nodes (:mod:`.server_values`)."""
         return self.readers.publish(
-            [self.buf.arrays[s.name] for s in self.slices],
+            {s.name: self.buf.arrays[s.name] for s in self.slices},
             self.buf.flat,
             self.guard.version,
             self.check_abort,
@@ -190,8 +192,10 @@ class ParamServer(Abortable, Fence):
         t0 = time.perf_counter()
         if step <= self.applied.get(group, -1):
             return self.guard.version, self.readers.published, 0.0
-        if isinstance(grads, HostFrames):  # taken in and summed before anything changes
-            grads = self._blocks_sum(step, grads)
+        if isinstance(grads, HostFrames):
+            if self.gpu is None and not self.optimizer.bf16_copies:
+                return self._update_by_parts(step, grads, group, t0)
+            grads = self._blocks_sum(step, grads)  # taken in and summed before anything changes
         self.applied[group] = step
         self.snaps.wait_for_copy()  # a checkpoint's copy of the values must come first
         self.copies.wait_for_copy()  # and a copy kept for a rebuild
@@ -220,23 +224,64 @@ class ParamServer(Abortable, Fence):
             self._start_copy()
         return self.guard.version, ref, time.perf_counter() - t0
 
-    def _blocks_sum(self, step: int, frames: HostFrames) -> dict[str, np.ndarray]:
-        """The sum of the blocks' sums of this server's slices (``topology.reduce: hosts``),
-        added in block order in float32, by slice name. Each leader sends its block's
-        straight to this server's inbox; the wait looks for an abort meanwhile (a leader lost,
-        or on a host gone silent)."""
+    def _take_part(self, step: int, frames: HostFrames, c: int) -> list[Span]:
+        """Part ``c`` of the blocks' sums of this server's slices (``topology.reduce: hosts``,
+        :func:`.wire.parts_of`), added in block order in float32 into :attr:`_host_sum`;
+        returns the part's ranges. Each leader sends its block's straight to this server's
+        inbox; the wait looks for an abort meanwhile (a leader lost, or on a host gone
+        silent)."""
         assert self.inbox is not None, "a server of a group summed by hosts has an inbox"
-        taken = self.inbox.take(frames.epoch, step, frames.blocks, self.check_abort)
+        taken = self.inbox.take(frames.epoch, step, frames.blocks, self.check_abort, part=c)
         got = [decode(f) for f in taken]
-        names = [sl.name for sl in self.slices]  # each block's slices come in this order
-        if len(got) == 1:
-            return dict(zip(names, got[0], strict=True))
+        part = self.parts[c]
         if self._host_sum is None:
             self._host_sum = np.zeros(self.layout.nbytes, np.uint8)
-        out = self.layout.views(self._host_sum)
-        for j, name in enumerate(names):
-            sum_into(out[name], [g[j] for g in got])
-        return out
+        out = cut(self.layout.views(self._host_sum), part)
+        for j, dst in enumerate(out):
+            sum_into(dst, [g[j].reshape(-1) for g in got])
+        return part
+
+    def _blocks_sum(self, step: int, frames: HostFrames) -> dict[str, np.ndarray]:
+        """The sum of the blocks' sums of this server's slices, every part taken in
+        (:meth:`_take_part`), by slice name."""
+        for c in range(len(self.parts)):
+            self._take_part(step, frames, c)
+        assert self._host_sum is not None
+        return self.layout.views(self._host_sum)
+
+    def _update_by_parts(
+        self, step: int, frames: HostFrames, group: int, t0: float
+    ) -> tuple[int, Any, float]:
+        """:meth:`_update` of a group summed by hosts on a CPU: each part of the slices
+        (:func:`.wire.parts_of`) is summed, updated and its values pushed to the other nodes'
+        mirrors as soon as every block's sum of it is in, while the later parts still cross.
+        The step is applied whole or not at all: where a wait gives up (a leader lost, an
+        abort), the parts updated so far are put back as they were, and the version with them.
+        Every element is updated as :meth:`_update` updates it: the same bits."""
+        self.snaps.wait_for_copy()  # a checkpoint's copy of the values must come first
+        self.copies.wait_for_copy()  # and a copy kept for a rebuild
+        version, kept, skip = self.guard.version, [], set()
+        values = {s.name: self.buf.arrays[s.name] for s in self.slices}
+        self.guard.__enter__()  # odd: an update under way
+        try:
+            for c in range(len(self.parts)):
+                part = self._take_part(step, frames, c)
+                with self.snaps.updating():  # a checkpoint's write in the background pauses
+                    grads = self.layout.views(self._host_sum)
+                    self.optimizer.update_spans(step, values, grads, part, self.pool, kept)
+                self.readers.push_part(cut(values, part), version + 1, c, skip, self.check_abort)
+        except BaseException:
+            self.optimizer.restore_spans(kept)
+            self.guard.set_version(version)
+            raise
+        self.optimizer.advance(list(values))
+        self.guard.__exit__()
+        self.applied[group] = step
+        self.copies.note(self.guard.version, group, step)  # the order a rebuild replays in
+        ref = self.readers.pushed(self.guard.version) if self.readers.pushes else self._publish()
+        if self.copies.due(self.guard.version):
+            self._start_copy()
+        return self.guard.version, ref, time.perf_counter() - t0
 
     def _start_copy(self) -> None:
         """Take a copy of this server's state at its current version in the background (the

@@ -9,10 +9,11 @@ same bytes over plain TCP connections took 65 to 75 ms, against 45 ms of link ti
 carries only arrays.
 
 A frame: the header (:data:`HEAD`: magic, the run's epoch, the step, the sender's block, the
-count of arrays), then for each array its dtype code, its dimensions and its shape, then the
-arrays' bytes. A connection opens with the receiving role's token (:data:`HELLO`), which only
-Ray's calls hand out: a connection without it is closed unread. Frames of an earlier epoch (a
-sender replaced since, or one cut off from the run) are dropped, never summed.
+count of arrays, and which part of how many of the sender's message it is), then for each
+array its dtype code, its dimensions and its shape, then the arrays' bytes. A connection opens
+with the receiving role's token (:data:`HELLO`), which only Ray's calls hand out: a connection
+without it is closed unread. Frames of an earlier epoch (a sender replaced since, or one cut
+off from the run) are dropped, never summed.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 
 MAGIC = b"RSB1"
 HELLO = struct.Struct("<4s16s")  # magic, the inbox's token
-HEAD = struct.Struct("<4sqqiI")  # magic, epoch, step, sender, count of arrays
+HEAD = struct.Struct("<4sqqiIHH")  # magic, epoch, step, sender, count of arrays, part, parts
 ARRAY = struct.Struct("<BB")  # dtype code, dimensions (then that many uint64 of shape)
 DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.uint16)}  # float32, bfloat16 words
 CODES = {v: k for k, v in DTYPES.items()}
@@ -49,15 +50,16 @@ class PeerLost(ConnectionError):
     def __init__(self, where: Address, detail: str) -> None:
         super().__init__(f"{where[0]}:{where[1]}: {detail}")
         self.where = where
+        self.every = [where]  # where a send raised it: every receiver it could not reach
 
 
-Sink = Callable[[int, int, int, list[np.ndarray]], None]
+Sink = Callable[[int, int, int, int, int, list[np.ndarray]], None]
 
 
 class Inbox:
-    """A role's listening socket for frames from its peers, kept by ``(epoch, step, sender)``
-    until :meth:`take` takes them, or each handed to ``sink(epoch, step, sender, arrays)`` as
-    it comes in. One thread accepts; one per connection reads."""
+    """A role's listening socket for frames from its peers, kept by ``(epoch, step, sender,
+    part)`` until :meth:`take` takes them, or each handed to ``sink(epoch, step, sender, part,
+    parts, arrays)`` as it comes in. One thread accepts; one per connection reads."""
 
     def __init__(self, host: str, sink: Sink | None = None) -> None:
         self.sock = socket.create_server((host, 0), backlog=128)
@@ -65,7 +67,7 @@ class Inbox:
         self.token = secrets.token_bytes(16)
         self.received = 0  # bytes of the frames taken in
         self.refused = 0  # frames dropped as from an earlier epoch, or connections refused
-        self._frames: dict[tuple[int, int, int], list[np.ndarray]] = {}
+        self._frames: dict[tuple[int, int, int, int], list[np.ndarray]] = {}
         self._cond = threading.Condition()
         self._conns: set[socket.socket] = set()
         self._closed = False
@@ -77,11 +79,14 @@ class Inbox:
         """What a sender needs (handed over by Ray calls only): address and token."""
         return (*self.address, self.token)
 
-    def take(self, epoch: int, step: int, senders: int, check: Check) -> list[list[np.ndarray]]:
-        """The frames of ``step`` under ``epoch`` from senders ``0 .. senders-1``, in sender
-        order, once all are in; ``check`` runs every :data:`POLL_S` meanwhile (it raises to
-        give up). Frames of earlier steps or epochs still kept are dropped."""
-        keys = [(epoch, step, b) for b in range(senders)]
+    def take(
+        self, epoch: int, step: int, senders: int, check: Check, part: int = 0
+    ) -> list[list[np.ndarray]]:
+        """The frames of ``step`` under ``epoch`` from senders ``0 .. senders-1`` (their part
+        ``part``), in sender order, once all are in; ``check`` runs every :data:`POLL_S`
+        meanwhile (it raises to give up). Frames of earlier steps or epochs still kept are
+        dropped."""
+        keys = [(epoch, step, b, part) for b in range(senders)]
         with self._cond:
             while not all(k in self._frames for k in keys):
                 self._cond.wait(POLL_S)
@@ -137,16 +142,16 @@ class Inbox:
                 head = _recv(conn, HEAD.size)
                 if head is None:
                     return
-                magic, epoch, step, sender, count = HEAD.unpack(head)
+                magic, epoch, step, sender, count, part, parts = HEAD.unpack(head)
                 if magic != MAGIC:
                     self._refuse()
                     return
                 arrays = [_recv_array(conn) for _ in range(count)]
                 if self._sink is not None:
-                    self._sink(epoch, step, sender, arrays)
+                    self._sink(epoch, step, sender, part, parts, arrays)
                 with self._cond:
                     if self._sink is None:
-                        self._frames[(epoch, step, sender)] = arrays
+                        self._frames[(epoch, step, sender, part)] = arrays
                     self.received += sum(a.nbytes for a in arrays)
                     self._cond.notify_all()
         except (OSError, EOFError, ValueError):
@@ -173,14 +178,17 @@ class Outbox:
         sender: int,
         frames: Sequence[Sequence[np.ndarray]],
         check: Check,
+        part: int = 0,
+        parts: Sequence[int] | None = None,
     ) -> int:
         """``frames[k]`` to the inbox ``to[k]`` (its :attr:`Inbox.contact`), handed to their
-        connections in the order of ``to``. Returns the bytes sent (a send returns once the
-        kernel's buffer holds the frame, which it does whole at :data:`BUFFER_BYTES`: the
-        frames then cross together); raises :class:`PeerLost` naming the first receiver that
-        could not be reached, once the others have theirs (its connection is dropped: the next
-        send connects anew), or at once what ``check`` raised (it runs every :data:`POLL_S`
-        while a send is blocked).
+        connections in the order of ``to``, each as part ``part`` of ``parts[k]`` (default
+        1) of what the sender sends that receiver for ``step``. Returns the bytes sent (a send
+        returns once the kernel's buffer holds the frame, which it does whole at
+        :data:`BUFFER_BYTES`: the frames then cross together); raises :class:`PeerLost`
+        naming the first receiver that could not be reached (its ``every``: all of them), once
+        the others have theirs (its connection is dropped: the next send connects anew), or at
+        once what ``check`` raised (it runs every :data:`POLL_S` while a send is blocked).
 
         Senders that each start from another receiver (sender ``b`` first to receiver
         ``b + 1``, then ``b + 2`` ...) put each receiver's first bytes on one sender's
@@ -191,14 +199,16 @@ class Outbox:
         with self._lock:
             for where in [w for w in self._conns if w not in keep]:  # receivers replaced
                 _close(self._conns.pop(where))
-        sent, lost = 0, None
-        for c, f in zip(to, frames, strict=True):
+        sent, lost = 0, []
+        counts = [1] * len(to) if parts is None else parts
+        for c, f, n in zip(to, frames, counts, strict=True):
             try:
-                sent += self._send_one(c, epoch, step, sender, f, check)
+                sent += self._send_one(c, (epoch, step, sender, part, n), f, check)
             except PeerLost as e:
-                lost = lost or e
-        if lost is not None:
-            raise lost
+                lost.append(e)
+        if lost:
+            lost[0].every = [e.where for e in lost]
+            raise lost[0]
         return sent
 
     def close(self) -> None:
@@ -210,14 +220,13 @@ class Outbox:
     def _send_one(
         self,
         contact: tuple[str, int, bytes],
-        epoch: int,
-        step: int,
-        sender: int,
+        key: tuple[int, int, int, int, int],
         arrays: Sequence[np.ndarray],
         check: Check,
     ) -> int:
         where: Address = (contact[0], contact[1])
-        pieces: list[Any] = [HEAD.pack(MAGIC, epoch, step, sender, len(arrays))]
+        epoch, step, sender, part, parts = key
+        pieces: list[Any] = [HEAD.pack(MAGIC, epoch, step, sender, len(arrays), part, parts)]
         for a in arrays:  # each array's header, then its bytes
             if a.dtype not in CODES or a.ndim > MAX_DIMS:
                 raise ValueError(f"a frame carries float32 or bfloat16 words, not {a.dtype}")

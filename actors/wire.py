@@ -10,10 +10,16 @@ same bits, on one host or on many.
 nearest, ties to even) before they leave their role, and a reader on the same node as the
 server rounds the values it reads alike: the bits do not depend on which reads crossed a link.
 The servers keep float32 values and optimizer state, and sum the blocks in float32.
+
+Both cross in parts (:func:`parts_of`): a server sums, updates and pushes the values of each
+part as soon as every block's sum of it is in, while the next parts are still on their way, so
+that the sums and the values share the links instead of taking turns. Each element is summed,
+updated and rounded as it would be in one piece: the parts change no bit.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,6 +27,38 @@ import numpy as np
 from raysinga.kernels.precision import bf16_bits, from_bf16_bits, round_bf16
 
 from .buffers import Layout
+
+PART_BYTES = 256 << 10  # float32 bytes of a server's slices in one part, at most
+
+Span = tuple[str, int, int]  # an entry's name and a flat range [start, stop) of it
+
+
+def parts_of(layout: Layout, part_bytes: int | None = None) -> list[list[Span]]:
+    """``layout``'s arrays (a server's slices, in its order) cut into parts of equal element
+    counts, the fewest of at most ``part_bytes`` (default :data:`PART_BYTES`) float32
+    bytes each; each part lists its
+    flat ranges of the arrays, in order. A pure function of its inputs: a server and the
+    nodes it sends to agree on it without a word."""
+    part_bytes = PART_BYTES if part_bytes is None else part_bytes
+    sizes = [(e.name, math.prod(e.shape)) for e in layout.entries]
+    total = sum(n for _, n in sizes)
+    count = max(1, -(-total * 4 // part_bytes))
+    bounds = [total * i // count for i in range(count + 1)]
+    parts: list[list[Span]] = []
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        spans, off = [], 0
+        for name, n in sizes:
+            a, b = max(lo - off, 0), min(hi - off, n)
+            if a < b:
+                spans.append((name, a, b))
+            off += n
+        parts.append(spans)
+    return parts
+
+
+def cut(arrays: dict[str, np.ndarray], part: Sequence[Span]) -> list[np.ndarray]:
+    """The flat ranges of ``part`` of ``arrays`` (by name): views."""
+    return [arrays[name].reshape(-1)[a:b] for name, a, b in part]
 
 
 def wire_bytes(layout: Layout, wire: str) -> int:

@@ -215,6 +215,57 @@ class Optimizer:
         for name, w in zip(parts, work, strict=True):
             self.counts[name] = w[4]
 
+    def update_spans(
+        self,
+        step: int,
+        params: dict,
+        grads: dict,
+        spans: list[tuple[str, int, int]],
+        pool: Any = None,
+        kept: list | None = None,
+    ) -> None:
+        """Update the flat ranges ``spans`` (each ``(name, start, stop)``) of the contiguous
+        NumPy ``params`` with the same ranges of ``grads``, as :meth:`update` updates them,
+        without counting the update: :meth:`advance` counts it once every range of the
+        parameters is done. The work is split evenly over the pool's threads and the
+        caller's. ``kept``: each range's values and slots as they were are appended to it
+        first, for :meth:`restore_spans`."""
+        work = []
+        for name, a, b in spans:
+            param = params[name]
+            _check_float(name, param)
+            if not param.flags.c_contiguous:
+                raise ValueError(f"{name!r}: an update of ranges needs a contiguous parameter")
+            self._prepare_once(np, name, param)
+            p = param.reshape(-1)[a:b]
+            flat = {k: v.reshape(-1)[a:b] for k, v in self._slots.get(name, {}).items()}
+            if kept is not None:
+                kept.append((p, p.copy(), {k: (v, v.copy()) for k, v in flat.items()}))
+            g = grads[name].reshape(-1)[a:b]
+            work.append((p, g, flat, self.counts.get(name, 0) + 1))
+        lr, total = self.lr(step), sum(w[0].size for w in work)
+        if not total:
+            return
+
+        def run(span: tuple[int, int]) -> None:
+            off = 0
+            for p, g, flat, t in work:
+                lo, hi = max(span[0] - off, 0), min(span[1] - off, p.size)
+                if lo < hi:
+                    sl = slice(lo, hi)
+                    self._apply(np, p[sl], g[sl], {k: v[sl] for k, v in flat.items()}, lr, t)
+                off += p.size
+
+        on_threads(pool, run, chunks(total, pool))
+
+    @staticmethod
+    def restore_spans(kept: list) -> None:
+        """Put back what :meth:`update_spans` kept, last first."""
+        for p, was, slots in reversed(kept):
+            p[...] = was
+            for now, before in slots.values():
+                now[...] = before
+
     def _prepare_once(self, xp: Any, name: str, param: Any) -> None:
         if name not in self._ready:
             self._prepare(xp, name, param)

@@ -4,6 +4,8 @@ and values that never come report their server lost."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -85,3 +87,48 @@ def test_a_frame_that_is_not_a_servers_values_is_dropped(node):
     box.send([contact], 0, 2, 1, [values(1)], never)
     mirrors.wait_for(maps, MirrorAt(handles[1], 2, 1), never)
     assert maps.views(handles[0])[SEQ][0] == -1
+
+
+def test_a_version_is_written_once_every_part_is_in_and_a_taken_back_one_never(monkeypatch):
+    import actors.wire as wire
+
+    monkeypatch.setattr(wire, "PART_BYTES", 16)  # server 0's 9 values in 3 parts of 3
+    m = mirrors.Mirrors("test-mirrors-parts", LAYOUTS, "node", "127.0.0.1")
+    box, maps = Outbox(), Attachments()
+    try:
+        contact, handle = m.describe()["contact"], m.describe()["handles"][0]
+        plan = m.plans[0]
+        assert len(plan) == 3
+        seq = maps.views(handle)[SEQ]
+
+        def send(version: int, v: list[np.ndarray], parts: range) -> None:
+            named = dict(zip(("a", "b"), v, strict=True))
+            for c in parts:
+                box.send([contact], 0, version, 0, [wire.cut(named, plan[c])], never, c, [3])
+
+        def written() -> int:
+            deadline = time.monotonic() + 10
+            while m.inbox.received < want_bytes[0] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return int(seq[0])
+
+        want_bytes = [0]
+        old, new = values(0), [x + 1 for x in values(0)]
+        send(4, old, range(2))  # an update taken back after two parts
+        want_bytes[0] += 2 * 12
+        assert written() == -1
+        send(4, new, range(1))  # the same update again: its first part starts it anew
+        want_bytes[0] += 12
+        assert written() == -1  # parts 1 of the first try and 0 of this one are not all
+        send(4, new, range(1, 3))
+        mirrors.wait_for(maps, MirrorAt(handle, 4, 0), never)
+        got = maps.views(handle)
+        assert got["a"].tobytes() + got["b"].tobytes() == new[0].tobytes() + new[1].tobytes()
+        box.send([contact], 0, 5, 0, [values(0)], never)  # one part where there are three
+        send(6, old, range(3))
+        mirrors.wait_for(maps, MirrorAt(handle, 6, 0), never)
+        assert got["a"].tobytes() == old[0].tobytes()
+    finally:
+        box.close()
+        maps.close()
+        m.close()

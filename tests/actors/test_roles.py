@@ -496,3 +496,113 @@ def test_a_server_refuses_an_update_from_a_replaced_stub_and_counts_it(make_serv
     s.update(1, buf, 0, 2)  # the new stub's
     assert s.guard.version == 2
     assert s.fence(1) == 1 and s.epoch == 2  # an epoch never goes back
+
+
+# ---------------------------------------------------------------- a server summing hosts' blocks
+
+
+def test_a_server_updates_the_blocks_sums_part_by_part_and_takes_a_step_back_whole(
+    monkeypatch,
+):
+    """``topology.reduce: hosts``: a server takes each part of its slices in from every block,
+    sums it, updates it and pushes its values while the later parts still cross. The bits are
+    those of one update of the whole sum. A step aborted part way (a leader lost) is taken
+    back: values, optimizer state, version and the nodes' mirrors are as before it, and the
+    step redone gives the same bits."""
+    from raysinga.actors import mirrors, wire
+    from raysinga.actors.buffers import SEQ, Attachments
+    from raysinga.actors.protocol import HostFrames, MirrorAt
+    from raysinga.actors.tcp import Outbox
+    from raysinga.optim.grads import sum_into
+
+    monkeypatch.setattr(wire, "PART_BYTES", 512)  # 128 values a part
+    monkeypatch.setattr(server_module, "node_id", lambda: "this-node")
+    monkeypatch.setattr(server_module, "node_ip", lambda: "127.0.0.1")
+    tag = fresh_tag()
+    hosts = ParamServer(ServerSpec(0, MODEL, "float32", 0, SLICES, ADAM, tag + "h", inbox=True))
+    whole = ParamServer(ServerSpec(0, MODEL, "float32", 0, SLICES, ADAM, tag + "w"))
+    node = mirrors.Mirrors(tag + "m", [hosts.layout], "other-node", "127.0.0.1")
+    box, maps = Outbox(), Attachments()
+    try:
+        parts = hosts.parts
+        assert len(parts) >= 4
+        hosts.set_remote_readers(True, pushes=[node.describe()["contact"]])
+        handle = node.describe()["handles"][0]
+        mirrors.wait_for(maps, MirrorAt(handle, 0, 0), lambda: None)
+
+        def blocks(step: int) -> list[dict[str, np.ndarray]]:
+            rng = np.random.default_rng(step)
+            return [
+                {e.name: rng.standard_normal(e.shape).astype(np.float32) for e in lay}
+                for lay in (hosts.layout.entries,) * 2
+            ]
+
+        def send(epoch: int, step: int, b: int, g: dict, cs: range) -> None:
+            to, n = [hosts.inbox.contact], [len(parts)]
+            for c in cs:
+                box.send(to, epoch, step, b, [wire.cut(g, parts[c])], lambda: None, c, n)
+
+        def values(s: ParamServer) -> bytes:
+            return b"".join(s.buf.arrays[x.name].tobytes() for x in s.slices)
+
+        def step_whole(step: int, gs: list[dict]) -> None:
+            buf = np.zeros(whole.layout.nbytes, np.uint8)
+            for name, view in whole.layout.views(buf).items():
+                sum_into(view, [g[name] for g in gs])
+            whole.update(step, buf)
+
+        for step in range(3):
+            gs = blocks(step)
+            for b, g in enumerate(gs):
+                send(0, step, b, g, range(len(parts)))
+            version, _, _ = hosts.update(step, HostFrames(0, 2))
+            step_whole(step, gs)
+            assert values(hosts) == values(whole)
+            assert version == step + 1
+            mirrors.wait_for(maps, MirrorAt(handle, version, 0), lambda: None)
+            mirrored = maps.views(handle)
+            assert b"".join(mirrored[x.name].tobytes() for x in hosts.slices) == values(hosts)
+
+        before = (values(hosts), dict(hosts.optimizer.counts), hosts.guard.version)
+        slots = {k: v.copy() for k, v in hosts.optimizer.state_dict()["slots"].items()}
+        gs = blocks(3)
+        send(0, 3, 0, gs[0], range(len(parts)))
+        send(0, 3, 1, gs[1], range(len(parts) - 1))  # its leader lost before its last part
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                hosts.update(3, HostFrames(0, 2))
+            except BaseException as e:
+                failed.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        deadline = time.monotonic() + 10
+        while len(hosts.inbox._frames) > 1 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the parts that came are taken in and applied
+        time.sleep(0.2)
+        hosts.abort()
+        t.join(10)
+        assert failed and "serving aborted" in str(failed[0])
+        assert (values(hosts), hosts.optimizer.counts, hosts.guard.version) == before
+        assert int(hosts.buf.arrays[SEQ][0]) == 2 * before[2]
+        for k, v in hosts.optimizer.state_dict()["slots"].items():
+            assert v.tobytes() == slots[k].tobytes(), k
+        assert hosts.applied[0] == 2
+        assert int(maps.views(handle)[SEQ][0]) == before[2]  # no part of step 3 written
+        assert b"".join(maps.views(handle)[x.name].tobytes() for x in hosts.slices) == before[0]
+
+        hosts.clear_abort()  # the step again, under the run's next epoch
+        for b, g in enumerate(gs):
+            send(1, 3, b, g, range(len(parts)))
+        version, _, _ = hosts.update(3, HostFrames(1, 2))
+        step_whole(3, gs)
+        assert version == 4 and values(hosts) == values(whole)
+        mirrors.wait_for(maps, MirrorAt(handle, 4, 0), lambda: None)
+    finally:
+        box.close()
+        maps.close()
+        node.close()
+        hosts.shutdown()
+        whole.shutdown()

@@ -127,7 +127,7 @@ def test_frames_of_an_earlier_epoch_are_never_taken_and_are_dropped(inbox):
 
 def test_a_connection_without_the_token_is_closed_unread(inbox):
     with socket.create_connection(inbox.address) as s:
-        s.sendall(HELLO.pack(MAGIC, b"\0" * 16) + HEAD.pack(MAGIC, 0, 1, 0, 1))
+        s.sendall(HELLO.pack(MAGIC, b"\0" * 16) + HEAD.pack(MAGIC, 0, 1, 0, 1, 0, 1))
         s.settimeout(10)
         try:  # closed by the inbox (reset: what it left unread)
             assert s.recv(1) == b""
@@ -144,7 +144,7 @@ def test_a_connection_without_the_token_is_closed_unread(inbox):
 
 def test_a_frame_cut_short_by_its_sender_is_dropped(inbox):
     with socket.create_connection(inbox.address) as s:
-        s.sendall(HELLO.pack(MAGIC, inbox.token) + HEAD.pack(MAGIC, 0, 1, 0, 1))
+        s.sendall(HELLO.pack(MAGIC, inbox.token) + HEAD.pack(MAGIC, 0, 1, 0, 1, 0, 1))
         s.sendall(bytes([0, 1]) + (1000).to_bytes(8, "little") + b"\0" * 100)  # 100 of 4000
     with pytest.raises(Aborted):
         inbox.take(0, 1, 1, after(0.5))

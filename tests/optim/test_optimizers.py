@@ -376,3 +376,47 @@ def test_summed_updates_are_bit_identical_to_summing_first(name, hparams, n_part
     with pytest.raises(ValueError, match="'w': a summed update needs contiguous arrays"):
         b.update_summed(3, {"w": pb["w"][::2]}, {"w": written["w"][::2]}, {"w": [pb["w"][::2]]})
     assert a.counts == b.counts  # refused before anything changed
+
+
+@pytest.mark.parametrize(("name", "hparams"), CASES, ids=IDS)
+def test_updates_by_ranges_are_bit_identical_and_can_be_taken_back(name, hparams) -> None:
+    """A server of a group summed by hosts updates its slices a part at a time, each part
+    some ranges of them: counted once all are done, the bits are those of one update; a step
+    taken back part way leaves the parameters, the slots and the counts as they were."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from raysinga.optim.grads import PARALLEL_CHUNK
+
+    rng = np.random.default_rng(5)
+    sizes = {"w": 2 * PARALLEL_CHUNK + 11, "b": 7}
+    p0 = {k: rng.normal(size=n).astype(np.float32) for k, n in sizes.items()}
+    a = make_optimizer({"name": name, "lr": LR, **hparams})
+    b = make_optimizer({"name": name, "lr": LR, **hparams})
+    pa = {k: v.copy() for k, v in p0.items()}
+    pb = {k: v.copy() for k, v in p0.items()}
+    n = sizes["w"]
+    parts = [[("w", 0, 5)], [("w", 5, n // 2)], [("w", n // 2, n), ("b", 0, 7)]]
+    with ThreadPoolExecutor(3) as pool:
+        for step in range(3):
+            g = {k: rng.normal(size=m).astype(np.float32) for k, m in sizes.items()}
+            a.update_all(step, pa, g)
+            for part in parts:
+                b.update_spans(step, pb, g, part, pool)
+            b.advance(list(sizes))
+        before = ({k: v.copy() for k, v in pb.items()}, copy.deepcopy(b.state_dict()))
+        kept: list = []
+        g = {k: rng.normal(size=m).astype(np.float32) for k, m in sizes.items()}
+        for part in parts[:2]:
+            b.update_spans(3, pb, g, part, pool, kept)
+        assert pb["w"].tobytes() != before[0]["w"].tobytes()
+        b.restore_spans(kept)
+    for k in sizes:
+        assert pa[k].tobytes() == pb[k].tobytes(), k
+        assert pb[k].tobytes() == before[0][k].tobytes(), k
+    assert a.counts == b.counts == before[1]["counts"]
+    for k, v in a.state_dict()["slots"].items():
+        assert (
+            v.tobytes() == b.state_dict()["slots"][k].tobytes() == before[1]["slots"][k].tobytes()
+        )
+    with pytest.raises(ValueError, match="'w': an update of ranges needs a contiguous"):
+        b.update_spans(4, {"w": pb["w"][::2]}, {"w": g["w"][::2]}, [("w", 0, 3)])
