@@ -112,7 +112,10 @@ class DistributedTrainer:
         import ray  # noqa: PLC0415
 
         joins = joins_cluster(self.address) and not ray.is_initialized()
-        line = connect(self.address, shipping.runtime_env() if joins and self.ship else None)
+        # raysinga's code where the run joins a cluster, and the job's own modules (its
+        # layers), where it ships: the roles of an embedded Ray do not see this process's path
+        env = shipping.runtime_env(self.cfg.modules, own=joins) if self.ship else None
+        line = connect(self.address, env if not ray.is_initialized() else None)
         self.hub.notice(line)
         # machines gone or cut off that Ray still counts alive: no role goes there
         unreachable = unreachable_nodes() if len(ray.nodes()) > 1 else {}
@@ -121,8 +124,8 @@ class DistributedTrainer:
                 f"raysinga: node {address} ({node[:8]}) does not answer; no role is placed there"
             )
         skip = frozenset(unreachable)
-        if joins:  # before any role: one line for a node that cannot run one
-            shipping.check_nodes(skip=skip)
+        if joins or self.cfg.modules:  # before any role: one line for a node that cannot
+            shipping.check_nodes(skip=skip, modules=self.cfg.modules)
         cfg = self.cfg
         # before anything of the run is written: storage and data every node sees
         reach.check(cfg.checkpoint_dir, reach.local_data_files(cfg.data.source), skip)

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .model import ModelSpec, Net
+from .model import ModelSpec, Net, recorded_spec
 
 # (raysinga local name, PyTorch name, transposed) per layer kind
 NAMES: dict[str, tuple[tuple[str, str, bool], ...]] = {
@@ -129,7 +129,7 @@ def load(path: str) -> dict[str, np.ndarray]:
 def export(ck: Any, out: str) -> list[str]:
     """Write a checkpoint's model as a PyTorch ``state_dict`` file ``out``, whole or not at
     all; returns its entries' names."""
-    spec = ModelSpec.from_dict(ck.meta["run"]["model"]["spec"])
+    spec = recorded_spec(ck.meta["run"], f"checkpoint {ck.location}")
     params, state = ck.arrays("param"), ck.arrays("state")
     net = Net(spec, dtype=str(next(iter(params.values())).dtype))
     sd = to_state_dict(net, params, state)
