@@ -4,6 +4,7 @@ they are not what a module is."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -183,6 +184,14 @@ def test_a_layer_whose_parameters_changed_since_the_checkpoint_is_one_line(tmp_p
     text = JOB.format(module="ucmod_scale.py", name="ucmod_scale").replace(":Twice", ":Scale")
     (d / "job.yaml").write_text(text + "checkpoint_frequency: 2\n")
     Trainer(config.load(d / "job.yaml", [f"run_dir={d}"]), log=None).fit()
+    ck = d / "checkpoints" / "step-2"
+    shown = subprocess.run(
+        [sys.executable, "-m", "raysinga.cli", "inspect", str(ck)], capture_output=True, text=True
+    )
+    assert (
+        f"layers and losses of the user's own: ucmod_scale:Scale (modules: {d / 'ucmod_scale.py'})"
+        in shown.stdout
+    ), shown.stdout + shown.stderr
     del sys.modules["ucmod_scale"]
     (d / "ucmod_scale.py").write_text(textwrap.dedent(SCALE_V1.format(width=5)))
     cfg = config.load(d / "job.yaml", [f"run_dir={d}", "train_steps=4"])
