@@ -21,6 +21,7 @@ class RMSNorm(Layer):
     shift), as LLaMA's normalisation."""
 
     options = {"eps": 1e-6}
+    torch_names = (("gamma", "weight", False),)  # torch.nn.RMSNorm's
 
     def _out_shape(self, in_shape):
         if not in_shape:
@@ -40,6 +41,9 @@ class RMSNorm(Layer):
         self._cache = (xhat, rstd, p["gamma"])
         return xhat * p["gamma"]
 
+    def torch_module(self, torch, dtype):
+        return torch.nn.RMSNorm(self.in_shape[-1], eps=self.opts["eps"], dtype=dtype)
+
     def backward(self, dy):
         xhat, rstd, gamma = self._cache
         f = xhat.shape[-1]
@@ -54,6 +58,12 @@ class SwiGLU(Layer):
     model width through ``hidden`` units back to the model width."""
 
     options = {"hidden": ...}
+    # as three bias-free torch.nn.Linear modules: gate, up and down
+    torch_names = (
+        ("Wg", "gate.weight", True),
+        ("Wu", "up.weight", True),
+        ("Wd", "down.weight", True),
+    )
 
     def _out_shape(self, in_shape):
         h = self.opts["hidden"]
@@ -79,6 +89,21 @@ class SwiGLU(Layer):
         self._cache = (x.shape, rows, a, b, sig, h, p)
         return (h @ p["Wd"]).reshape(x.shape)
 
+    def torch_module(self, torch, dtype):
+        d, h = self.in_shape[-1], self.opts["hidden"]
+
+        class SwiGLU(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gate = torch.nn.Linear(d, h, bias=False, dtype=dtype)
+                self.up = torch.nn.Linear(d, h, bias=False, dtype=dtype)
+                self.down = torch.nn.Linear(h, d, bias=False, dtype=dtype)
+
+            def forward(self, x):
+                return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+        return SwiGLU()
+
     def backward(self, dy):
         x_shape, rows, a, b, sig, h, p = self._cache
         dy = dy.reshape(-1, dy.shape[-1])
@@ -97,12 +122,16 @@ class UserLayerNorm(Layer):
     (``benchmarks/bench_custom_layers.py``)."""
 
     options = {"eps": 1e-5}
+    torch_names = (("gamma", "weight", False), ("beta", "bias", False))  # torch.nn.LayerNorm's
 
     def param_shapes(self):
         return {"gamma": (self.in_shape[-1],), "beta": (self.in_shape[-1],)}
 
     def init_param(self, local, shape, rng):
         return np.ones(shape) if local == "gamma" else np.zeros(shape)
+
+    def torch_module(self, torch, dtype):
+        return torch.nn.LayerNorm(self.in_shape[-1], eps=self.opts["eps"], dtype=dtype)
 
     def forward(self, p, s, x, ctx):
         rows = x.reshape(-1, self.in_shape[-1])

@@ -192,6 +192,28 @@ def test_a_layer_whose_parameters_changed_since_the_checkpoint_is_one_line(tmp_p
         f"layers and losses of the user's own: ucmod_scale:Scale (modules: {d / 'ucmod_scale.py'})"
         in shown.stdout
     ), shown.stdout + shown.stderr
+    out = tmp_path / "model.pt"
+    export = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "raysinga.cli",
+            "export",
+            str(ck),
+            "--format",
+            "torch",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert export.returncode == 1 and not out.exists()
+    assert export.stderr.strip().splitlines() == [
+        "raysinga: error: layer 'tw' (ucmod_scale:Scale) does not say how its parameters map to "
+        "PyTorch's: give its class torch_names, ((name, PyTorch name, transposed), ...) "
+        "(docs/layers.md)"
+    ], export.stderr
     del sys.modules["ucmod_scale"]
     (d / "ucmod_scale.py").write_text(textwrap.dedent(SCALE_V1.format(width=5)))
     cfg = config.load(d / "job.yaml", [f"run_dir={d}", "train_steps=4"])
