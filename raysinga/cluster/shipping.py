@@ -105,6 +105,19 @@ def runtime_env(modules: Sequence[str] = (), own: bool = True) -> dict[str, Any]
     return {"py_modules": shipped} if shipped else None
 
 
+def role_env(modules: Sequence[str]) -> dict[str, Any] | None:
+    """The runtime environment, beyond the job's, that brings the job's ``modules`` to the
+    roles where Ray was started by other code than the run (which then could not hand them to
+    Ray as it connected): the job's own ``py_modules`` (an actor's list replaces the job's)
+    and theirs. None without modules."""
+    if not modules:
+        return None
+    import ray  # noqa: PLC0415
+
+    have = list((ray.get_runtime_context().runtime_env or {}).get("py_modules") or [])
+    return {"py_modules": have + user_packages(modules)}
+
+
 def user_packages(modules: Sequence[str], cache: Path | None = None) -> list[str]:
     """The directories Ray ships for the job's ``modules``: a package directory as it is; a
     ``.py`` file as a package of its own name (its text as ``__init__.py``), built once per
