@@ -144,12 +144,15 @@ def user_packages(modules: Sequence[str], cache: Path | None = None) -> list[str
 
 
 def check_nodes(
-    timeout_s: float = PROBE_S, skip: frozenset[str] = frozenset(), modules: Sequence[str] = ()
+    timeout_s: float = PROBE_S,
+    skip: frozenset[str] = frozenset(),
+    modules: Sequence[str] = (),
+    env: dict[str, Any] | None = None,
 ) -> None:
     """Import what the roles import, and the job's ``modules`` (by name), on every live node
     but ``skip`` (nodes found unreachable), at once; raise NodeSetupError naming the first node
     that cannot, the module and what to do. A node that Ray gives up meanwhile is passed
-    over."""
+    over. ``env``: the runtime environment the roles get beyond the job's (:func:`role_env`)."""
     import ray  # noqa: PLC0415
     from ray import cloudpickle  # noqa: PLC0415
     from ray.exceptions import GetTimeoutError, RayError  # noqa: PLC0415
@@ -163,7 +166,8 @@ def check_nodes(
     nodes = [n for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in skip]
     refs = [
         task.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
+            **({"runtime_env": env} if env else {}),
         ).remote(node_probe.NEEDED + own)
         for n in nodes
     ]

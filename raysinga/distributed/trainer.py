@@ -129,7 +129,7 @@ class DistributedTrainer:
             )
         skip = frozenset(unreachable)
         if joins or self.cfg.modules:  # before any role: one line for a node that cannot
-            shipping.check_nodes(skip=skip, modules=self.cfg.modules)
+            shipping.check_nodes(skip=skip, modules=self.cfg.modules, env=self.plan.role_env)
         cfg = self.cfg
         # before anything of the run is written: storage and data every node sees
         reach.check(cfg.checkpoint_dir, reach.local_data_files(cfg.data.source), skip)
