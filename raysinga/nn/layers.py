@@ -38,15 +38,16 @@ class Layer:
     options: ClassVar[dict[str, Any]] = {}  # option name -> default (required ones: ...)
 
     def __init__(self, name: str, **opts: Any) -> None:
+        kind = self.kind or type(self).__name__
         unknown = set(opts) - set(self.options)
         if unknown:
             raise ValueError(
-                f"layer {name!r} ({self.kind}): unknown option(s) {sorted(unknown)}; "
+                f"layer {name!r} ({kind}): unknown option(s) {sorted(unknown)}; "
                 f"allowed: {sorted(self.options)}"
             )
         missing = [k for k, v in self.options.items() if v is ... and k not in opts]
         if missing:
-            raise ValueError(f"layer {name!r} ({self.kind}): missing option(s) {missing}")
+            raise ValueError(f"layer {name!r} ({kind}): missing option(s) {missing}")
         self.name = name
         self.opts = {**self.options, **opts}
         self.in_shape: Shape = ()
@@ -114,7 +115,7 @@ class Layer:
         return draws.reshape(like.shape)
 
     def _fail(self, msg: str) -> ValueError:
-        return ValueError(f"layer {self.name!r} ({self.kind}): {msg}")
+        return ValueError(f"layer {self.name!r} ({self.kind or type(self).__name__}): {msg}")
 
 
 def _fan_init(shape: Shape, fan_in: int, fan_out: int, act: str, rng) -> np.ndarray:

@@ -150,8 +150,7 @@ class Net:
             names[ls.name] = i
             try:
                 layer = cls(ls.name, **options)
-                if not layer.kind:  # a user's class that does not set it: the name it was given
-                    layer.kind = ls.kind
+                layer.kind = ls.kind  # as the job names it (a class of the user's may not say)
                 shape = layer.build(shape)
                 check_declared(layer, shape)
             except TypeError as e:  # an option the layer does not take

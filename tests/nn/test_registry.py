@@ -153,3 +153,11 @@ def test_registered_layers_and_losses(monkeypatch):
         register_layer("a:b", Twice)
     with pytest.raises(ValueError, match="loss 'mse' is raysinga's own"):
         register_loss("mse", lambda *a: a)
+
+
+def test_a_users_layer_options_are_checked_as_raysingas_own(user_module):
+    with pytest.raises(ValueError) as e:
+        ModelSpec.from_dict(spec(f"{user_module}:Scale", inti=2.0))
+    assert str(e.value) == (
+        "model.layers[1]: layer 'sc' (Scale): unknown option(s) ['inti']; allowed: ['init']"
+    )
