@@ -186,8 +186,11 @@ def shrunk(topo: Topology, min_groups: int, min_workers: int) -> list[Topology]:
     ]
 
 
-def spawn(cls: type, pg: Any, bundle: int, res: Resources, *args: Any) -> Any:
-    """Make ``cls`` remote now, pinned to bundle ``bundle`` of placement group ``pg``."""
+def spawn(
+    cls: type, pg: Any, bundle: int, res: Resources, *args: Any, env: dict | None = None
+) -> Any:
+    """Make ``cls`` remote now, pinned to bundle ``bundle`` of placement group ``pg``, in the
+    runtime environment ``env`` beyond the job's (None: the job's)."""
     from ray.util.scheduling_strategies import (  # noqa: PLC0415
         PlacementGroupSchedulingStrategy,
     )
@@ -200,13 +203,18 @@ def spawn(cls: type, pg: Any, bundle: int, res: Resources, *args: Any) -> Any:
         opts["num_gpus"] = res.gpus
     if res.memory:
         opts["memory"] = res.memory
+    if env:
+        opts["runtime_env"] = env
     return _remote(cls, opts, args)
 
 
-def spawn_spare(cls: type, node_id: str, *args: Any, gpus: str | None = None) -> Any:
+def spawn_spare(
+    cls: type, node_id: str, *args: Any, gpus: str | None = None, env: dict | None = None
+) -> Any:
     """Make ``cls`` remote now on node ``node_id``, outside the placement group and holding
     no resources: a spare that waits, idle, to take over from a lost role of its kind there
-    (it then runs on the CPUs, and the share of a GPU, the lost role leaves).
+    (it then runs on the CPUs, and the share of a GPU, the lost role leaves). ``env``: the
+    runtime environment beyond the job's, as :func:`spawn`'s.
 
     ``gpus``: the GPUs the spare of a GPU role sees (``CUDA_VISIBLE_DEVICES``, those of the
     roles it may replace). Holding no GPU of Ray's, it gets them through its environment
@@ -217,8 +225,10 @@ def spawn_spare(cls: type, node_id: str, *args: Any, gpus: str | None = None) ->
         "num_cpus": 0,
         "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
     }
+    if gpus is not None or env:
+        opts["runtime_env"] = dict(env or {})
     if gpus is not None:
-        opts["runtime_env"] = {"env_vars": spare_env(gpus)}
+        opts["runtime_env"]["env_vars"] = spare_env(gpus)
     return _remote(cls, opts, args)
 
 

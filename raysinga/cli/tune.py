@@ -147,7 +147,7 @@ def search(args: argparse.Namespace, job: config.JobConfig) -> int:
     import ray  # noqa: PLC0415
     from ray import tune  # noqa: PLC0415
 
-    started = _connect(args.address)
+    started = _connect(args.address, job.modules)
     try:
         # synchronous PBT waits at each point for every trial: with fewer CPUs than trials (a
         # trial takes one), Tune's was seen to wait forever
@@ -236,9 +236,10 @@ def _short(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def _connect(address: str | None) -> str | None:
-    """Ray as ``raysinga train`` joins or starts it, saying which; ``"embedded"`` or
-    ``"joined"`` where this command did, None where this process already used one."""
+def _connect(address: str | None, modules: tuple[str, ...] | list[str] = ()) -> str | None:
+    """Ray as ``raysinga train`` joins or starts it (with the job's ``modules`` shipped),
+    saying which; ``"embedded"`` or ``"joined"`` where this command did, None where this
+    process already used one."""
     import ray  # noqa: PLC0415
 
     from raysinga.cluster.connect import connect, joins_cluster  # noqa: PLC0415
@@ -247,7 +248,7 @@ def _connect(address: str | None) -> str | None:
     if ray.is_initialized():
         return None
     joins = joins_cluster(address)
-    print(connect(address, runtime_env() if joins else None))
+    print(connect(address, runtime_env(modules, own=joins)))
     return "joined" if joins else "embedded"
 
 

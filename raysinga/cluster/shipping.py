@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,34 +91,84 @@ def _cache_dir() -> Path:
         return Path(tempfile.gettempdir()) / f"raysinga-code-{os.getuid()}"
 
 
-def runtime_env() -> dict[str, Any] | None:
-    """The runtime environment that brings raysinga's code to every role; None where the job
-    already hands Ray modules of its own (Ray refuses a second list: the job's must then
-    hold raysinga, or the nodes must have it installed)."""
+def runtime_env(modules: Sequence[str] = (), own: bool = True) -> dict[str, Any] | None:
+    """The runtime environment that brings raysinga's code (``own``) and the job's
+    ``modules`` (:mod:`raysinga.nn.usercode`) to every role; None where there is nothing to
+    bring, or where the job already hands Ray modules of its own (Ray refuses a second list:
+    the job's must then hold them, or the nodes must have them installed)."""
     job = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
     if job:
         with_modules = json.loads(job).get("runtime_env", {}).get("py_modules")
         if with_modules:
             return None
-    return {"py_modules": [str(assembled())]}
+    shipped = ([str(assembled())] if own else []) + user_packages(modules)
+    return {"py_modules": shipped} if shipped else None
 
 
-def check_nodes(timeout_s: float = PROBE_S, skip: frozenset[str] = frozenset()) -> None:
-    """Import what the roles import on every live node but ``skip`` (nodes found unreachable),
-    at once; raise NodeSetupError naming the first node that cannot, the module and what to
-    do. A node that Ray gives up meanwhile is passed over."""
+def role_env(modules: Sequence[str]) -> dict[str, Any] | None:
+    """The runtime environment, beyond the job's, that brings the job's ``modules`` to the
+    roles where Ray was started by other code than the run (which then could not hand them to
+    Ray as it connected): the job's own ``py_modules`` (an actor's list replaces the job's)
+    and theirs. None without modules."""
+    if not modules:
+        return None
+    import ray  # noqa: PLC0415
+
+    have = list((ray.get_runtime_context().runtime_env or {}).get("py_modules") or [])
+    return {"py_modules": have + user_packages(modules)}
+
+
+def user_packages(modules: Sequence[str], cache: Path | None = None) -> list[str]:
+    """The directories Ray ships for the job's ``modules``: a package directory as it is; a
+    ``.py`` file as a package of its own name (its text as ``__init__.py``), built once per
+    content in ``cache``, so that it imports by the same name on every node."""
+    out = []
+    for m in modules:
+        p = Path(m)
+        if p.is_dir():
+            out.append(str(p))
+            continue
+        text = p.read_bytes()
+        base = (cache or _cache_dir()) / ("user-" + hashlib.sha256(text).hexdigest()[:20])
+        dest = base / p.stem
+        if not (dest / "__init__.py").is_file():
+            base.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".module-", dir=base))
+            (tmp / "__init__.py").write_bytes(text)
+            try:
+                tmp.rename(dest)  # whole or not at all
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+        out.append(str(dest))
+    return out
+
+
+def check_nodes(
+    timeout_s: float = PROBE_S,
+    skip: frozenset[str] = frozenset(),
+    modules: Sequence[str] = (),
+    env: dict[str, Any] | None = None,
+) -> None:
+    """Import what the roles import, and the job's ``modules`` (by name), on every live node
+    but ``skip`` (nodes found unreachable), at once; raise NodeSetupError naming the first node
+    that cannot, the module and what to do. A node that Ray gives up meanwhile is passed
+    over. ``env``: the runtime environment the roles get beyond the job's (:func:`role_env`)."""
     import ray  # noqa: PLC0415
     from ray import cloudpickle  # noqa: PLC0415
     from ray.exceptions import GetTimeoutError, RayError  # noqa: PLC0415
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
 
     cloudpickle.register_pickle_by_value(node_probe)  # the node need not import it to run it
+    from raysinga.nn.usercode import module_name  # noqa: PLC0415
+
     task = ray.remote(num_cpus=0, max_retries=0)(node_probe.probe)
+    own = tuple(module_name(m) for m in modules)
     nodes = [n for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in skip]
     refs = [
         task.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
-        ).remote()
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
+            **({"runtime_env": env} if env else {}),
+        ).remote(node_probe.NEEDED + own)
         for n in nodes
     ]
     for ref, node in zip(refs, nodes, strict=True):
@@ -137,7 +188,7 @@ def check_nodes(timeout_s: float = PROBE_S, skip: frozenset[str] = frozenset()) 
         if found["module"]:
             raise NodeSetupError(
                 f"{where} cannot import {found['module']} with {found['python']} "
-                f"({found['why']}): {_remedy(found['module'])}"
+                f"({found['why']}): {_remedy(found['module'], own)}"
             )
 
 
@@ -147,7 +198,13 @@ def _alive(node_id: str) -> bool:
     return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
 
 
-def _remedy(module: str) -> str:
+def _remedy(module: str, own: tuple[str, ...] = ()) -> str:
+    if module in own:
+        return (
+            "the job's `modules` names it, and a run ships it where it starts or joins Ray "
+            "(unless --no-ship); where your own code started Ray, give ray.init "
+            "runtime_env={'py_modules': [...]} with it, or install it in that node's Python"
+        )
     if module.split(".")[0] == "raysinga":
         return (
             "install raysinga on that node, or let the run ship its code there (the default "

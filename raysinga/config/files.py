@@ -10,6 +10,8 @@ from typing import Any
 
 import yaml
 
+from raysinga.nn import usercode
+
 from .job import JobConfig, from_dict
 from .section import ConfigError
 
@@ -104,4 +106,7 @@ def load(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         raise ConfigError(f"{where}: not valid YAML: {_yaml_problem(e)}") from None
-    return from_dict(apply_overrides(d or {}, overrides or []))
+    d = apply_overrides(d or {}, overrides or [])
+    if "modules" in d:  # recorded as absolute paths: a resume or a Tune trial finds them
+        d["modules"] = usercode.absolute(d["modules"], p.resolve().parent)
+    return from_dict(d, base=p.resolve().parent)

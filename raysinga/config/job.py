@@ -6,11 +6,20 @@ in :mod:`raysinga.optim`). ``docs/concepts.md``'s key tables are drawn from thes
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import PlainValidator, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    PlainValidator,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from raysinga.data.check import DEFAULT_SCAN_BYTES
+from raysinga.nn import usercode
 from raysinga.nn.model import ModelSpec
 
 from . import rules
@@ -247,6 +256,14 @@ class JobConfig(Section):
     precision: PrecisionConfig = key(
         PrecisionConfig, shown="", description="the precision of the matrix products (below)"
     )
+    modules: list[str] = key(
+        [],
+        shown="none",
+        description="Python files or package directories that the model's layers and losses of "
+        "your own come from (`docs/layers.md`), relative to the job file: importable here and "
+        "shipped to every node with the run",
+        expected="a list of paths",
+    )
     model: Annotated[ModelSpec, PlainValidator(_model)] = key(
         description="the net: its input shape, layers and loss (below)"
     )
@@ -303,6 +320,15 @@ class JobConfig(Section):
     divergence: DivergenceConfig = key(
         DivergenceConfig, shown="", description="when a rising loss stops the run (below)"
     )
+
+    @field_validator("modules", mode="before")
+    @classmethod
+    def _modules(cls, v: Any, info: ValidationInfo) -> list[str]:
+        base = (info.context or {}).get("base") or Path.cwd()
+        try:
+            return usercode.resolve(v, Path(base))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     # The job as given (YAML's values, before defaults), kept in checkpoints and the run record.
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -373,14 +399,15 @@ class JobConfig(Section):
 DATA_KEYS = {name: info.description for name, info in DataConfig.model_fields.items()}
 
 
-def from_dict(d: Any) -> JobConfig:
+def from_dict(d: Any, base: str | Path | None = None) -> JobConfig:
     """A job from a mapping of the job file's keys, validated; a refusal is a
-    :class:`ConfigError` naming the key path."""
+    :class:`ConfigError` naming the key path. ``base``: what the paths of ``modules`` are
+    relative to (the job file's directory; default: the working directory)."""
     if not isinstance(d, dict):
         raise ConfigError(f"(top level): expected a mapping, got {type(d).__name__} {d!r}")
     rules.storable("", d)
     try:
-        cfg = JobConfig.model_validate(d)
+        cfg = JobConfig.model_validate(d, context={"base": base})
     except ValidationError as e:
         raise ConfigError(explain(e, JobConfig, d)) from None
     return cfg.with_raw(d)

@@ -44,6 +44,9 @@ class RunPlan:
     n_train: int  # training samples
     run_dir: Path
     chance_loss: float | None = None  # a classifier's loss of a uniform guess (the guard's floor)
+    # what every role runs in beyond the job's own runtime environment: the job's modules,
+    # where Ray was started by other code than this run's (shipping.role_env)
+    role_env: dict[str, Any] | None = None
 
 
 class RoleGroup(RoleCheckpoints):
@@ -88,14 +91,18 @@ class RoleGroup(RoleCheckpoints):
     def spawn_spare(self, role: str, node: str, *args: Any, gpus: str | None = None) -> Any:
         """A spare ``role`` on ``node`` (seeing ``gpus``: a GPU role's), idle until it takes
         over from a lost one; stopped with the others."""
-        actor = placement.spawn_spare(self.classes[role], node, *args, gpus=gpus)
+        actor = placement.spawn_spare(
+            self.classes[role], node, *args, gpus=gpus, env=self.plan.role_env
+        )
         self.spares.append(actor)
         return actor
 
     def _spawn(self, role: str, bundle: int, spec: Any, *more: Any) -> Any:
         res = getattr(self.topo, role)
         pg, index = self.moved.get(bundle, (self.placement.pg, bundle))
-        return placement.spawn(self.classes[role], pg, index, res, spec, *more)
+        return placement.spawn(
+            self.classes[role], pg, index, res, spec, *more, env=self.plan.role_env
+        )
 
     def bundle_nodes(self) -> dict[int, str]:
         """Where each bundle of the placement is now (Ray's node ids), moved ones included."""

@@ -9,6 +9,7 @@ checkpoint, recover and resize.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -111,8 +112,14 @@ class DistributedTrainer:
     def fit(self) -> TrainResult:
         import ray  # noqa: PLC0415
 
-        joins = joins_cluster(self.address) and not ray.is_initialized()
-        line = connect(self.address, shipping.runtime_env() if joins and self.ship else None)
+        started = ray.is_initialized()  # by other code: the roles get the modules alone
+        joins = joins_cluster(self.address) and not started
+        # raysinga's code where the run joins a cluster, and the job's own modules (its
+        # layers), where it ships: the roles of an embedded Ray do not see this process's path
+        env = shipping.runtime_env(self.cfg.modules, own=joins) if self.ship else None
+        line = connect(self.address, None if started else env)
+        if started and self.ship:
+            self.plan = dataclasses.replace(self.plan, role_env=shipping.role_env(self.cfg.modules))
         self.hub.notice(line)
         # machines gone or cut off that Ray still counts alive: no role goes there
         unreachable = unreachable_nodes() if len(ray.nodes()) > 1 else {}
@@ -121,8 +128,8 @@ class DistributedTrainer:
                 f"raysinga: node {address} ({node[:8]}) does not answer; no role is placed there"
             )
         skip = frozenset(unreachable)
-        if joins:  # before any role: one line for a node that cannot run one
-            shipping.check_nodes(skip=skip)
+        if joins or self.cfg.modules:  # before any role: one line for a node that cannot
+            shipping.check_nodes(skip=skip, modules=self.cfg.modules, env=self.plan.role_env)
         cfg = self.cfg
         # before anything of the run is written: storage and data every node sees
         reach.check(cfg.checkpoint_dir, reach.local_data_files(cfg.data.source), skip)

@@ -1,7 +1,8 @@
 """The net: a model spec of named layers, the layers (dense, convolution, pooling, batch norm,
 dropout, and the sequence layers: embedding, attention, GRU, LSTM, ...), the losses, and weights
-to and from PyTorch. Layers compute on NumPy or CuPy through :mod:`raysinga.kernels`; nothing here
-needs Ray."""
+to and from PyTorch; layers and losses of the user's own, named by import path or registered
+(:mod:`.registry`), and the check they pass (:mod:`.testing`). Layers compute on NumPy or CuPy
+through :mod:`raysinga.kernels`; nothing here needs Ray."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from .kinds import LAYERS
 from .layers import Layer, StepContext
 from .losses import CLASSIFYING, LOSSES
 from .model import LayerSpec, ModelSpec, Net
+from .registry import register_layer, register_loss
 
 __all__ = [
     "CLASSIFYING",
@@ -19,4 +21,6 @@ __all__ = [
     "ModelSpec",
     "Net",
     "StepContext",
+    "register_layer",
+    "register_loss",
 ]

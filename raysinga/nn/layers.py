@@ -38,15 +38,16 @@ class Layer:
     options: ClassVar[dict[str, Any]] = {}  # option name -> default (required ones: ...)
 
     def __init__(self, name: str, **opts: Any) -> None:
+        kind = self.kind or type(self).__name__
         unknown = set(opts) - set(self.options)
         if unknown:
             raise ValueError(
-                f"layer {name!r} ({self.kind}): unknown option(s) {sorted(unknown)}; "
+                f"layer {name!r} ({kind}): unknown option(s) {sorted(unknown)}; "
                 f"allowed: {sorted(self.options)}"
             )
         missing = [k for k, v in self.options.items() if v is ... and k not in opts]
         if missing:
-            raise ValueError(f"layer {name!r} ({self.kind}): missing option(s) {missing}")
+            raise ValueError(f"layer {name!r} ({kind}): missing option(s) {missing}")
         self.name = name
         self.opts = {**self.options, **opts}
         self.in_shape: Shape = ()
@@ -91,8 +92,30 @@ class Layer:
     def key(self, local: str) -> str:
         return f"{self.name}/{local}"
 
+    def uniform(self, ctx: StepContext, like: Any) -> Any:
+        """Draws in ``[0, 1)`` shaped and typed as ``like`` (a batch, on its device): this
+        layer's random stream at the step of ``ctx``. Each draw is a pure function of the
+        job's seed, the step, the layer's name, the global index of its sample (``ctx``'s
+        ``sample_offset`` plus its row) and its place in the sample, as dropout's masks are:
+        a sample draws the same numbers whichever worker computes it, and a step recomputed
+        after a loss draws them again. Not for a step recorded as a CUDA graph, whose replays
+        would repeat the recorded step's draws."""
+        xp = K.get_array_module(like)
+        n = like.shape[0] if like.ndim else 1
+        per = like.size // n if n else 0
+        u64 = xp.uint64
+        key = K.dropout_key(ctx.seed, ctx.step, self.name)
+        z = xp.arange(ctx.sample_offset * per, (ctx.sample_offset + n) * per, dtype=u64)
+        with np.errstate(over="ignore"):
+            z = u64(key) + z * u64(K.common.GOLDEN)
+            z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
+            z = z ^ (z >> u64(31))
+        draws = (z >> u64(40)).astype(like.dtype) * like.dtype.type(2.0**-24)
+        return draws.reshape(like.shape)
+
     def _fail(self, msg: str) -> ValueError:
-        return ValueError(f"layer {self.name!r} ({self.kind}): {msg}")
+        return ValueError(f"layer {self.name!r} ({self.kind or type(self).__name__}): {msg}")
 
 
 def _fan_init(shape: Shape, fan_in: int, fan_out: int, act: str, rng) -> np.ndarray:

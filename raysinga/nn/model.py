@@ -17,9 +17,11 @@ import numpy as np
 
 from raysinga import kernels as K
 
-from .kinds import LAYERS
+from . import usercode
+from .checks import check_declared
 from .layers import Layer, StepContext, param_rng
-from .losses import CLASSIFYING, LOSSES, accuracy
+from .losses import CLASSIFYING, accuracy
+from .registry import KindError, is_own, is_own_loss, layer_class, loss_function
 
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 
@@ -87,8 +89,31 @@ class ModelSpec:
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def validate(self) -> None:
-        """Build every layer once so bad options fail when the config is read."""
-        Net(self)
+        """Build every layer once so bad options fail when the config is read; a layer or loss
+        of the user's own also runs once on a small batch (:func:`.checks.probe`), so that a
+        forward or backward that breaks its declared shapes fails here, not in a role."""
+        from .checks import probe  # noqa: PLC0415
+
+        probe(Net(self))
+
+    def own_kinds(self) -> list[str]:
+        """The layer kinds and loss of the user's own (import paths or registered names)."""
+        kinds = [ls.kind for ls in self.layers if not is_own(ls.kind)]
+        if not is_own_loss(self.loss):
+            kinds.append(self.loss)
+        return list(dict.fromkeys(kinds))
+
+
+def recorded_spec(run: dict[str, Any], where: str) -> ModelSpec:
+    """The model spec of a run's record (a checkpoint's ``run``: ``run["model"]["spec"]``),
+    with the modules its job named (``modules``, :mod:`.usercode`) put on the path where they
+    are still there. A spec that cannot be built (a layer's module gone) raises ValueError in
+    one line naming ``where`` (the checkpoint)."""
+    usercode.on_path(list((run.get("config") or {}).get("modules") or []))
+    try:
+        return ModelSpec.from_dict(run["model"]["spec"])
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 class Net:
@@ -97,8 +122,10 @@ class Net:
     def __init__(self, spec: ModelSpec, dtype: str = "float32") -> None:
         if dtype not in K.common.FLOAT_DTYPES:
             raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
-        if spec.loss not in LOSSES:
-            raise ValueError(f"model.loss: unknown loss {spec.loss!r}; allowed: {sorted(LOSSES)}")
+        try:
+            self.loss_fn = loss_function(spec.loss)
+        except KindError as e:
+            raise ValueError(f"model.loss: {e}") from None
         self.spec, self.dtype = spec, np.dtype(dtype)
         self.layers: list[Layer] = []
         self.out_shapes: list[tuple[int, ...]] = []  # per layer, one sample's
@@ -107,11 +134,10 @@ class Net:
         names: dict[str, int] = {}
         shape = tuple(spec.input_shape)
         for i, ls in enumerate(spec.layers):
-            if ls.kind not in LAYERS:
-                raise ValueError(
-                    f"model.layers[{i}].kind: unknown layer kind {ls.kind!r}; "
-                    f"allowed: {', '.join(sorted(LAYERS))}"
-                )
+            try:
+                cls = layer_class(ls.kind)
+            except KindError as e:
+                raise ValueError(f"model.layers[{i}].kind: {e}") from None
             if not ls.name or not set(ls.name) <= _NAME_CHARS or ls.name in names:
                 raise ValueError(
                     f"model.layers[{i}].name: {ls.name!r} must be unique and use only letters, "
@@ -123,8 +149,10 @@ class Net:
                 shape = self.out_shapes[names[sources[0]]]
             names[ls.name] = i
             try:
-                layer = LAYERS[ls.kind](ls.name, **options)
+                layer = cls(ls.name, **options)
+                layer.kind = ls.kind  # as the job names it (a class of the user's may not say)
                 shape = layer.build(shape)
+                check_declared(layer, shape)
             except TypeError as e:  # an option the layer does not take
                 raise ValueError(f"model.layers[{i}] ({ls.name}): {e}") from None
             except ValueError as e:
@@ -135,7 +163,6 @@ class Net:
         self.layers[0].need_dx = False  # nobody wants the input's gradient: skip that GEMM
         self._check_used()
         self.output_shape = shape
-        self.loss_fn = LOSSES[spec.loss]
         self.takes_tokens = bool(getattr(self.layers[0], "takes_tokens", False))
         # outputs a later layer's ``from`` names: kept during a forward pass
         self.kept = {n for srcs in self.sources if srcs for n in srcs}

@@ -35,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from .model import ModelSpec, Net
+from .model import ModelSpec, Net, recorded_spec
+from .registry import is_own
 
 # (raysinga local name, PyTorch name, transposed) per layer kind
 NAMES: dict[str, tuple[tuple[str, str, bool], ...]] = {
@@ -62,12 +63,29 @@ NAMES["lstm"] = NAMES["gru"]
 STATE_NAMES = {"batchnorm": (("running_mean", "running_mean"), ("running_var", "running_var"))}
 
 
+def _names(ly: Any) -> tuple[tuple[str, str, bool], ...]:
+    """A layer's (local, PyTorch name, transposed): raysinga's table for its own kinds, the
+    class's ``torch_names`` for a layer of the user's own (``docs/layers.md``). A layer of the
+    user's own with parameters and no ``torch_names`` raises ValueError in one line."""
+    if is_own(ly.kind):
+        return NAMES.get(ly.kind, ())
+    names = getattr(type(ly), "torch_names", None)
+    if names is None:
+        if not ly.param_shapes() and not ly.state_shapes():
+            return ()
+        raise ValueError(
+            f"layer {ly.name!r} ({ly.kind}) does not say how its parameters map to PyTorch's: "
+            "give its class torch_names, ((name, PyTorch name, transposed), ...) (docs/layers.md)"
+        )
+    return tuple((str(a), str(b), bool(t)) for a, b, t in names)
+
+
 def to_state_dict(net: Net, params: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
     """The net's parameters and state under PyTorch's names, in PyTorch's layouts."""
     out: dict[str, Any] = {}
     for ly in net.layers:
         kind = ly.kind
-        for local, theirs, transposed in NAMES.get(kind, ()):
+        for local, theirs, transposed in _names(ly):
             a = np.asarray(params[ly.key(local)])
             out[f"{ly.name}.{theirs}"] = np.ascontiguousarray(a.T if transposed else a)
         for local, theirs in STATE_NAMES.get(kind, ()):
@@ -83,7 +101,7 @@ def from_state_dict(net: Net, sd: dict[str, Any]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     shapes = {**net.param_shapes(), **net.state_shapes()}
     for ly in net.layers:
-        pairs = [(loc, th, tr) for loc, th, tr in NAMES.get(ly.kind, ())]
+        pairs = list(_names(ly))
         pairs += [(loc, th, False) for loc, th in STATE_NAMES.get(ly.kind, ())]
         for local, theirs, transposed in pairs:
             key = f"{ly.name}.{theirs}"
@@ -129,7 +147,7 @@ def load(path: str) -> dict[str, np.ndarray]:
 def export(ck: Any, out: str) -> list[str]:
     """Write a checkpoint's model as a PyTorch ``state_dict`` file ``out``, whole or not at
     all; returns its entries' names."""
-    spec = ModelSpec.from_dict(ck.meta["run"]["model"]["spec"])
+    spec = recorded_spec(ck.meta["run"], f"checkpoint {ck.location}")
     params, state = ck.arrays("param"), ck.arrays("state")
     net = Net(spec, dtype=str(next(iter(params.values())).dtype))
     sd = to_state_dict(net, params, state)
@@ -184,6 +202,14 @@ def _build(torch: Any, spec: ModelSpec, dtype: Any) -> Any:
     def module(ly: Any) -> Any:
         o, shape = ly.opts, ly.in_shape
         kind = ly.kind
+        if not is_own(kind):  # a layer of the user's own says how, or has no module
+            make = getattr(ly, "torch_module", None)
+            if make is None:
+                raise ValueError(
+                    f"layer {ly.name!r} ({kind}) has no PyTorch module: give its class "
+                    "torch_module(self, torch, dtype) (docs/layers.md)"
+                )
+            return make(torch, dtype)
         if kind == "dense":
             cls = _with_activation(nn.Linear, acts.get(o["activation"]))
             return cls(shape[-1], o["units"], dtype=dtype)

@@ -16,7 +16,7 @@ import numpy as np
 from raysinga.checkpoint import Checkpoint, CheckpointError
 from raysinga.data.text import Vocabulary
 from raysinga.nn.layers import StepContext
-from raysinga.nn.model import ModelSpec, Net
+from raysinga.nn.model import Net, recorded_spec
 
 
 def language_model(ck: Checkpoint) -> tuple[Net, dict[str, Any], Vocabulary]:
@@ -25,7 +25,7 @@ def language_model(ck: Checkpoint) -> tuple[Net, dict[str, Any], Vocabulary]:
     checkpoint."""
     run = ck.meta.get("run", {})
     source = run.get("config", {}).get("data", {}).get("source", {})
-    spec = ModelSpec.from_dict(run["model"]["spec"]) if "model" in run else None
+    spec = recorded_spec(run, f"checkpoint {ck.location}") if "model" in run else None
     if spec is None or spec.loss != "sequence_cross_entropy" or source.get("kind") != "text":
         raise CheckpointError(
             f"{ck.location}: not a language model of the text corpus (generate needs a model "

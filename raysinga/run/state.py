@@ -220,6 +220,17 @@ def check_fits(
         else:
             report.matched.append(n)
     report.missing = [n for n in shapes if n not in stored]
+    if report.mismatched and not (report.missing or report.unexpected):
+        # the same names, other shapes (as a layer of the user's own whose code changed):
+        # one line, the first of them named
+        name, was, now = report.mismatched[0]
+        more = len(report.mismatched) - 1
+        raise CheckpointError(
+            f"{ck.location}: parameter {name!r} is {list(was)} in the checkpoint and "
+            f"{list(now)} in this model{f' (and {more} more)' if more else ''}: the checkpoint "
+            "does not fit this model (to start a new run from what matches, use --init-from "
+            "instead of --resume)"
+        )
     if not report.perfect:
         raise CheckpointError(
             f"{ck.location}: the checkpoint does not fit this model (to start a new run from "

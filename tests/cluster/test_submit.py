@@ -62,6 +62,26 @@ def trained_to(head, run_dir: str, step: int) -> bool:
     return False
 
 
+def test_layers_of_the_users_own_train_on_hosts_without_raysinga_or_their_module(cluster):
+    """examples/custom_layers/: charlm with RMSNorm and SwiGLU of the user's own module, two
+    workers and two servers on hosts that have neither raysinga nor that module: the run
+    ships both (docs/layers.md)."""
+    (head, *nodes), _ = cluster
+    for h in nodes:
+        r = h.run([h.own_python, "-c", "import mylayers"])
+        assert r.returncode != 0 and "No module named 'mylayers'" in r.stdout, r.stdout
+    run_dir = "/mnt/shared/custom-layers"
+    args = [str(Path(sys.executable).parent / "raysinga"), "train"]
+    args += [str(ROOT / "examples" / "custom_layers" / "charlm.yaml")]
+    args += ["--address", f"{head.address}:6379"]
+    sets = ["train_steps=4", "disp_freq=2", "test_freq=0", "data.source.max_chars=200000"]
+    sets += ["data.source.valid_every=10", f"run_dir={run_dir}"]
+    run = head.run([*args, *[x for s in sets for x in ("--set", s)]], timeout=900)
+    assert run.returncode == 0, run.stdout
+    # (the head has no CPU: every role ran on the hosts)
+    assert "bits per character" in run.stdout and "Traceback" not in run.stdout, run.stdout
+
+
 def test_a_job_submitted_from_outside_to_hosts_without_raysinga_survives_losing_one(cluster):
     (head, *nodes), token = cluster
     run_dir = "/mnt/shared/submitted"

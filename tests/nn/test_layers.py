@@ -142,3 +142,34 @@ def test_dropout_is_identity_at_inference_and_depends_on_global_sample():
     other_step = layer.forward({}, {}, x, StepContext(True, seed=1, step=8))
     assert not np.array_equal(whole, other_step)
     assert set(np.unique(whole)) == {0.0, 2.0}
+
+
+def test_a_layers_random_stream_is_the_samples_wherever_they_are_computed():
+    """``Layer.uniform``: the draws of a batch are those of its samples by their global index,
+    so two workers that split the batch draw what one worker draws; another step, another
+    layer or another seed draws others."""
+    from raysinga.nn.layers import Layer, StepContext
+
+    like = np.zeros((6, 3, 2), np.float32)
+    a, b = Layer("noise"), Layer("other")
+    one = a.uniform(StepContext(train=True, seed=3, step=7), like)
+    split = np.concatenate(
+        [
+            a.uniform(StepContext(train=True, seed=3, step=7, sample_offset=0), like[:2]),
+            a.uniform(StepContext(train=True, seed=3, step=7, sample_offset=2), like[2:]),
+        ]
+    )
+    assert one.dtype == np.float32 and one.shape == like.shape
+    assert one.tobytes() == split.tobytes()
+    assert 0.0 <= one.min() and one.max() < 1.0 and 0.3 < one.mean() < 0.7
+    for other in (
+        a.uniform(StepContext(train=True, seed=3, step=8), like),
+        b.uniform(StepContext(train=True, seed=3, step=7), like),
+        a.uniform(StepContext(train=True, seed=4, step=7), like),
+    ):
+        assert not np.array_equal(one, other)
+    # the same bits as dropout's mask: an element is kept where its draw is at least the rate
+    from raysinga import kernels as K
+
+    mask = K.dropout_mask(like, 0.5, K.dropout_key(3, 7, "noise"), 0)
+    assert np.array_equal(mask > 0, one >= 0.5)

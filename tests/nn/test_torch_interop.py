@@ -34,7 +34,7 @@ def _outputs_match(cfg, ck: Checkpoint, pt: Path, x: np.ndarray) -> None:
     assert float(np.abs(got - want).max()) <= 1e-5 * scale, "outputs differ beyond 1e-5"
 
 
-@pytest.mark.parametrize("job", ["charlm", "chargru", "digits_cnn"])
+@pytest.mark.parametrize("job", ["charlm", "chargru", "digits_cnn", "custom_layers/charlm"])
 def test_an_exported_model_computes_the_same_in_pytorch(job, tmp_path):
     """Each example trained a few steps (batch-norm statistics and all), exported with
     --format torch, loaded into torch_module's model: the same outputs to 1e-5 relative."""

@@ -1,0 +1,70 @@
+"""The job's own Python modules (its ``modules`` key): the files and packages that its layers
+and losses of the user's own come from (``docs/layers.md``). Each is a ``.py`` file (module
+``stem``) or a package directory (module: the directory's name). This process imports them
+from where they are; a run on Ray ships them to every node with the job
+(:func:`raysinga.cluster.shipping.runtime_env`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def resolve(given: Any, base: Path) -> list[str]:
+    """The absolute paths of ``given`` (a list of paths, relative to ``base``: the job file's
+    directory), each checked, and their parent directories put on this process's path. A path
+    that is not here passes where its module imports anyway (shipped to this node by Ray).
+    Raises ValueError naming the entry (``modules[i]``) and what is wrong."""
+    if given is None:
+        return []
+    if not isinstance(given, (list, tuple)) or not all(isinstance(p, str) for p in given):
+        raise ValueError(f"modules: expected a list of paths, got {given!r}")
+    paths, names = [], {}
+    for i, entry in enumerate(given):
+        p = Path(entry).expanduser()
+        p = (p if p.is_absolute() else base / p).resolve()
+        where = f"modules[{i}]: {entry}"
+        if p.is_file():
+            if p.suffix != ".py":
+                raise ValueError(f"{where}: not a Python file (.py) or package directory")
+        elif p.is_dir():
+            if not (p / "__init__.py").is_file():
+                raise ValueError(f"{where}: a directory without __init__.py, not a package")
+        elif importlib.util.find_spec(module_name(p)) is None:  # not shipped here either
+            raise ValueError(f"{where}: no such file or directory (relative to {base})")
+        name = module_name(p)
+        if not name.isidentifier():
+            raise ValueError(f"{where}: {name!r} cannot be imported by that name")
+        if name in names:
+            raise ValueError(f"{where}: module {name!r} is also modules[{names[name]}]")
+        names[name] = i
+        paths.append(str(p))
+    on_path(paths)
+    return paths
+
+
+def on_path(paths: list[str]) -> None:
+    """The directories of those of ``paths`` that are here, first on this process's path (a
+    module shipped by Ray is importable without)."""
+    for p in paths:
+        parent = str(Path(p).parent)
+        if Path(p).exists() and parent not in sys.path:
+            sys.path.insert(0, parent)
+
+
+def absolute(given: Any, base: Path) -> Any:
+    """``given`` (the job's ``modules``) with each relative path made absolute from ``base``:
+    the job as recorded then names the same files from any working directory."""
+    if not isinstance(given, list):
+        return given
+    return [
+        str((base / Path(p).expanduser()).resolve()) if isinstance(p, str) else p for p in given
+    ]
+
+
+def module_name(path: str | Path) -> str:
+    """The name a module of the job's ``modules`` is imported by."""
+    p = Path(path)
+    return p.stem if p.suffix == ".py" else p.name
