@@ -14,6 +14,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -24,7 +25,7 @@ from raysinga.nn.model import ModelSpec, Net
 from raysinga.optim.grads import sum_into
 from raysinga.optim.optimizers import make_optimizer
 
-from . import server_shard
+from . import server_parts, server_shard
 from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, UpdateGuard, with_seq
 from .copies import CopyBuffer, ServerCopies
 from .device import ServerDevice
@@ -45,7 +46,7 @@ from .server_grads import SumViews, step_gradient
 from .server_values import ValueReaders
 from .snapshots import Snapshots
 from .tcp import Inbox
-from .wire import Span, cut, decode, parts_of, wire_bytes
+from .wire import parts_of, wire_bytes
 
 
 class ParamServer(Abortable, Fence):
@@ -84,7 +85,7 @@ class ParamServer(Abortable, Fence):
         self._attached = Attachments()
         self.sums = SumViews()  # where it sums the workers' gradients itself
         self.wire = spec.wire
-        self._host_sum: np.ndarray | None = None  # the blocks' sum (reduce: hosts), reused
+        self.host_sum: np.ndarray | None = None  # the blocks' sum (reduce: hosts), reused
         # reduce: hosts: the blocks' leaders send their sums of its slices here (actors.tcp)
         self.inbox = Inbox(node_ip()) if spec.inbox else None
         self.gpu: ServerDevice | None = None  # device "gpu": the optimizer runs on a GPU
@@ -194,8 +195,10 @@ class ParamServer(Abortable, Fence):
             return self.guard.version, self.readers.published, 0.0
         if isinstance(grads, HostFrames):
             if self.gpu is None and not self.optimizer.bf16_copies:
-                return self._update_by_parts(step, grads, group, t0)
-            grads = self._blocks_sum(step, grads)  # taken in and summed before anything changes
+                publish = server_parts.update_by_parts(self, step, grads)
+                self.applied[group] = step
+                return self._updated(group, step, t0, publish)
+            grads = server_parts.blocks_sum(self, step, grads)  # all in before anything changes
         self.applied[group] = step
         self.snaps.wait_for_copy()  # a checkpoint's copy of the values must come first
         self.copies.wait_for_copy()  # and a copy kept for a rebuild
@@ -218,67 +221,16 @@ class ParamServer(Abortable, Fence):
             else:
                 with self.guard:
                     self.optimizer.update_all(step, self.buf.arrays, g, self.pool)
-        self.copies.note(self.guard.version, group, step)  # the order a rebuild replays in
-        ref = self._publish()
-        if self.copies.due(self.guard.version):
-            self._start_copy()
-        return self.guard.version, ref, time.perf_counter() - t0
+        return self._updated(group, step, t0, self._publish)
 
-    def _take_part(self, step: int, frames: HostFrames, c: int) -> list[Span]:
-        """Part ``c`` of the blocks' sums of this server's slices (``topology.reduce: hosts``,
-        :func:`.wire.parts_of`), added in block order in float32 into :attr:`_host_sum`;
-        returns the part's ranges. Each leader sends its block's straight to this server's
-        inbox; the wait looks for an abort meanwhile (a leader lost, or on a host gone
-        silent)."""
-        assert self.inbox is not None, "a server of a group summed by hosts has an inbox"
-        taken = self.inbox.take(frames.epoch, step, frames.blocks, self.check_abort, part=c)
-        got = [decode(f) for f in taken]
-        part = self.parts[c]
-        if self._host_sum is None:
-            self._host_sum = np.zeros(self.layout.nbytes, np.uint8)
-        out = cut(self.layout.views(self._host_sum), part)
-        for j, dst in enumerate(out):
-            sum_into(dst, [g[j].reshape(-1) for g in got])
-        return part
-
-    def _blocks_sum(self, step: int, frames: HostFrames) -> dict[str, np.ndarray]:
-        """The sum of the blocks' sums of this server's slices, every part taken in
-        (:meth:`_take_part`), by slice name."""
-        for c in range(len(self.parts)):
-            self._take_part(step, frames, c)
-        assert self._host_sum is not None
-        return self.layout.views(self._host_sum)
-
-    def _update_by_parts(
-        self, step: int, frames: HostFrames, group: int, t0: float
+    def _updated(
+        self, group: int, step: int, t0: float, publish: Callable[[], Any]
     ) -> tuple[int, Any, float]:
-        """:meth:`_update` of a group summed by hosts on a CPU: each part of the slices
-        (:func:`.wire.parts_of`) is summed, updated and its values pushed to the other nodes'
-        mirrors as soon as every block's sum of it is in, while the later parts still cross.
-        The step is applied whole or not at all: where a wait gives up (a leader lost, an
-        abort), the parts updated so far are put back as they were, and the version with them.
-        Every element is updated as :meth:`_update` updates it: the same bits."""
-        self.snaps.wait_for_copy()  # a checkpoint's copy of the values must come first
-        self.copies.wait_for_copy()  # and a copy kept for a rebuild
-        version, kept, skip = self.guard.version, [], set()
-        values = {s.name: self.buf.arrays[s.name] for s in self.slices}
-        self.guard.__enter__()  # odd: an update under way
-        try:
-            for c in range(len(self.parts)):
-                part = self._take_part(step, frames, c)
-                with self.snaps.updating():  # a checkpoint's write in the background pauses
-                    grads = self.layout.views(self._host_sum)
-                    self.optimizer.update_spans(step, values, grads, part, self.pool, kept)
-                self.readers.push_part(cut(values, part), version + 1, c, skip, self.check_abort)
-        except BaseException:
-            self.optimizer.restore_spans(kept)
-            self.guard.set_version(version)
-            raise
-        self.optimizer.advance(list(values))
-        self.guard.__exit__()
-        self.applied[group] = step
-        self.copies.note(self.guard.version, group, step)  # the order a rebuild replays in
-        ref = self.readers.pushed(self.guard.version) if self.readers.pushes else self._publish()
+        """After group ``group``'s update of ``step``: noted in the order a rebuild replays
+        in, the values handed to the readers elsewhere (``publish``), a copy of the state
+        started where one is due. Returns what :meth:`_update` returns."""
+        self.copies.note(self.guard.version, group, step)
+        ref = publish()
         if self.copies.due(self.guard.version):
             self._start_copy()
         return self.guard.version, ref, time.perf_counter() - t0

@@ -252,7 +252,9 @@ def _inspect(args: argparse.Namespace) -> int:
     )
     for k, v in ck.meta.items():
         print(f"  {k}: {json.dumps(v, default=str)[:120]}")
-    own = _users_own(ck.meta.get("run") or {})
+    from raysinga.nn.usercode import own_kinds  # noqa: PLC0415
+
+    own = own_kinds(ck.meta.get("run") or {})
     if own:
         print(f"  layers and losses of the user's own: {own}")
     w = max([len(n) for n in rows] + [4])
@@ -265,22 +267,6 @@ def _inspect(args: argparse.Namespace) -> int:
             f"{r['version']:>7}  {r['slices']:>6}  {shards}"
         )
     return 0
-
-
-def _users_own(run: dict) -> str:
-    """The kinds of a checkpoint's model that are the user's own, with the modules its job
-    named (``docs/layers.md``); empty where there are none."""
-    from raysinga.nn.registry import is_own, is_own_loss  # noqa: PLC0415
-
-    spec = (run.get("model") or {}).get("spec") or {}
-    kinds = [ly.get("kind") for ly in spec.get("layers", []) if not is_own(ly.get("kind"))]
-    if spec.get("loss") and not is_own_loss(spec["loss"]):
-        kinds.append(spec["loss"])
-    if not kinds:
-        return ""
-    modules = (run.get("config") or {}).get("modules") or []
-    named = ", ".join(dict.fromkeys(str(k) for k in kinds))
-    return named + (f" (modules: {', '.join(map(str, modules))})" if modules else "")
 
 
 def _verify(args: argparse.Namespace) -> int:

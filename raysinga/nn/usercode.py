@@ -68,3 +68,20 @@ def module_name(path: str | Path) -> str:
     """The name a module of the job's ``modules`` is imported by."""
     p = Path(path)
     return p.stem if p.suffix == ".py" else p.name
+
+
+def own_kinds(run: dict[str, Any]) -> str:
+    """The layer kinds and loss of a run's record (a checkpoint's ``run``) that are the user's
+    own, with the modules its job named, as ``raysinga inspect`` shows them; empty where there
+    are none."""
+    from .registry import is_own, is_own_loss  # noqa: PLC0415
+
+    spec = (run.get("model") or {}).get("spec") or {}
+    kinds = [ly.get("kind") for ly in spec.get("layers", []) if not is_own(ly.get("kind"))]
+    if spec.get("loss") and not is_own_loss(spec["loss"]):
+        kinds.append(spec["loss"])
+    if not kinds:
+        return ""
+    modules = (run.get("config") or {}).get("modules") or []
+    named = ", ".join(dict.fromkeys(str(k) for k in kinds))
+    return named + (f" (modules: {', '.join(map(str, modules))})" if modules else "")

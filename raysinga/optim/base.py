@@ -12,8 +12,9 @@ import numpy as np
 
 from raysinga.kernels import get_array_module, precision, to_numpy
 
-from .grads import BLOCK, chunks, on_threads, sum_into
+from .grads import chunks, on_threads
 from .schedules import Schedule, make_schedule, schedule_from_state
+from .server_updates import ServerUpdates, check_float
 
 
 def _number(opt: str, key: str, v: Any, upper: float | None = None) -> float:
@@ -40,13 +41,9 @@ def _lerp_(a: Any, b: Any, w: float) -> None:
         a[...] = b - (b - a) * (1.0 - w)
 
 
-def _check_float(name: str, param: Any) -> None:
-    if param.dtype.kind != "f":
-        raise TypeError(f"parameter {name!r} must be floating point, got {param.dtype}")
-
-
-class Optimizer:
-    """Base class. Subclasses set ``name``, ``defaults`` and implement ``_check`` and ``_apply``."""
+class Optimizer(ServerUpdates):
+    """Base class. Subclasses set ``name``, ``defaults`` and implement ``_check`` and ``_apply``.
+    A parameter server's own updates are :class:`.server_updates.ServerUpdates`'s."""
 
     name: ClassVar[str] = ""
     defaults: ClassVar[dict[str, Any]] = {}
@@ -132,7 +129,7 @@ class Optimizer:
         replay applies its own step's.
         """
         xp = get_array_module(param)
-        _check_float(name, param)
+        check_float(name, param)
         # The stub sends NumPy gradients; a GPU server's parameters are CuPy (no copy otherwise).
         grad = xp.asarray(grad, dtype=param.dtype)
         if grad.shape != param.shape:
@@ -176,95 +173,6 @@ class Optimizer:
         if copy is not None:  # no fused kernel wrote it: a pass of its own
             precision.write_copy(param, copy)
         self.counts[name] = t
-
-    def update_summed(
-        self, step: int, params: dict, grads: dict, parts: dict, pool: Any = None
-    ) -> None:
-        """Update the NumPy parameters named in ``parts``, each with the sum of its gradient's
-        ``parts[name]`` (added in the given order), written into ``grads[name]`` on the way,
-        one cache-sized block at a time: the sum costs no pass over memory of its own. All are
-        contiguous and shaped alike. The work of all of them is split evenly over the pool's
-        threads and the caller's (one hand-over per call). The bits are those of summing each
-        gradient, then :meth:`update`."""
-        work = []
-        for name in parts:
-            param, grad = params[name], grads[name]
-            _check_float(name, param)
-            p, g, ps = param.reshape(-1), grad.reshape(-1), [x.reshape(-1) for x in parts[name]]
-            if g.shape != p.shape or not ps or any(x.shape != p.shape for x in ps):
-                raise ValueError(f"gradient parts for {name!r} do not match param {param.shape}")
-            if not (param.flags.c_contiguous and grad.flags.c_contiguous):
-                raise ValueError(f"{name!r}: a summed update needs contiguous arrays")
-            self._prepare_once(np, name, param)
-            flat = {k: v.reshape(-1) for k, v in self._slots.get(name, {}).items()}
-            work.append((p, g, ps, flat, self.counts.get(name, 0) + 1))
-        lr, total = self.lr(step), sum(w[0].size for w in work)
-        spans = chunks(total, pool)
-
-        def run(span: tuple[int, int]) -> None:
-            off = 0
-            for p, g, ps, flat, t in work:
-                lo, hi = max(span[0] - off, 0), min(span[1] - off, p.size)
-                for a in range(lo, hi, BLOCK):
-                    b = min(hi, a + BLOCK)
-                    sum_into(g[a:b], [x[a:b] for x in ps])
-                    self._apply(np, p[a:b], g[a:b], {k: v[a:b] for k, v in flat.items()}, lr, t)
-                off += p.size
-
-        on_threads(pool, run, spans)
-        for name, w in zip(parts, work, strict=True):
-            self.counts[name] = w[4]
-
-    def update_spans(
-        self,
-        step: int,
-        params: dict,
-        grads: dict,
-        spans: list[tuple[str, int, int]],
-        pool: Any = None,
-        kept: list | None = None,
-    ) -> None:
-        """Update the flat ranges ``spans`` (each ``(name, start, stop)``) of the contiguous
-        NumPy ``params`` with the same ranges of ``grads``, as :meth:`update` updates them,
-        without counting the update: :meth:`advance` counts it once every range of the
-        parameters is done. The work is split evenly over the pool's threads and the
-        caller's. ``kept``: each range's values and slots as they were are appended to it
-        first, for :meth:`restore_spans`."""
-        work = []
-        for name, a, b in spans:
-            param = params[name]
-            _check_float(name, param)
-            if not param.flags.c_contiguous:
-                raise ValueError(f"{name!r}: an update of ranges needs a contiguous parameter")
-            self._prepare_once(np, name, param)
-            p = param.reshape(-1)[a:b]
-            flat = {k: v.reshape(-1)[a:b] for k, v in self._slots.get(name, {}).items()}
-            if kept is not None:
-                kept.append((p, p.copy(), {k: (v, v.copy()) for k, v in flat.items()}))
-            g = grads[name].reshape(-1)[a:b]
-            work.append((p, g, flat, self.counts.get(name, 0) + 1))
-        lr, total = self.lr(step), sum(w[0].size for w in work)
-        if not total:
-            return
-
-        def run(span: tuple[int, int]) -> None:
-            off = 0
-            for p, g, flat, t in work:
-                lo, hi = max(span[0] - off, 0), min(span[1] - off, p.size)
-                if lo < hi:
-                    sl = slice(lo, hi)
-                    self._apply(np, p[sl], g[sl], {k: v[sl] for k, v in flat.items()}, lr, t)
-                off += p.size
-
-        on_threads(pool, run, chunks(total, pool))
-
-    @staticmethod
-    def restore_spans(kept: list) -> None:
-        """Put back what :meth:`update_spans` kept, last first."""
-        for p, was, slots in reversed(kept):
-            p[...] = was
-            for now, before in slots.values():
-                now[...] = before
 
     def _prepare_once(self, xp: Any, name: str, param: Any) -> None:
         if name not in self._ready:

@@ -208,7 +208,7 @@ def test_a_layer_whose_parameters_changed_since_the_checkpoint_is_one_line(tmp_p
         capture_output=True,
         text=True,
     )
-    assert export.returncode == 1 and not out.exists()
+    assert export.returncode == 2 and not out.exists()  # bad input
     assert export.stderr.strip().splitlines() == [
         "raysinga: error: layer 'tw' (ucmod_scale:Scale) does not say how its parameters map to "
         "PyTorch's: give its class torch_names, ((name, PyTorch name, transposed), ...) "
