@@ -228,7 +228,8 @@ def spawn_spare(
     if gpus is not None or env:
         opts["runtime_env"] = dict(env or {})
     if gpus is not None:
-        opts["runtime_env"]["env_vars"] = spare_env(gpus)
+        given = opts["runtime_env"].get("env_vars") or {}
+        opts["runtime_env"]["env_vars"] = {**given, **spare_env(gpus)}
     return _remote(cls, opts, args)
 
 

@@ -106,16 +106,17 @@ def runtime_env(modules: Sequence[str] = (), own: bool = True) -> dict[str, Any]
 
 
 def role_env(modules: Sequence[str]) -> dict[str, Any] | None:
-    """The runtime environment, beyond the job's, that brings the job's ``modules`` to the
-    roles where Ray was started by other code than the run (which then could not hand them to
-    Ray as it connected): the job's own ``py_modules`` (an actor's list replaces the job's)
-    and theirs. None without modules."""
+    """The runtime environment, beyond the job's, that lets the roles import the job's
+    ``modules`` where Ray was started by other code than the run (which then could not hand
+    them to Ray as it connected, and Ray takes directories to upload only from ``ray.init``):
+    their directories on ``PYTHONPATH``, before this process's own. A node where those
+    directories are not (another machine) cannot import them: the node check names the module
+    (:func:`check_nodes`). None without modules."""
     if not modules:
         return None
-    import ray  # noqa: PLC0415
-
-    have = list((ray.get_runtime_context().runtime_env or {}).get("py_modules") or [])
-    return {"py_modules": have + user_packages(modules)}
+    dirs = list(dict.fromkeys(str(Path(m).parent) for m in modules))
+    given = os.environ.get("PYTHONPATH")
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join([*dirs, *([given] if given else [])])}}
 
 
 def user_packages(modules: Sequence[str], cache: Path | None = None) -> list[str]:
