@@ -129,9 +129,15 @@ def _imported(path: str, what: str) -> Any:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
         missing = e.name or module
-        raise KindError(
-            f"{what} {path!r}: module {missing!r} cannot be imported here; name the file or "
-            "package in the job's `modules` (it is then on the path and shipped to every node)"
+        if module == missing or module.startswith(missing + "."):
+            raise KindError(
+                f"{what} {path!r}: module {missing!r} cannot be imported here; name the file or "
+                "package in the job's `modules` (it is then on the path and shipped to every "
+                "node)"
+            ) from None
+        raise KindError(  # the module is there; something it imports is not
+            f"{what} {path!r}: importing module {module!r} failed: module {missing!r} is not "
+            "installed here"
         ) from None
     except Exception as e:  # the module itself failed: say where
         first = (str(e).strip().splitlines() or [""])[0]

@@ -116,6 +116,17 @@ def test_a_module_that_fails_to_import_says_how(tmp_path, monkeypatch):
         ModelSpec.from_dict(spec("brokenlayers_q:Scale"))
 
 
+def test_a_module_whose_own_import_is_missing_says_which(tmp_path, monkeypatch):
+    (tmp_path / "needy_q.py").write_text("import not_installed_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as e:
+        ModelSpec.from_dict(spec("needy_q:Scale"))
+    assert str(e.value) == (
+        "model.layers[1].kind: layer 'needy_q:Scale': importing module 'needy_q' failed: module "
+        "'not_installed_xyz' is not installed here"
+    )
+
+
 def test_a_loss_that_names_nothing_usable_is_one_line(user_module):
     with pytest.raises(ValueError, match=r"^model.loss: unknown loss 'msee'; allowed: mse"):
         ModelSpec.from_dict(spec("relu", loss="msee"))
