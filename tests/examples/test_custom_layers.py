@@ -94,3 +94,18 @@ def test_the_example_survives_a_lost_worker_bit_identically(ray_session, tmp_pat
         assert got[k].tobytes() == a.tobytes(), k
     lines = (tmp_path / "lost" / "metrics.jsonl").read_text()
     assert '"kind": "failure"' in lines and '"role": "worker"' in lines
+
+
+def test_a_node_that_cannot_import_the_jobs_module_is_one_line(ray_session, tmp_path):
+    """Not shipped (``--no-ship``), in a Ray that other code started: the session's nodes
+    have raysinga but not the example's module, and the run stops before any role with one
+    line naming the node, the module and what to do."""
+    from raysinga.cluster.shipping import NodeSetupError
+
+    with pytest.raises(NodeSetupError) as e:
+        DistributedTrainer(small(tmp_path / "unshipped"), log=None, ship=False).fit()
+    line = str(e.value)
+    assert "\n" not in line
+    assert "cannot import mylayers" in line and "No module named 'mylayers'" in line, line
+    assert "the job's `modules` names it" in line and "py_modules" in line, line
+    assert not (tmp_path / "unshipped" / "checkpoints").exists()
