@@ -252,9 +252,9 @@ def _inspect(args: argparse.Namespace) -> int:
     )
     for k, v in ck.meta.items():
         print(f"  {k}: {json.dumps(v, default=str)[:120]}")
-    from raysinga.nn.usercode import own_kinds  # noqa: PLC0415
+    from raysinga.nn.usercode import inspect_line  # noqa: PLC0415
 
-    own = own_kinds(ck.meta.get("run") or {})
+    own = inspect_line(ck.meta.get("run") or {})
     if own:
         print(f"  layers and losses of the user's own: {own}")
     w = max([len(n) for n in rows] + [4])

@@ -116,11 +116,6 @@ def is_own_loss(name: str) -> bool:
     return name in LOSSES
 
 
-def module_of(path: str) -> str | None:
-    """The module an import path names (None for a plain name)."""
-    return path.partition(":")[0] if ":" in path else None
-
-
 def _imported(path: str, what: str) -> Any:
     module, _, attr = path.partition(":")
     if not module or not attr:

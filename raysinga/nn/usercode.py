@@ -70,7 +70,7 @@ def module_name(path: str | Path) -> str:
     return p.stem if p.suffix == ".py" else p.name
 
 
-def own_kinds(run: dict[str, Any]) -> str:
+def inspect_line(run: dict[str, Any]) -> str:
     """The layer kinds and loss of a run's record (a checkpoint's ``run``) that are the user's
     own, with the modules its job named, as ``raysinga inspect`` shows them; empty where there
     are none."""
