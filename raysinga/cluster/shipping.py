@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,17 +65,26 @@ def assembled(cache: Path | None = None) -> Path:
     digest = hashlib.sha256()
     for src, rel in files:
         digest.update(str(rel).encode() + b"\0" + src.read_bytes() + b"\0")
-    base = (cache or _cache_dir()) / digest.hexdigest()[:20]
-    dest = base / "raysinga"
+
+    def fill(tmp: Path) -> None:
+        for src, rel in files:
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, tmp / rel)
+
+    return _built_once((cache or _cache_dir()) / digest.hexdigest()[:20] / "raysinga", fill)
+
+
+def _built_once(dest: Path, fill: Callable[[Path], Any]) -> Path:
+    """The directory ``dest``, made by ``fill(tmp)`` into a temporary directory beside it
+    where it is not there yet, then renamed: whole or not at all (another run may have built
+    it meanwhile)."""
     if dest.is_dir():
         return dest
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".raysinga-", dir=base))
-    for src, rel in files:
-        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, tmp / rel)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    fill(tmp)
     try:
-        tmp.rename(dest)  # whole or not at all; another run may have built it meanwhile
+        tmp.rename(dest)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
@@ -131,15 +140,7 @@ def user_packages(modules: Sequence[str], cache: Path | None = None) -> list[str
             continue
         text = p.read_bytes()
         base = (cache or _cache_dir()) / ("user-" + hashlib.sha256(text).hexdigest()[:20])
-        dest = base / p.stem
-        if not (dest / "__init__.py").is_file():
-            base.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=".module-", dir=base))
-            (tmp / "__init__.py").write_bytes(text)
-            try:
-                tmp.rename(dest)  # whole or not at all
-            except OSError:
-                shutil.rmtree(tmp, ignore_errors=True)
+        dest = _built_once(base / p.stem, lambda tmp, t=text: (tmp / "__init__.py").write_bytes(t))
         out.append(str(dest))
     return out
 
