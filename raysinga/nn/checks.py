@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from .layers import Layer, StepContext, param_rng
-from .registry import is_own, is_own_loss
+from .registry import error_line, is_own, is_own_loss
 
 PROBE_BATCH = 2
 
@@ -94,7 +94,7 @@ def _probe_layer(where: str, layer: Layer, in_shape: tuple, dtype: np.dtype, rng
     try:
         y = layer.forward(params, state, x, StepContext(train=True))
     except Exception as e:
-        raise ValueError(f"{where}: forward failed on a batch of {n}: {_first(e)}") from None
+        raise ValueError(f"{where}: forward failed on a batch of {n}: {error_line(e)}") from None
     want = (n, *layer.out_shape)
     if getattr(y, "shape", None) != want or y.dtype != dtype:
         raise ValueError(
@@ -104,7 +104,7 @@ def _probe_layer(where: str, layer: Layer, in_shape: tuple, dtype: np.dtype, rng
     try:
         out = layer.backward(rng.standard_normal(want).astype(dtype))
     except Exception as e:
-        raise ValueError(f"{where}: backward failed on a batch of {n}: {_first(e)}") from None
+        raise ValueError(f"{where}: backward failed on a batch of {n}: {error_line(e)}") from None
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
         raise ValueError(f"{where}: backward returned {described(out)}, not (dx, {{name: grad}})")
     dx, grads = out
@@ -136,15 +136,11 @@ def _probe_loss(net: Any, rng: Any) -> None:
         try:
             loss, dout = net.loss_fn(out, rng.standard_normal(out.shape).astype(net.dtype), n)
         except Exception as e:
-            raise ValueError(f"{where}: failed on outputs {described(out)}: {_first(e)}") from None
+            why = error_line(e)
+            raise ValueError(f"{where}: failed on outputs {described(out)}: {why}") from None
     if np.ndim(loss) != 0:
         raise ValueError(f"{where}: returned a loss of shape {np.shape(loss)}, not a scalar")
     if getattr(dout, "shape", None) != out.shape or dout.dtype != out.dtype:
         raise ValueError(
             f"{where}: its gradient is {described(dout)}; the outputs were {described(out)}"
         )
-
-
-def _first(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__

@@ -69,41 +69,36 @@ def register_loss(name: str, fn: LossFn | None = None) -> Any:
 
 def layer_class(kind: str) -> type[Layer]:
     """The class of layer kind ``kind``: raysinga's own, registered, or an import path."""
-    if not isinstance(kind, str) or not kind:
-        raise KindError(f"a layer kind is a non-empty string, got {kind!r}")
-    if kind in LAYERS:
-        return LAYERS[kind]
-    if kind in _layers:
-        return _layers[kind]
-    if ":" not in kind:
-        known = ", ".join(sorted([*LAYERS, *_layers]))
-        raise KindError(
-            f"unknown layer kind {kind!r}; allowed: {known}, or an import path "
-            "'module:Class' of a layer of your own"
-        )
-    cls = _imported(kind, "layer")
+    cls = _lookup(kind, "layer kind", LAYERS, _layers, "module:Class")
     _check_layer_class(cls, repr(kind))
     return cls
 
 
 def loss_function(name: str) -> LossFn:
     """The loss ``name``: raysinga's own, registered, or an import path."""
-    if not isinstance(name, str) or not name:
-        raise KindError(f"a loss is a non-empty string, got {name!r}")
-    if name in LOSSES:
-        return LOSSES[name]
-    if name in _losses:
-        return _losses[name]
-    if ":" not in name:
-        known = ", ".join(sorted([*LOSSES, *_losses]))
-        raise KindError(
-            f"unknown loss {name!r}; allowed: {known}, or an import path 'module:function' "
-            "of a loss of your own"
-        )
-    fn = _imported(name, "loss")
+    fn = _lookup(name, "loss", LOSSES, _losses, "module:function")
     if not callable(fn) or isinstance(fn, type):
         raise KindError(f"loss {name!r} is {_qualname(fn)}, not a function")
     return fn
+
+
+def _lookup(name: Any, what: str, own: dict, registered: dict, path: str) -> Any:
+    """What ``name`` names among raysinga's ``own``, the ``registered`` ones, or as an import
+    path (``path`` shows its form); ``what``: "layer kind" or "loss", as a refusal says it."""
+    noun = what.split()[0]
+    if not isinstance(name, str) or not name:
+        raise KindError(f"a {what} is a non-empty string, got {name!r}")
+    if name in own:
+        return own[name]
+    if name in registered:
+        return registered[name]
+    if ":" not in name:
+        known = ", ".join(sorted([*own, *registered]))
+        raise KindError(
+            f"unknown {what} {name!r}; allowed: {known}, or an import path '{path}' of a "
+            f"{noun} of your own"
+        )
+    return _imported(name, noun)
 
 
 def is_own(kind: str) -> bool:
@@ -135,9 +130,8 @@ def _imported(path: str, what: str) -> Any:
             "installed here"
         ) from None
     except Exception as e:  # the module itself failed: say where
-        first = (str(e).strip().splitlines() or [""])[0]
         raise KindError(
-            f"{what} {path!r}: importing module {module!r} failed: {type(e).__name__}: {first}"
+            f"{what} {path!r}: importing module {module!r} failed: {error_line(e)}"
         ) from None
     obj: Any = mod
     for part in attr.split("."):
@@ -145,6 +139,12 @@ def _imported(path: str, what: str) -> Any:
             raise KindError(f"{what} {path!r}: module {module!r} has no {attr!r}")
         obj = getattr(obj, part)
     return obj
+
+
+def error_line(e: BaseException) -> str:
+    """An error of the user's code in one line: its type and its message's first line."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 def _check_layer_class(cls: Any, named: str) -> None:
