@@ -7,6 +7,7 @@ before launch, with errors that name the offending argument.
 from __future__ import annotations
 
 import zlib
+from typing import Any
 
 import numpy as np
 
@@ -141,12 +142,25 @@ _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
 def mix64_array(z: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser on a uint64 array (wrapping arithmetic), the same bits as
-    :func:`mix64` and the kernels' ``mix64``: dropout masks, data order and synthetic data."""
-    z = np.asarray(z, dtype=np.uint64)
+    """SplitMix64's finaliser on a uint64 array, NumPy's or CuPy's (wrapping arithmetic), the
+    same bits as :func:`mix64` and the kernels' ``mix64``: dropout masks, a layer's random
+    stream, data order and synthetic data."""
+    if not hasattr(z, "__cuda_array_interface__"):  # a CuPy array stays on its device
+        z = np.asarray(z, dtype=np.uint64)
     z = (z ^ (z >> np.uint64(30))) * _M1
     z = (z ^ (z >> np.uint64(27))) * _M2
     return z ^ (z >> np.uint64(31))
+
+
+def draws24(xp: Any, key: int, sample_offset: int, n: int, per: int) -> Any:
+    """The 24-bit draws (uint64) of ``n`` samples of ``per`` elements each, the first being
+    global sample ``sample_offset``: element ``j`` of sample ``s`` draws the top 24 bits of
+    ``mix64(key + (s * per + j) * GOLDEN)``. Dropout's masks and a layer's random stream
+    (``Layer.uniform``) are made of them, so a sample draws the same whoever computes it."""
+    u64 = xp.uint64
+    ctr = xp.arange(sample_offset * per, (sample_offset + n) * per, dtype=u64)
+    with np.errstate(over="ignore"):
+        return mix64_array(u64(key) + ctr * u64(GOLDEN)) >> u64(40)
 
 
 def mix64(z: int) -> int:

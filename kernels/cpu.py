@@ -11,7 +11,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from . import common
-from .common import check_float, conv_out_size, dropout_threshold, mix64_array
+from .common import check_float, conv_out_size, draws24, dropout_threshold
 from .precision import operand
 
 # ---------------------------------------------------------------- activations and dense layers
@@ -267,10 +267,7 @@ def dropout_mask(
     thresh = dropout_threshold(rate)
     n = x.shape[0]
     per = x.size // n if n else 0
-    ctr = np.arange(sample_offset * per, (sample_offset + n) * per, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        h = mix64_array(np.uint64(key) + ctr * np.uint64(common.GOLDEN))
-    keep = (h >> np.uint64(40)) >= np.uint64(thresh)
+    keep = draws24(np, key, sample_offset, n, per) >= np.uint64(thresh)
     scale = np.asarray(1.0 / (1.0 - rate), dtype=x.dtype)
     return (keep.reshape(x.shape) * scale).astype(x.dtype, copy=False)
 

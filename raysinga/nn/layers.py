@@ -100,19 +100,11 @@ class Layer:
         a sample draws the same numbers whichever worker computes it, and a step recomputed
         after a loss draws them again. Not for a step recorded as a CUDA graph, whose replays
         would repeat the recorded step's draws."""
-        xp = K.get_array_module(like)
         n = like.shape[0] if like.ndim else 1
-        per = like.size // n if n else 0
-        u64 = xp.uint64
         key = K.dropout_key(ctx.seed, ctx.step, self.name)
-        z = xp.arange(ctx.sample_offset * per, (ctx.sample_offset + n) * per, dtype=u64)
-        with np.errstate(over="ignore"):
-            z = u64(key) + z * u64(K.common.GOLDEN)
-            z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
-            z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
-            z = z ^ (z >> u64(31))
-        draws = (z >> u64(40)).astype(like.dtype) * like.dtype.type(2.0**-24)
-        return draws.reshape(like.shape)
+        xp = K.get_array_module(like)
+        z = K.common.draws24(xp, key, ctx.sample_offset, n, like.size // n if n else 0)
+        return (z.astype(like.dtype) * like.dtype.type(2.0**-24)).reshape(like.shape)
 
     def _fail(self, msg: str) -> ValueError:
         return ValueError(f"layer {self.name!r} ({self.kind or type(self).__name__}): {msg}")
