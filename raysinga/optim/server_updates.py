@@ -6,6 +6,7 @@ here is: the bits are those of one :meth:`~.base.Optimizer.update` of the whole 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,17 @@ from .grads import BLOCK, chunks, on_threads, sum_into
 def check_float(name: str, param: Any) -> None:
     if param.dtype.kind != "f":
         raise TypeError(f"parameter {name!r} must be floating point, got {param.dtype}")
+
+
+def _within(sizes: list[int], span: tuple[int, int]) -> Iterator[tuple[int, int, int]]:
+    """``(i, lo, hi)``: the range ``[lo, hi)`` of array ``i`` (of arrays of ``sizes`` laid
+    end to end) that ``span`` covers, for each array it covers."""
+    off = 0
+    for i, n in enumerate(sizes):
+        lo, hi = max(span[0] - off, 0), min(span[1] - off, n)
+        if lo < hi:
+            yield i, lo, hi
+        off += n
 
 
 class ServerUpdates:
@@ -46,18 +58,16 @@ class ServerUpdates:
             self._prepare_once(np, name, param)
             flat = {k: v.reshape(-1) for k, v in self._slots.get(name, {}).items()}
             work.append((p, g, ps, flat, self.counts.get(name, 0) + 1))
-        lr, total = self.lr(step), sum(w[0].size for w in work)
-        spans = chunks(total, pool)
+        sizes = [w[0].size for w in work]
+        lr, spans = self.lr(step), chunks(sum(sizes), pool)
 
         def run(span: tuple[int, int]) -> None:
-            off = 0
-            for p, g, ps, flat, t in work:
-                lo, hi = max(span[0] - off, 0), min(span[1] - off, p.size)
+            for i, lo, hi in _within(sizes, span):
+                p, g, ps, flat, t = work[i]
                 for a in range(lo, hi, BLOCK):
                     b = min(hi, a + BLOCK)
                     sum_into(g[a:b], [x[a:b] for x in ps])
                     self._apply(np, p[a:b], g[a:b], {k: v[a:b] for k, v in flat.items()}, lr, t)
-                off += p.size
 
         on_threads(pool, run, spans)
         for name, w in zip(parts, work, strict=True):
@@ -91,18 +101,16 @@ class ServerUpdates:
                 kept.append((p, p.copy(), {k: (v, v.copy()) for k, v in flat.items()}))
             g = grads[name].reshape(-1)[a:b]
             work.append((p, g, flat, self.counts.get(name, 0) + 1))
-        lr, total = self.lr(step), sum(w[0].size for w in work)
+        sizes = [w[0].size for w in work]
+        lr, total = self.lr(step), sum(sizes)
         if not total:
             return
 
         def run(span: tuple[int, int]) -> None:
-            off = 0
-            for p, g, flat, t in work:
-                lo, hi = max(span[0] - off, 0), min(span[1] - off, p.size)
-                if lo < hi:
-                    sl = slice(lo, hi)
-                    self._apply(np, p[sl], g[sl], {k: v[sl] for k, v in flat.items()}, lr, t)
-                off += p.size
+            for i, lo, hi in _within(sizes, span):
+                p, g, flat, t = work[i]
+                sl = slice(lo, hi)
+                self._apply(np, p[sl], g[sl], {k: v[sl] for k, v in flat.items()}, lr, t)
 
         on_threads(pool, run, chunks(total, pool))
 
