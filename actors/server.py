@@ -57,7 +57,8 @@ class ParamServer(Abortable, Fence):
         self.index = spec.index
         self.label = f"{spec.tag} server {spec.index}"  # the run (name and id), the role
         self.slices = [s for s in spec.slices if s.server == spec.index]
-        net = Net(ModelSpec.from_dict(spec.model), dtype=spec.dtype)
+        # the driver ran the user's own layers once as it read the job (nn.checks.probe)
+        net = Net(ModelSpec.from_dict(spec.model, probe=False), dtype=spec.dtype)
         self.layout = Layout.of({s.name: ((s.size,), spec.dtype) for s in self.slices})
         self.node = node_id()
         self.buf = SharedBuffer(f"{spec.tag}-server{spec.index}", with_seq(self.layout), self.node)

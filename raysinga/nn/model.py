@@ -43,8 +43,9 @@ class ModelSpec:
     loss: str = "softmax_cross_entropy"
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
-        """From a job file's ``model`` section; errors name the offending key path."""
+    def from_dict(cls, d: dict[str, Any], probe: bool = True) -> ModelSpec:
+        """From a job file's ``model`` section; errors name the offending key path.
+        ``probe``: as :meth:`validate`'s."""
         if not isinstance(d, dict):
             raise ValueError(f"model: expected a mapping, got {type(d).__name__}")
         unknown = set(d) - {"input_shape", "layers", "loss"}
@@ -73,7 +74,7 @@ class ModelSpec:
             opts = {k: v for k, v in ld.items() if k not in ("kind", "name")}
             layers.append(LayerSpec(ld["kind"], ld["name"], opts))
         spec = cls(tuple(shape), tuple(layers), d.get("loss", "softmax_cross_entropy"))
-        spec.validate()
+        spec.validate(probe)
         return spec
 
     def to_dict(self) -> dict[str, Any]:
@@ -88,13 +89,16 @@ class ModelSpec:
         blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
 
-    def validate(self) -> None:
-        """Build every layer once so bad options fail when the config is read; a layer or loss
-        of the user's own also runs once on a small batch (:func:`.checks.probe`), so that a
-        forward or backward that breaks its declared shapes fails here, not in a role."""
-        from .checks import probe  # noqa: PLC0415
+    def validate(self, probe: bool = True) -> None:
+        """Build every layer once so bad options fail when the config is read; with ``probe``,
+        a layer or loss of the user's own also runs once on a small batch
+        (:func:`.checks.probe`), so that a forward or backward that breaks its declared shapes
+        fails here, not in a role. A role rebuilding the spec the driver checked skips that."""
+        net = Net(self)
+        if probe:
+            from .checks import probe as run_once  # noqa: PLC0415
 
-        probe(Net(self))
+            run_once(net)
 
     def own_kinds(self) -> list[str]:
         """The layer kinds and loss of the user's own (import paths or registered names)."""
