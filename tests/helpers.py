@@ -411,3 +411,12 @@ def checkpoint_tensors(path: Path | str) -> dict[str, bytes]:
 
     ck = Checkpoint.open(path, verify="full")
     return {n: ck.array(n).tobytes() for k in ("param", "slot", "state") for n in ck.names(k)}
+
+
+def params_of(ck_dir: Path) -> dict:
+    """The parameters of the checkpoint at ``ck_dir``, verified in full, as bytes by name: what
+    a bit-exact comparison of two runs compares."""
+    from raysinga.checkpoint import Checkpoint  # noqa: PLC0415
+
+    ck = Checkpoint.open(ck_dir, verify="full")
+    return {k: v.tobytes() for k, v in ck.arrays("param").items()}

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import sigkill_once, signal_worker_at
+from helpers import params_of, sigkill_once, signal_worker_at
 
 from raysinga import config
-from raysinga.checkpoint import Checkpoint, steps
+from raysinga.checkpoint import steps
 from raysinga.distributed import DistributedTrainer
 
 JOB = Path(__file__).resolve().parents[2] / "examples" / "custom_layers" / "charlm.yaml"
@@ -49,11 +49,6 @@ def train(run_dir: Path, *more: str, timeout: int = 600) -> subprocess.Completed
 
 def small(run_dir: Path) -> config.JobConfig:
     return config.load(JOB, [*SMALL, f"run_dir={run_dir}"])
-
-
-def params_of(ck_dir: Path) -> dict:
-    ck = Checkpoint.open(ck_dir, verify="full")
-    return {k: v.tobytes() for k, v in ck.arrays("param").items()}
 
 
 def test_the_example_trains_on_one_process(tmp_path):
