@@ -23,8 +23,7 @@ def resolve(given: Any, base: Path) -> list[str]:
         raise ValueError(f"modules: expected a list of paths, got {given!r}")
     paths, names = [], {}
     for i, entry in enumerate(given):
-        p = Path(entry).expanduser()
-        p = (p if p.is_absolute() else base / p).resolve()
+        p = _at(entry, base)
         where = f"modules[{i}]: {entry}"
         if p.is_file():
             if p.suffix != ".py":
@@ -59,9 +58,12 @@ def absolute(given: Any, base: Path) -> Any:
     the job as recorded then names the same files from any working directory."""
     if not isinstance(given, list):
         return given
-    return [
-        str((base / Path(p).expanduser()).resolve()) if isinstance(p, str) else p for p in given
-    ]
+    return [str(_at(p, base)) if isinstance(p, str) else p for p in given]
+
+
+def _at(entry: str, base: Path) -> Path:
+    """The path ``entry`` names, relative to ``base`` where it is not absolute."""
+    return (base / Path(entry).expanduser()).resolve()
 
 
 def module_name(path: str | Path) -> str:
