@@ -23,6 +23,8 @@ from .backend import (
     xp_for,
 )
 from .common import ACTIVATIONS, dropout_key
+from .user import elementwise as elementwise_kernel
+from .user import raw as raw_kernel
 
 OPS = (
     "activation_forward",
@@ -129,10 +131,12 @@ __all__ = [
     "cupy_module",
     "device",
     "dropout_key",
+    "elementwise_kernel",
     "get_array_module",
     "gpu_available",
     "gpu_fallback_note",
     "gpu_unavailable_reason",
+    "raw_kernel",
     "to_device",
     "to_numpy",
     "xp_for",

@@ -2,7 +2,8 @@
 a SwiGLU feed-forward block, and a layer normalisation written against raysinga's public
 kernels (the benchmark's twin of raysinga's own ``layernorm``).
 
-Each computes on ``xp``, NumPy on a CPU and CuPy on a GPU, whichever its inputs are; keeps
+Each computes on ``xp``, NumPy on a CPU and CuPy on a GPU, whichever its inputs are (SwiGLU's
+gate through CUDA kernels of its own on a GPU, its NumPy twins on a CPU); keeps
 what its backward needs on ``self._cache``; and returns its parameters' gradients in their
 shapes and dtype. ``raysinga.nn.testing.check_layer`` checks each against finite differences
 (``tests/examples/test_custom_layers.py``).
@@ -53,6 +54,36 @@ class RMSNorm(Layer):
         return dx, {"gamma": dgamma}
 
 
+def _gate(a, b):
+    """SwiGLU's gate on NumPy: ``silu(a) * b``, and the sigmoid its backward needs."""
+    sig = 1.0 / (1.0 + np.exp(-a))
+    return sig, a * sig * b
+
+
+def _gate_grad(dh, a, b, sig):
+    """The gradients of the gate's two inputs from the gradient of its output, on NumPy."""
+    silu = a * sig
+    return dh * b * (sig + silu * (1.0 - sig)), dh * silu
+
+
+# The gate and its gradient as CUDA kernels of the example's own (docs/layers.md): each call
+# runs the kernel on CuPy arrays and the NumPy function beside it on NumPy arrays.
+_GATE = K.elementwise_kernel(
+    "T a, T b",
+    "T sig, T h",
+    "sig = 1 / (1 + exp(-a)); h = a * sig * b;",
+    name="swiglu_gate",
+    cpu=_gate,
+)
+_GATE_GRAD = K.elementwise_kernel(
+    "T dh, T a, T b, T sig",
+    "T da, T db",
+    "T silu = a * sig; da = dh * b * (sig + silu * (1 - sig)); db = dh * silu;",
+    name="swiglu_gate_grad",
+    cpu=_gate_grad,
+)
+
+
 class SwiGLU(Layer):
     """The gated feed-forward block of PaLM and LLaMA: ``(silu(x Wg) * (x Wu)) Wd``, from the
     model width through ``hidden`` units back to the model width."""
@@ -81,11 +112,9 @@ class SwiGLU(Layer):
         return rng.normal(0.0, 1.0 / np.sqrt(shape[0]), size=shape)
 
     def forward(self, p, s, x, ctx):
-        xp = K.get_array_module(x)
         rows = x.reshape(-1, x.shape[-1])
         a, b = rows @ p["Wg"], rows @ p["Wu"]
-        sig = 1.0 / (1.0 + xp.exp(-a))
-        h = a * sig * b
+        sig, h = _GATE(a, b)
         self._cache = (x.shape, rows, a, b, sig, h, p)
         return (h @ p["Wd"]).reshape(x.shape)
 
@@ -107,10 +136,7 @@ class SwiGLU(Layer):
     def backward(self, dy):
         x_shape, rows, a, b, sig, h, p = self._cache
         dy = dy.reshape(-1, dy.shape[-1])
-        dh = dy @ p["Wd"].T
-        silu = a * sig
-        da = dh * b * (sig + silu * (1.0 - sig))
-        db = dh * silu
+        da, db = _GATE_GRAD(dy @ p["Wd"].T, a, b, sig)
         dx = da @ p["Wg"].T + db @ p["Wu"].T
         grads = {"Wg": rows.T @ da, "Wu": rows.T @ db, "Wd": h.T @ dy}
         return dx.reshape(x_shape), grads
