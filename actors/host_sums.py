@@ -23,9 +23,9 @@ from .buffers import Attachments, ShmHandle
 from .errors import ActorLost, cancelled_on_failure, get_all
 from .protocol import HostFrames, Published, StepStats, worker_buffer_layout
 from .server_grads import own_slices
-from .tcp import Outbox, PeerLost
+from .tcp import Outbox, PeerLost, payload_bytes
 from .traffic import block_step_bytes
-from .wire import cut, encode, parts_of, wire_bytes
+from .wire import cut, frame, parts_of
 
 if TYPE_CHECKING:
     from .stub import Stub
@@ -63,14 +63,13 @@ def block_step(stub: Stub, step: int) -> StepStats:
         stats = get_all([c[0] for c in computes], "worker", stub.group)
         t1 = time.time()
         leaders = [b[0] for b in stub.blocks]
-        get_all(sums, "worker", stub.group, indices=leaders)
+        sent = [to_each for _, to_each in get_all(sums, "worker", stub.group, indices=leaders)]
     t2 = time.time()
     frames = HostFrames(stub.epoch, len(stub.blocks))
     ups = [s.update.remote(step, frames, stub.group, stub.epoch) for s in stub.servers]
     with cancelled_on_failure(ups):
         results = get_all(ups, "server")
     stub.refs = [ref for _, ref, _ in results]
-    parts = [wire_bytes(lay, stub.wire) for lay in stub.server_layouts]
     snaps = [
         worker_buffer_layout(stub.shapes, stub.dtype, st).nbytes if snap else 0
         for snap, st in zip(stub.snapshot, stub.worker_state, strict=True)
@@ -80,7 +79,7 @@ def block_step(stub: Stub, step: int) -> StepStats:
         stub.blocks,
         snaps,
         [s["node"] for s in stub.server_infos],
-        parts,
+        sent,
         published,
     )
     seconds = [t for _, _, t in results]
@@ -108,14 +107,15 @@ def block_sum(
     step: int,
     block: int,
     epoch: int,
-) -> tuple[float, int]:
+) -> tuple[float, list[int]]:
     """The sum of a block's gradients of one step as its leader ``worker`` makes it:
     ``members`` in worker order, each the buffer of a member on this node or the snapshot
     of one elsewhere. Each server's slices of it (in its order, as they cross:
     :func:`.wire.encode`) go to that server's inbox (``to``, in server order) in parts
     (:func:`.wire.parts_of`): every server's first part, then every server's second, ...,
     each round handed over from the server after this block on (:meth:`.tcp.Outbox.send`).
-    Returns the seconds it took and the bytes sent. A server that cannot be reached is
+    Returns the seconds it took and the bytes sent to each server (what crossed: compressed
+    under ``wire: *+zstd``). A server that cannot be reached is
     reported lost (:class:`.errors.ActorLost`: its connection broke, its process or host is
     gone). A block of one worker sends its buffer's slices as they are."""
     t0 = time.perf_counter()
@@ -133,14 +133,14 @@ def block_sum(
         own = own_slices(mine.sum, list(worker.slices))
     plans = [parts_of(lay) for lay in reader.layouts]
     turn = [(block + 1 + j) % len(to) for j in range(len(to))]  # one block into a server at once
-    sent, lost, first = 0, set(), None
+    sent, lost, first = [0] * len(to), set(), None
     for c in range(max(len(p) for p in plans)):
         # part c of every server's slices, then part c + 1: each server can take the first
         # parts of every block in and update them while the later ones cross
         ks = [k for k in turn if c < len(plans[k]) and k not in lost]
-        frames = [encode(cut(own, plans[k][c]), worker.wire) for k in ks]
+        frames = [frame(cut(own, plans[k][c]), worker.wire) for k in ks]
         try:
-            sent += mine.outbox.send(
+            mine.outbox.send(
                 [to[k] for k in ks],
                 epoch,
                 step,
@@ -153,6 +153,9 @@ def block_sum(
         except PeerLost as e:  # the others had theirs; these get no more
             lost |= {k for k, t in enumerate(to) if (t[0], t[1]) in e.every}
             first = first or e
+        for k, f in zip(ks, frames, strict=True):
+            if k not in lost:
+                sent[k] += payload_bytes(f)
     if first is not None:
         k = next(k for k, t in enumerate(to) if (t[0], t[1]) == first.where)
         raise ActorLost("server", k, None, f"its inbox: {first}") from None

@@ -99,9 +99,11 @@ class Published:
 @dataclass(frozen=True)
 class Pushed:
     """A server's values as it pushed them to a worker's inbox on each node that reads them
-    (``topology.reduce: hosts``, :mod:`actors.mirrors`): after ``version`` updates."""
+    (``topology.reduce: hosts``, :mod:`actors.mirrors`): after ``version`` updates;
+    ``nbytes``: what each reader node was sent of them (compressed, under ``wire: *+zstd``)."""
 
     version: int
+    nbytes: int = 0
 
 
 @dataclass(frozen=True)

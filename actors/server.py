@@ -46,7 +46,7 @@ from .server_grads import SumViews, step_gradient
 from .server_values import ValueReaders
 from .snapshots import Snapshots
 from .tcp import Inbox
-from .wire import parts_of, wire_bytes
+from .wire import parts_of, wire_bytes, words
 
 
 class ParamServer(Abortable, Fence):
@@ -107,7 +107,7 @@ class ParamServer(Abortable, Fence):
             "gpus": visible_gpus() if self.gpu is not None else None,
             # what a reader elsewhere pulls
             "published_bytes": wire_bytes(self.layout, self.wire)
-            if self.wire != "f32"
+            if words(self.wire) != "f32"
             else self.buf.layout.nbytes,
             "inbox": self.inbox.contact if self.inbox is not None else None,
         }

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 
 from .protocol import Pushed
-from .tcp import Outbox, PeerLost
-from .wire import Span, cut, encode
+from .tcp import Outbox, PeerLost, payload_bytes
+from .wire import Span, cut, encode, frame, words
 
 
 class ValueReaders:
@@ -26,6 +26,7 @@ class ValueReaders:
         self.nodes: list[str] | None = None
         self.pushes: list[tuple[str, int, bytes]] | None = None
         self.published: Any = None
+        self.pushing = 0  # bytes of the update being pushed, to each reader node
         self.outbox = Outbox()
 
     def set(
@@ -61,7 +62,7 @@ class ValueReaders:
 
         # by slices, rounded as they cross (actors.wire) under bf16; float32 as it is (Ray
         # copies it into its store as it puts it)
-        snap: Any = flat if self.wire == "f32" else encode(list(slices.values()), self.wire)
+        snap: Any = flat if words(self.wire) == "f32" else encode(list(slices.values()), self.wire)
         nodes = self.nodes
         self.published = {n: ray.put(snap) for n in nodes} if nodes else ray.put(snap)
         return self.published
@@ -81,7 +82,11 @@ class ValueReaders:
         if not (self.remote and self.pushes):
             return
         to = [c for c in self.pushes if (c[0], c[1]) not in skip]
-        frames = [encode(arrays, self.wire)] * len(to)
+        out = frame(arrays, self.wire)  # compressed once, where it is
+        frames = [out] * len(to)
+        if part == 0:
+            self.pushing = 0
+        self.pushing += payload_bytes(out)
         try:
             self.outbox.send(
                 to, 0, version, self.index, frames, check, part, [len(self.parts)] * len(to)
@@ -91,7 +96,7 @@ class ValueReaders:
 
     def pushed(self, version: int) -> Any:
         """Every part of the values after ``version`` updates went out (:meth:`push_part`)."""
-        self.published = Pushed(version)
+        self.published = Pushed(version, self.pushing)
         return self.published
 
     def close(self) -> None:

@@ -363,10 +363,15 @@ class Stub(Fence):
     def _published_bytes(self) -> list[int]:
         """The size of each server's published values that a worker elsewhere reads this
         step (0 for a server that publishes none)."""
-        return [
-            int(info.get("published_bytes", 0)) if ref is not None else 0
-            for ref, info in zip(self.refs, self.server_infos, strict=True)
-        ]
+
+        def size(ref: Any, info: dict[str, Any]) -> int:
+            if ref is None:
+                return 0
+            if isinstance(ref, Pushed) and ref.nbytes:  # as pushed (compressed, maybe)
+                return ref.nbytes
+            return int(info.get("published_bytes", 0))
+
+        return [size(ref, info) for ref, info in zip(self.refs, self.server_infos, strict=True)]
 
     @staticmethod
     def _sum(out: np.ndarray, grads: list[np.ndarray], ab: tuple[int, int]) -> None:

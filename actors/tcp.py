@@ -10,7 +10,10 @@ carries only arrays.
 
 A frame: the header (:data:`HEAD`: magic, the run's epoch, the step, the sender's block, the
 count of arrays, and which part of how many of the sender's message it is), then for each
-array its dtype code, its dimensions and its shape, then the arrays' bytes. A connection opens
+array its dtype code, its dimensions and its shape, then the arrays' bytes. An array sent
+:class:`Squeezed` (``wire: f32+zstd``, ``bf16+zstd``) has :data:`SQUEEZED` in its code and
+its compressed length before its bytes: its bytes regrouped by significance (every element's
+first byte, then every second byte, ...), compressed with Zstandard, lossless. A connection opens
 with the receiving role's token (:data:`HELLO`), which only Ray's calls hand out: a connection
 without it is closed unread. Frames of an earlier epoch (a sender replaced since, or one cut
 off from the run) are dropped, never summed.
@@ -25,6 +28,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,6 +39,9 @@ HEAD = struct.Struct("<4sqqiIHH")  # magic, epoch, step, sender, count of arrays
 ARRAY = struct.Struct("<BB")  # dtype code, dimensions (then that many uint64 of shape)
 DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.uint16)}  # float32, bfloat16 words
 CODES = {v: k for k, v in DTYPES.items()}
+SQUEEZED = 0x80  # in an array's code: compressed (then its length, uint64, then its bytes)
+LENGTH = struct.Struct("<Q")
+ZSTD_LEVEL = 1  # the fastest level: on a link slow enough to want it, the link waits, not this
 MAX_DIMS = 8
 POLL_S = 0.05  # how often a wait or a blocked send looks for an abort
 CONNECT_S = 10.0
@@ -42,6 +49,59 @@ BUFFER_BYTES = 4 << 20  # the sockets' kernel buffers asked for (the kernel may 
 
 Address = tuple[str, int]
 Check = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Squeezed:
+    """An array as it crosses compressed (:func:`squeeze`): its dtype, its shape and the
+    compressed bytes."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    payload: np.ndarray  # uint8
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes it takes on the wire."""
+        return self.payload.nbytes
+
+
+def _codec() -> Any:
+    import pyarrow as pa  # noqa: PLC0415 - only where a wire is compressed
+
+    return pa.Codec("zstd", compression_level=ZSTD_LEVEL)
+
+
+def squeeze(a: np.ndarray) -> Squeezed:
+    """``a`` (float32 or bfloat16 words) compressed without loss to cross as it is: its bytes
+    grouped by significance first, so that the sign and exponent bytes, which vary little from
+    one element to the next, lie together."""
+    a = np.ascontiguousarray(a)
+    if a.dtype not in CODES or a.ndim > MAX_DIMS:
+        raise ValueError(f"a frame carries float32 or bfloat16 words, not {a.dtype}")
+    planes = np.ascontiguousarray(a.reshape(-1).view(np.uint8).reshape(-1, a.itemsize).T)
+    # np.frombuffer: a memoryview of the pyarrow Buffer itself can claim more bytes than it has
+    return Squeezed(a.dtype, a.shape, np.frombuffer(_codec().compress(planes), np.uint8))
+
+
+def unsqueeze(payload: Any, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """The array that :func:`squeeze` made ``payload`` of; ValueError where it is not one."""
+    out = np.empty(shape, dtype)
+    try:
+        planes = _codec().decompress(payload, decompressed_size=out.nbytes)
+    except Exception as e:  # pyarrow's ArrowIOError, or the wrong size
+        raise ValueError(f"a compressed array that does not decompress: {e}") from None
+    grouped = np.frombuffer(planes, np.uint8)
+    if grouped.size != out.nbytes:
+        raise ValueError("a compressed array of another size than its shape")
+    grouped = grouped.reshape(dtype.itemsize, -1)
+    out.reshape(-1).view(np.uint8).reshape(-1, dtype.itemsize)[...] = grouped.T
+    return out
+
+
+def payload_bytes(arrays: Sequence[np.ndarray | Squeezed]) -> int:
+    """The bytes a frame of ``arrays`` carries besides its headers: what crosses the link."""
+    return sum(a.nbytes for a in arrays)
 
 
 class PeerLost(ConnectionError):
@@ -228,10 +288,16 @@ class Outbox:
         epoch, step, sender, part, parts = key
         pieces: list[Any] = [HEAD.pack(MAGIC, epoch, step, sender, len(arrays), part, parts)]
         for a in arrays:  # each array's header, then its bytes
-            if a.dtype not in CODES or a.ndim > MAX_DIMS:
+            if a.dtype not in CODES or len(a.shape) > MAX_DIMS:
                 raise ValueError(f"a frame carries float32 or bfloat16 words, not {a.dtype}")
-            pieces.append(ARRAY.pack(CODES[a.dtype], a.ndim) + struct.pack(f"<{a.ndim}Q", *a.shape))
-            pieces.append(_bytes_of(a))
+            dims = struct.pack(f"<{len(a.shape)}Q", *a.shape)
+            if isinstance(a, Squeezed):
+                code = CODES[a.dtype] | SQUEEZED
+                pieces.append(ARRAY.pack(code, len(a.shape)) + dims + LENGTH.pack(a.nbytes))
+                pieces.append(_bytes_of(a.payload))
+            else:
+                pieces.append(ARRAY.pack(CODES[a.dtype], a.ndim) + dims)
+                pieces.append(_bytes_of(a))
         sock = self._connect(contact)
         try:
             for p in pieces:
@@ -315,12 +381,18 @@ def _recv_array(conn: socket.socket) -> np.ndarray:
     if head is None:
         raise EOFError("the connection ended inside a frame")
     code, ndim = ARRAY.unpack(head)
-    if code not in DTYPES or ndim > MAX_DIMS:
+    if code & ~SQUEEZED not in DTYPES or ndim > MAX_DIMS:
         raise ValueError("not a frame of arrays")
     dims = _recv(conn, 8 * ndim) if ndim else b""
     if dims is None:
         raise EOFError("the connection ended inside a frame")
     shape = struct.unpack(f"<{ndim}Q", dims)
+    if code & SQUEEZED:
+        size = _recv(conn, LENGTH.size)
+        payload = np.empty(LENGTH.unpack(size)[0] if size else 0, np.uint8)
+        if size is None or _fill(conn, memoryview(payload)) < payload.nbytes:
+            raise EOFError("the connection ended inside a frame")
+        return unsqueeze(payload, DTYPES[code & ~SQUEEZED], shape)
     out = np.empty(shape, DTYPES[code])
     if _fill(conn, memoryview(out).cast("B")) < out.nbytes:
         raise EOFError("the connection ended inside a frame")

@@ -53,22 +53,23 @@ def block_step_bytes(
     blocks: Sequence[Sequence[int]],
     snapshots: Sequence[int],
     servers: Sequence[str],
-    parts: Sequence[int],
+    sent: Sequence[Sequence[int]],
     published: Sequence[int],
 ) -> dict[Route, int]:
     """The bytes of one step summed by blocks (``topology.reduce: hosts``) by route:
     ``workers``/``servers`` are the roles' nodes, ``blocks`` the workers of each block (its
     leader first), ``snapshots[i]`` the bytes worker ``i`` sent its leader (0 where it shares
-    the leader's node), ``parts[k]`` the bytes of server ``k``'s slices of one block's sum,
-    ``published[k]`` as for :func:`group_step_bytes`. Each leader's sum of server ``k``'s
-    slices goes to server ``k``'s node; the values come back as they do there."""
+    the leader's node), ``sent[b][k]`` the bytes block ``b``'s leader sent server ``k`` of
+    its sum (its slices, as they crossed), ``published[k]`` as for :func:`group_step_bytes`.
+    Each leader's sum of server ``k``'s slices goes to server ``k``'s node; the values come
+    back as they do there."""
     moved: Counter[Route] = Counter()
-    for b in blocks:
+    for b, to_each in zip(blocks, sent, strict=True):
         lead = workers[b[0]]
         for i in b:
             if snapshots[i] and workers[i] != lead:
                 moved[(workers[i], lead)] += snapshots[i]
-        for node, n in zip(servers, parts, strict=True):
+        for node, n in zip(servers, to_each, strict=True):
             if node != lead:
                 moved[(lead, node)] += n
     _values_back(moved, workers, servers, published)

@@ -292,7 +292,7 @@ class Worker(Abortable, Fence):
         to: Sequence[tuple[str, int, bytes]] = (),
         block: int = 0,
         epoch: int = 0,
-    ) -> tuple[float, int]:
+    ) -> tuple[float, list[int]]:
         """As the leader of block ``block`` (``topology.reduce: hosts``): the sum of the
         block's workers' gradients of ``step`` (``members``, in worker order: the buffer of
         one on this node, the published snapshot of one elsewhere), added in that order, cut

@@ -52,10 +52,10 @@ def check_job(cfg: JobConfig) -> None:
                 "gradient to take its norm (each server sums its own slices); drop clip_norm "
                 "or use reduce: stub"
             )
-        if topology.wire == "bf16" and cfg.dtype != "float32":
+        if topology.wire.startswith("bf16") and cfg.dtype != "float32":
             raise ConfigError(
-                f"topology.wire: bf16 rounds float32 gradients and values; dtype must be "
-                f"float32, got {cfg.dtype}"
+                f"topology.wire: {topology.wire} rounds float32 gradients and values; dtype "
+                f"must be float32, got {cfg.dtype}"
             )
     check_elastic(cfg.fault, topology)
     check_sizes(cfg.model, data, cfg.dtype, topology)

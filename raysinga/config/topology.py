@@ -20,7 +20,7 @@ from .section import Refusal, Section, explain, key
 
 PRESETS = ("sandblaster", "downpour", "hogwild", "allreduce")
 REDUCES = ("stub", "hosts")
-WIRES = ("f32", "bf16")
+WIRES = ("f32", "bf16", "f32+zstd", "bf16+zstd")
 HOSTS_SLICE_BYTES = 16 << 10  # reduce: hosts's default slice_bytes
 
 
@@ -118,7 +118,8 @@ class Topology(Section):
     wire: Literal[WIRES] = key(
         "f32",
         description="`reduce: hosts`: what gradients and values cross between roles as: `f32`, "
-        "or `bf16` (rounded to nearest even; the servers keep float32 values and state)",
+        "or `bf16` (rounded to nearest even; the servers keep float32 values and state); "
+        "`f32+zstd` and `bf16+zstd` send the same compressed without loss, for slow links",
     )
     worker: Resources = key(
         Resources, description="Ray resources of each worker; must reserve some CPUs or GPUs"

@@ -11,7 +11,20 @@ import time
 import numpy as np
 import pytest
 
-from actors.tcp import HEAD, HELLO, MAGIC, Inbox, Outbox, PeerLost
+from actors.tcp import (
+    ARRAY,
+    HEAD,
+    HELLO,
+    LENGTH,
+    MAGIC,
+    SQUEEZED,
+    Inbox,
+    Outbox,
+    PeerLost,
+    payload_bytes,
+    squeeze,
+    unsqueeze,
+)
 
 
 class Aborted(Exception):
@@ -65,6 +78,49 @@ def test_frames_are_taken_in_sender_order_with_their_bits_and_shapes(inbox):
         assert [a.shape for a in arrays] == [a.shape for a in sent[b]]
         assert all(x.tobytes() == y.tobytes() for x, y in zip(arrays, sent[b], strict=True))
     assert inbox.received == sum(a.nbytes for f in sent.values() for a in f)
+
+
+def weights(n: int, seed: int = 0) -> np.ndarray:
+    """float32 values as a layer holds them: small, of few exponents."""
+    return (np.random.default_rng(seed).standard_normal(n) * 0.05).astype(np.float32)
+
+
+def test_squeezed_arrays_cross_bit_for_bit_in_fewer_bytes(inbox):
+    """``wire: *+zstd``: float32 values and bfloat16 words, their bytes grouped by
+    significance and compressed, arrive with every bit, and the frame is smaller."""
+    w = weights(1 << 16).reshape(256, 256)
+    bf = (w.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16 words of them
+    odd = np.array([np.nan, -0.0, np.inf, 1e-45, -3.4e38], np.float32)  # every bit kept
+    plain = [w, bf, odd, np.zeros(0, np.float32)]
+    squeezed = [squeeze(a) for a in plain]
+    assert payload_bytes(squeezed[:2]) < 0.9 * payload_bytes(plain[:2])
+    box = Outbox()
+    try:
+        n = box.send([inbox.contact], 0, 1, 0, [squeezed], never)
+        (got,) = inbox.take(0, 1, 1, after(10))
+    finally:
+        box.close()
+    assert n < payload_bytes(plain)
+    for a, b in zip(got, plain, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    assert inbox.received == payload_bytes(plain)  # the arrays as taken in
+
+
+def test_a_squeezed_array_that_does_not_decompress_is_dropped_with_its_connection(inbox):
+    s = squeeze(weights(1000))
+    with pytest.raises(ValueError, match="does not decompress|another size"):
+        unsqueeze(s.payload[:-7], np.dtype(np.float32), (1000,))
+    with socket.create_connection(inbox.address) as c:
+        c.sendall(HELLO.pack(MAGIC, inbox.token) + HEAD.pack(MAGIC, 0, 1, 0, 1, 0, 1))
+        junk = b"not zstd at all" * 10
+        c.sendall(ARRAY.pack(0 | SQUEEZED, 1) + np.uint64(1000).tobytes())
+        c.sendall(LENGTH.pack(len(junk)) + junk)
+        deadline = time.monotonic() + 10
+        while inbox._conns and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert not inbox._conns and inbox.received == 0
+    with pytest.raises(Aborted):
+        inbox.take(0, 1, 1, after(0.2))
 
 
 def test_one_send_reaches_several_inboxes_and_the_connections_are_kept():

@@ -59,12 +59,14 @@ def test_summed_by_hosts_each_host_moves_what_ring_allreduce_moves():
     its sum's three other quarters and pulls the three other servers' values, and is sent
     as much: 2 (W-1)/W P = 600 each way, as ring allreduce."""
     nodes = ["a", "b", "c", "d"]
-    moved = block_step_bytes(nodes, [[0], [1], [2], [3]], [0] * 4, nodes, [100] * 4, [100] * 4)
+    moved = block_step_bytes(
+        nodes, [[0], [1], [2], [3]], [0] * 4, nodes, [[100] * 4] * 4, [100] * 4
+    )
     out = per_host([[(s, d, n) for (s, d), n in moved.items()]], {}, 1)
     assert out == {h: {"in": 600, "out": 600} for h in nodes}
 
 
 def test_a_block_member_elsewhere_sends_its_gradient_to_its_leader():
     # block [0, 1]: worker 1 landed on c (a replacement); its leader and the server on a
-    moved = block_step_bytes(["a", "c"], [[0, 1]], [0, 300], ["a"], [200], [200])
+    moved = block_step_bytes(["a", "c"], [[0, 1]], [0, 300], ["a"], [[200]], [200])
     assert moved == {("c", "a"): 300, ("a", "c"): 200}

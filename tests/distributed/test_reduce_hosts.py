@@ -135,6 +135,16 @@ def test_clipping_is_refused_where_no_role_sees_the_whole_gradient(tmp_path):
         load_job(tmp_path, JOB, "updater.clip_norm=1.0")
 
 
+@pytest.mark.slow
+def test_a_compressed_wire_changes_no_bit(blocks, tmp_path):
+    """``wire: f32+zstd`` sends the blocks' sums compressed without loss: the bits of ``f32``,
+    and the checkpoint records the setting."""
+    got = fit(tmp_path / "zstd", "topology.wire=f32+zstd")
+    assert same_bits(got.params, blocks.params)
+    ck = Checkpoint.open(tmp_path / "zstd" / "checkpoints" / "step-30")
+    assert ck.meta["run"]["topology"]["wire"] == "f32+zstd"
+
+
 # ------------------------------------------------------------------ wire: bf16
 
 
