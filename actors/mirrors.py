@@ -25,7 +25,7 @@ from .buffers import SEQ, Attachments, Layout, SharedBuffer, with_seq
 from .errors import ActorLost
 from .protocol import MirrorAt, node_ip
 from .tcp import Inbox
-from .wire import parts_of
+from .wire import DELTA, apply_delta, parts_of
 
 WAIT_S = 60.0  # values that have not come by then were lost on the way: the server is lost
 POLL_S = 0.0005
@@ -43,8 +43,8 @@ class Mirrors:
         for b in self.bufs:
             b.arrays[SEQ][0] = -1  # holds no version yet
         self.plans = [parts_of(lay) for lay in layouts]  # as each server's values cross
-        # by server: the version whose parts are kept, and those parts by index
-        self._parts: list[tuple[int, dict[int, list[np.ndarray]]]] = [(-1, {}) for _ in layouts]
+        # by server: the (version, kind) whose parts are kept, and those parts by index
+        self._parts: list[tuple[Any, dict[int, list[np.ndarray]]]] = [(None, {}) for _ in layouts]
         self.inbox = Inbox(host, sink=self._fill)
 
     @classmethod
@@ -58,13 +58,18 @@ class Mirrors:
         return {"contact": self.inbox.contact, "handles": [b.handle() for b in self.bufs]}
 
     def _fill(
-        self, epoch: int, version: int, k: int, part: int, parts: int, arrays: list[np.ndarray]
+        self, kind: int, version: int, k: int, part: int, parts: int, arrays: list[np.ndarray]
     ) -> None:
         """Part ``part`` of server ``k``'s values after ``version`` updates, as they crossed
         (:func:`.wire.parts_of`), kept until every part is in; then all of them into its
         mirror, then the version (a reader waits for it before it reads). A server sends the
         parts in order, so a first part starts the version anew: the parts of an update the
-        server took back (:meth:`~.server.ParamServer._update`) are never written."""
+        server took back (:meth:`~.server.ParamServer._update`) are never written.
+
+        ``kind`` :data:`.wire.DELTA`: the parts are the difference from the version before,
+        which the mirror must hold whole to apply them (the server sends a difference only
+        where it pushed that version whole); where it does not, the version is not taken in,
+        and a reader waiting for it reports the server lost (:func:`wait_for`)."""
         if not 0 <= k < len(self.bufs):
             return
         plan = self.plans[k]
@@ -73,18 +78,23 @@ class Mirrors:
         if any(a.size != b - lo for a, (_, lo, b) in zip(arrays, plan[part], strict=True)):
             return
         kept, got = self._parts[k]
-        if part == 0 or kept != version:
+        if part == 0 or kept != (version, kind):
             got = {}
-            self._parts[k] = (version, got)
+            self._parts[k] = ((version, kind), got)
         got[part] = arrays
         if len(got) < parts:
             return
         buf = self.bufs[k]
+        self._parts[k] = (None, {})
+        if kind == DELTA and int(buf.arrays[SEQ][0]) != version - 1:
+            return  # not the version the difference is from: nothing it can be applied to
         for c in range(parts):
             for (name, lo, hi), a in zip(plan[c], got[c], strict=True):
                 dst = buf.arrays[name].reshape(-1)[lo:hi]
-                dst[...] = (from_bf16_bits(a) if a.dtype == np.uint16 else a).reshape(-1)
-        self._parts[k] = (-1, {})
+                if kind == DELTA:
+                    apply_delta(dst, a.reshape(-1))
+                else:
+                    dst[...] = (from_bf16_bits(a) if a.dtype == np.uint16 else a).reshape(-1)
         buf.arrays[SEQ][0] = version
 
     def close(self) -> None:

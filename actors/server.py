@@ -289,6 +289,7 @@ class ParamServer(Abortable, Fence):
         if self.gpu is not None:
             self.gpu.reload()
         self.guard.set_version(int(state["version"]))
+        self.readers.forget()
         self._publish()
         return int(state["version"])
 
@@ -419,6 +420,7 @@ class ParamServer(Abortable, Fence):
                 opt = {**opt, "hparams": mine["hparams"], "schedule": mine["schedule"]}
             self.optimizer.load_state_dict(opt)
             self.guard.set_version(max(opt["counts"].values(), default=0))
+        self.readers.forget()
         if self.gpu is not None:
             self.gpu.reload()
         self._publish()

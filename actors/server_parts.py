@@ -12,7 +12,7 @@ import numpy as np
 from raysinga.optim.grads import sum_into
 
 from .protocol import HostFrames
-from .wire import Span, cut, decode
+from .wire import Span, cut, decode, squeezed
 
 if TYPE_CHECKING:
     from .server import ParamServer
@@ -56,14 +56,18 @@ def update_by_parts(server: ParamServer, step: int, frames: HostFrames) -> Calla
     guard, opt = server.guard, server.optimizer
     version, kept, skip = guard.version, [], set()
     values = {s.name: server.buf.arrays[s.name] for s in server.slices}
+    deltas = squeezed(server.wire) and bool(server.readers.based)  # readers to send differences
     guard.__enter__()  # odd: an update under way
     try:
         for c in range(len(server.parts)):
             part = take_part(server, step, frames, c)
+            before = [a.copy() for a in cut(values, part)] if deltas else None
             with server.snaps.updating():  # a checkpoint's write in the background pauses
                 grads = server.layout.views(server.host_sum)
                 opt.update_spans(step, values, grads, part, server.pool, kept)
-            server.readers.push_part(cut(values, part), version + 1, c, skip, server.check_abort)
+            server.readers.push_part(
+                cut(values, part), version + 1, c, skip, server.check_abort, before
+            )
     except BaseException:
         opt.restore_spans(kept)
         guard.set_version(version)

@@ -12,7 +12,7 @@ import numpy as np
 
 from .protocol import Pushed
 from .tcp import Outbox, PeerLost, payload_bytes
-from .wire import Span, cut, encode, frame, words
+from .wire import DELTA, WHOLE, Span, cut, delta_frame, encode, frame, words
 
 
 class ValueReaders:
@@ -26,7 +26,11 @@ class ValueReaders:
         self.nodes: list[str] | None = None
         self.pushes: list[tuple[str, int, bytes]] | None = None
         self.published: Any = None
-        self.pushing = 0  # bytes of the update being pushed, to each reader node
+        self.pushing = 0  # bytes of the update being pushed, to all reader nodes
+        # each reader's inbox (its contact) -> the version it was last pushed whole, every
+        # part; and the readers that had every part of the push under way
+        self.based: dict[tuple[str, int, bytes], int] = {}
+        self._whole: set[tuple[str, int]] = set()
         self.outbox = Outbox()
 
     def set(
@@ -35,6 +39,7 @@ class ValueReaders:
         """Whether some reader sits on another node; ``nodes``: the readers' nodes, each to
         get a copy of its own; ``pushes``: instead, the inbox on each of them to push to."""
         self.remote, self.nodes, self.pushes = remote, nodes, pushes
+        self.forget()  # (rewired: readers replaced, or the values reloaded)
 
     def publish(
         self, slices: dict[str, np.ndarray], flat: np.ndarray, version: int, check: Callable
@@ -74,30 +79,56 @@ class ValueReaders:
         part: int,
         skip: set,
         check: Callable,
+        before: Sequence[np.ndarray] | None = None,
     ) -> None:
         """Part ``part`` of the values after ``version`` updates (``arrays``: its ranges in
         :attr:`parts`) to every reader node's inbox, where they are pushed;
         a mirror takes the version in once every part is in. A reader that cannot be reached
-        is added to ``skip`` and gets no more parts of this update (as in :meth:`publish`)."""
+        is added to ``skip`` and gets no more parts of this update (as in :meth:`publish`).
+
+        ``before``: the same ranges after ``version - 1`` updates. Under a compressed wire, a
+        reader known to hold that version whole (:attr:`based`) is sent the difference of the
+        words (:func:`.wire.delta_frame`), which compresses to far fewer bytes; any other the
+        values themselves."""
         if not (self.remote and self.pushes):
             return
         to = [c for c in self.pushes if (c[0], c[1]) not in skip]
-        out = frame(arrays, self.wire)  # compressed once, where it is
-        frames = [out] * len(to)
         if part == 0:
-            self.pushing = 0
-        self.pushing += payload_bytes(out)
-        try:
-            self.outbox.send(
-                to, 0, version, self.index, frames, check, part, [len(self.parts)] * len(to)
+            self.pushing, self._whole = 0, {(c[0], c[1]) for c in to}
+        on_base = [c for c in to if before is not None and self.based.get(tuple(c)) == version - 1]
+        rest = [c for c in to if c not in on_base]
+        parts = len(self.parts)
+        for group, kind in ((on_base, DELTA), (rest, WHOLE)):
+            if not group:
+                continue
+            # compressed once for all the readers it goes to
+            out = (
+                frame(arrays, self.wire)
+                if kind == WHOLE
+                else delta_frame(arrays, before, self.wire)
             )
-        except PeerLost as e:  # the others had theirs
-            skip.update(e.every)
+            self.pushing += payload_bytes(out) * len(group)
+            try:
+                self.outbox.send(
+                    group, kind, version, self.index, [out] * len(group), check, part,
+                    [parts] * len(group),
+                )  # fmt: skip
+            except PeerLost as e:  # the others had theirs
+                skip.update(e.every)
+                self._whole -= set(e.every)
 
     def pushed(self, version: int) -> Any:
-        """Every part of the values after ``version`` updates went out (:meth:`push_part`)."""
-        self.published = Pushed(version, self.pushing)
+        """Every part of the values after ``version`` updates went out (:meth:`push_part`):
+        the readers that had every part hold that version whole."""
+        whole = [c for c in self.pushes or () if (c[0], c[1]) in self._whole]
+        self.based = {tuple(c): version for c in whole}
+        self.published = Pushed(version, self.pushing // max(len(self.pushes or ()), 1))
         return self.published
+
+    def forget(self) -> None:
+        """The values changed other than by an update (loaded, restored): no reader holds
+        the version before the next one, and the next push sends the values whole."""
+        self.based = {}
 
     def close(self) -> None:
         self.outbox.close()

@@ -104,6 +104,36 @@ def decode(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     return [from_bf16_bits(a) if a.dtype == np.uint16 else a for a in arrays]
 
 
+# What a push of a server's values carries, in its frames' epoch field (a push has no epoch of
+# its own): the values, or the difference of their words from the reader's previous version.
+WHOLE, DELTA = 0, 1
+
+
+def delta_frame(
+    arrays: Sequence[np.ndarray], before: Sequence[np.ndarray], wire: str
+) -> list[Squeezed]:
+    """Float32 ``arrays`` as the difference of the words that cross under ``wire`` from those
+    of ``before`` (the same ranges one update earlier), bit by bit (exclusive or), compressed:
+    an update changes few of a value's leading bits, so the difference is mostly zeros. A
+    reader that holds ``before``'s words gets ``arrays``' back exactly (:func:`apply_delta`)."""
+    out = []
+    for new, old in zip(encode(arrays, wire), encode(before, wire), strict=True):
+        bits = np.uint32 if new.dtype == np.float32 else np.uint16
+        diff = np.bitwise_xor(new.view(bits), old.view(bits))
+        out.append(squeeze(diff.view(new.dtype)))
+    return out
+
+
+def apply_delta(dst: np.ndarray, delta: np.ndarray) -> None:
+    """A reader's float32 ``dst`` (the words that crossed one update earlier, decoded) moved
+    on by one :func:`delta_frame` array ``delta`` (float32 bits, or bfloat16 words)."""
+    bits = dst.view(np.uint32)
+    if delta.dtype == np.uint16:  # a bfloat16 word is a float32's upper half
+        bits ^= delta.astype(np.uint32) << 16
+    else:
+        bits ^= delta.view(np.uint32)
+
+
 def rounded(values: dict[str, np.ndarray], wire: str) -> dict[str, np.ndarray]:
     """``values`` as a reader gets them under ``wire``: as they are (``f32``), or rounded to
     bfloat16 (new float32 arrays)."""
