@@ -41,6 +41,7 @@ class ServerSpec:
     lr_scale: float = 1.0  # on every update's learning rate (JobConfig.lr_scale)
     wire: str = "f32"  # topology.wire: what its values are published as (actors.wire)
     inbox: bool = False  # topology.reduce hosts: it takes the blocks' sums in (actors.tcp)
+    metrics: str | None = None  # the run's name, where it records Ray metrics (obs.raymetrics)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class WorkerSpec:
     precision: str = "f32"  # the matrix products' precision.compute (kernels.precision)
     wire: str = "f32"  # topology.wire: what gradients and values cross as (actors.wire)
     mirrors: bool = False  # topology.reduce hosts: it can take the servers' values in (.mirrors)
+    metrics: str | None = None  # the run's name, where it records Ray metrics (obs.raymetrics)
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class StubSpec:
     replay: int = 0  # steps of summed gradients logged for rebuilding a lost server
     block: int = 0  # topology.reduce: hosts: workers summed together per host (0: the stub sums)
     wire: str = "f32"  # topology.wire (actors.wire)
+    metrics: str | None = None  # the run's name, where it records Ray metrics (obs.raymetrics)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import numpy as np
 
 from raysinga.kernels.cpu_memory import retain_freed_memory
 from raysinga.nn.model import ModelSpec, Net
+from raysinga.obs.raymetrics import Recorder
 from raysinga.optim.grads import sum_into
 from raysinga.optim.optimizers import make_optimizer
 
@@ -80,6 +81,7 @@ class ParamServer(Abortable, Fence):
         self.parts = parts_of(self.layout)  # as its slices cross (reduce: hosts)
         # on other nodes: set_remote_readers
         self.readers = ValueReaders(spec.index, spec.wire, self.parts)
+        self.rec = Recorder(spec.metrics, "server", spec.index)
         # group -> the last step of it applied: a step applied once is not applied again (a
         # replaced stub of an asynchronous group redoes its step from the servers' lowest)
         self.applied: dict[int, int] = {}
@@ -234,7 +236,9 @@ class ParamServer(Abortable, Fence):
         ref = publish()
         if self.copies.due(self.guard.version):
             self._start_copy()
-        return self.guard.version, ref, time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.rec.step({"update": seconds}, group=group)
+        return self.guard.version, ref, seconds
 
     def _start_copy(self) -> None:
         """Take a copy of this server's state at its current version in the background (the
@@ -355,6 +359,7 @@ class ParamServer(Abortable, Fence):
     ) -> dict[str, Any]:
         """Copy ``live`` (setting ``copied`` once done), check the copy and write it."""
         version = self.guard.version  # still until the copy is taken
+        t0 = time.perf_counter()
         try:
             if on_device is not None:  # the slots' device-to-host copy (a CUDA event)
                 on_device.synchronize()
@@ -362,11 +367,13 @@ class ParamServer(Abortable, Fence):
         finally:
             copied.set()  # updates may go on (after a failure too: it is reported at the end)
         pace = self.snaps.pace
-        return self.snaps.behind(
+        record = self.snaps.behind(
             lambda: server_shard.check_and_write(
                 tensors, version, tmp, shard, compression, image, pace
             )
         )
+        self.rec.checkpoint(time.perf_counter() - t0, record.get("size", 0))
+        return record
 
     def _shard(self, slots: dict[str, dict[str, np.ndarray]]) -> server_shard.Tensors:
         """This server's shard as (info, live array) pairs: slices, then optimizer ``slots``

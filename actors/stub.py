@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from raysinga.kernels.cpu_memory import retain_freed_memory
+from raysinga.obs.raymetrics import NodeAddresses, Recorder
 from raysinga.optim.grads import chunks, clip_grad_norm, on_threads, sum_into
 
 from .bells import GroupBells, step_record
@@ -66,6 +67,8 @@ class Stub(Fence):
         ``ref``, where it publishes one)."""
         retain_freed_memory()
         self.index = self.group = spec.index
+        self.rec = Recorder(spec.metrics, "stub", spec.index, spec.index)
+        self._address = NodeAddresses()  # (the metrics' host tags)
         self.label = f"{spec.tag} group {spec.index}"  # the run (name and id), the role
         self.servers = servers  # the workers are wired by _wire_workers, as on a rewire
         self.clip_norm, self.n_groups = spec.clip_norm, spec.n_groups
@@ -269,7 +272,13 @@ class Stub(Fence):
 
     @reports_role
     def run(self, start: int, stop: int) -> list[StepStats]:
-        """Run steps ``start .. stop-1`` of this group: each step's loss and timings."""
+        """Run steps ``start .. stop-1`` of this group: each step's loss and timings (also
+        recorded as Ray metrics, where the run records them)."""
+        records = self._run(start, stop)
+        self.rec.steps(records, self._address)
+        return records
+
+    def _run(self, start: int, stop: int) -> list[StepStats]:
         bells = self.bells
         serving = []
         if bells is not None:

@@ -22,6 +22,7 @@ from raysinga.kernels.cpu_sched import batch_scheduling
 from raysinga.kernels.cpu_threads import blas_threads
 from raysinga.nn.layers import StepContext
 from raysinga.nn.model import ModelSpec, Net
+from raysinga.obs.raymetrics import Recorder
 from raysinga.run.evaluate import evaluate_splits
 from raysinga.run.graph_step import WorkerGraphStep
 
@@ -144,6 +145,7 @@ class Worker(Abortable, Fence):
             check=self.check_abort,
         )
         self.slices, self.wire = spec.slices, spec.wire
+        self.rec = Recorder(spec.metrics, "worker", spec.index, spec.group)
         self.block_sums = BlockSums()  # as a block's leader (reduce: hosts)
         self.node = node_id()
         # reduce: hosts: where this is its node's first worker, its mirrors of the servers
@@ -323,6 +325,7 @@ class Worker(Abortable, Fence):
             write_state_copy(self.grads.arrays, self._host_state(), step + 1)
             self.state_at = step + 1
         t2 = time.perf_counter()
+        self.rec.step({"fetch": t1 - t0, "compute": t2 - t1})
         return {
             "loss": loss,
             "fetch": t1 - t0,

@@ -256,11 +256,17 @@ class Host:
 
     # ------------------------------------------------------------------ Ray on it
     def ray_start(
-        self, cpus: int, head: Host | None = None, object_store_mb: int = 256, *more: str
+        self,
+        cpus: int,
+        head: Host | None = None,
+        object_store_mb: int = 256,
+        *more: str,
+        env: dict[str, str] | None = None,
     ) -> None:
         """``ray start`` on this host, as a user starts it: the head of a cluster (``head``
-        None) or a node joining ``head``. Ray's token is copied from the head's home, as a
-        user copies it to each machine."""
+        None) or a node joining ``head``; ``env`` adds to its environment (and so to every
+        process of Ray's there). Ray's token is copied from the head's home, as a user copies
+        it to each machine."""
         ray_cli = [self.own_python, "-c", "from ray.scripts.scripts import main; main()"]
         ray = ray_cli if self.own_python else [str(VENV / "bin" / "ray")]
         common = [
@@ -279,7 +285,7 @@ class Host:
                 self.path("/root/.ray").mkdir(exist_ok=True)
                 shutil.copyfile(token, self.path("/root/.ray/auth_token"))
             args = [*ray, "start", f"--address={head.address}:6379", *common]
-        self.run(args, timeout=180, check=True)
+        self.run(args, env=env, timeout=180, check=True)
 
 
 class Lab:
@@ -451,18 +457,22 @@ def leftovers(prefix: str = SUITE_PREFIX, namespaces: set[str] | None = None) ->
 
 
 def ray_cluster(
-    lab: Lab, cpus: list[int], shared: bool = True, python: str | None = None
+    lab: Lab,
+    cpus: list[int],
+    shared: bool = True,
+    python: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> list[Host]:
     """Hosts ``h1``, ``h2``, ... with Ray started on each as a user starts it: ``h1`` the
     head, each with the CPUs ``cpus`` gives it; ``shared``: each sees the lab's shared
-    directory; ``python``: the other hosts' own Python (:meth:`Lab.host`). Returns once every
-    node has joined."""
+    directory; ``python``: the other hosts' own Python (:meth:`Lab.host`); ``env``: added to
+    every ``ray start``'s environment. Returns once every node has joined."""
     made = [
         lab.host(f"h{i + 1}", shared=shared, python=python if i else None) for i in range(len(cpus))
     ]
-    made[0].ray_start(cpus[0])
+    made[0].ray_start(cpus[0], env=env)
     for h, n in zip(made[1:], cpus[1:], strict=True):
-        h.ray_start(n, head=made[0])
+        h.ray_start(n, head=made[0], env=env)
     wait_nodes(made[0], len(made))
     return made
 

@@ -18,6 +18,7 @@ from raysinga.data import kinds
 from .compute import GpuConfig, PrecisionConfig
 from .fault import FaultConfig
 from .job import CheckpointConfig, DataConfig, DivergenceConfig, InitConfig, JobConfig
+from .observe import MetricsConfig
 from .section import key_table, shown_default
 from .topology import Topology
 
@@ -28,6 +29,7 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "checkpoint": CheckpointConfig,
     "fault": FaultConfig,
     "divergence": DivergenceConfig,
+    "metrics": MetricsConfig,
     "init": InitConfig,
     "gpu": GpuConfig,
     "precision": PrecisionConfig,

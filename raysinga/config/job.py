@@ -25,6 +25,7 @@ from raysinga.nn.model import ModelSpec
 from . import rules
 from .compute import GpuConfig, PrecisionConfig
 from .fault import FaultConfig
+from .observe import MetricsConfig
 from .section import ConfigError, Section, explain, key
 from .topology import Topology
 
@@ -291,6 +292,9 @@ class JobConfig(Section):
     tensorboard: bool = key(
         False,
         description="also write the metrics as TensorBoard event files in `<run_dir>/tensorboard`",
+    )
+    metrics: MetricsConfig = key(
+        MetricsConfig, shown="", description="metrics where a Ray cluster's operators look (below)"
     )
     topology: Topology | None = key(
         None,

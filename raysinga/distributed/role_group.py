@@ -70,6 +70,8 @@ class RoleGroup(RoleCheckpoints):
             plan,
         )
         self.tag = f"{cfg.name}-{uuid.uuid4().hex[:8]}"  # names the roles' shared-memory files
+        # the run's name where the roles record Ray metrics (metrics.ray), else None
+        self.metrics = cfg.name if cfg.metrics.ray else None
         self.servers: list[Any] = []
         self.workers: list[list[Any]] = []
         self.stubs: list[Any] = []
@@ -179,6 +181,7 @@ class RoleGroup(RoleCheckpoints):
             cfg.lr_scale(self.topo),
             self.topo.wire,
             self.topo.reduce == "hosts",
+            self.metrics,
         )
 
     def spawn_workers(self, seed: int) -> None:
@@ -213,6 +216,7 @@ class RoleGroup(RoleCheckpoints):
             cfg.precision.compute,
             topo.wire,
             topo.reduce == "hosts",
+            self.metrics,
         )
 
     def describe(self) -> None:
@@ -273,6 +277,7 @@ class RoleGroup(RoleCheckpoints):
             self.replay,
             self.topo.workers_per_host if self.topo.reduce == "hosts" else 0,
             self.topo.wire,
+            self.metrics,
         )
         return spec, self.workers[g], self.servers, self.worker_infos[g], self.server_infos
 

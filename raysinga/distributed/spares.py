@@ -73,6 +73,15 @@ class Spares:
         self.far_server: dict[int, Spare] = {}
         self.t_standby = -STANDBY_EVERY_S  # when a standby node was last looked for
 
+    def ready_count(self) -> int:
+        """How many spares are up (their ``describe()`` answered), for the run's metrics."""
+        refs = [
+            sp.described
+            for kind in (self.worker, self.stub, self.server, self.far_worker, self.far_server)
+            for sp in kind.values()
+        ]
+        return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else 0
+
     def prepare(self, avoid: set[str]) -> None:
         """Spawn each group's missing spares, in the background (not waited for): a worker
         and a stub on the group's node, and where servers are rebuilt from copies, one for

@@ -28,8 +28,9 @@ from raysinga.nn.model import Net
 from raysinga.obs.console import hub_for
 from raysinga.obs.events import Subscriber
 from raysinga.obs.metrics import TrainResult
+from raysinga.obs.raymetrics import RunMetrics
 from raysinga.optim.optimizers import make_optimizer
-from raysinga.run.divergence import chance_loss
+from raysinga.run.divergence import Diverged, chance_loss
 from raysinga.run.session import RunSession, check_start_options
 from raysinga.run.trainer import open_data
 
@@ -128,6 +129,7 @@ class DistributedTrainer:
                 f"raysinga: node {address} ({node[:8]}) does not answer; no role is placed there"
             )
         skip = frozenset(unreachable)
+        self.unreachable = unreachable
         if joins or self.cfg.modules:  # before any role: one line for a node that cannot
             shipping.check_nodes(skip=skip, modules=self.cfg.modules, env=self.plan.role_env)
         cfg = self.cfg
@@ -144,6 +146,19 @@ class DistributedTrainer:
             self.fresh,
             self.fork_from,
         )
+        seen = RunMetrics(cfg.name, self._spares_ready) if cfg.metrics.ray else None
+        remove = self.hub.subscribe(seen) if seen else (lambda: None)
+        try:
+            return self._fit(seen)
+        finally:
+            remove()
+
+    def _spares_ready(self) -> int:
+        replacer = self.controller.replacer if self.controller else None
+        return replacer.spares.ready_count() if replacer else 0
+
+    def _fit(self, seen: RunMetrics | None) -> TrainResult:
+        cfg = self.cfg
         with self.session, self.session.stop_signals():
             self.controller = Controller(
                 cfg,
@@ -154,8 +169,13 @@ class DistributedTrainer:
                 self.gather,
                 self.placement_name,
             )
-            self.controller.watch.unreachable.update(unreachable)  # placed nowhere
-            return self.session.finish(self.controller.run())
+            self.controller.watch.unreachable.update(self.unreachable)  # placed nowhere
+            try:
+                return self.session.finish(self.controller.run())
+            except Diverged:
+                if seen:
+                    seen.diverged()
+                raise
 
     # What tests and tools look at while a run goes on, or after it.
     @property

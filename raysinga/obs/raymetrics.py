@@ -1,0 +1,186 @@
+"""raysinga's metrics where a Ray cluster's operators look: recorded through
+``ray.util.metrics`` by the process that knows them, and exported by its node's metrics agent,
+as Ray's own are (Prometheus format, read by Ray's dashboard and by Grafana). raysinga runs no
+exporter of its own.
+
+Each role records what it measures itself: a worker its reads of the values and its forward
+and backward, a server its updates and checkpoint writes, a stub its group's steps, their
+phases and the bytes they moved between hosts. The driver records the run's: loss, samples/s,
+checkpoints committed, recoveries, spares ready and the divergence guard's events. Every series
+is tagged by ``run`` (the job's name), ``role`` (``worker``, ``server``, ``stub``, ``driver``),
+``index`` and ``group`` (empty where they do not apply), and the tags of its own below. Off with
+``metrics.ray: false``. Ray prefixes the names: ``ray_raysinga_steps_total``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .events import CheckpointCommitted, Event, Recovered, RunStarted, TrainStep
+
+PREFIX = "raysinga_"
+BASE_TAGS = ("run", "role", "index", "group")
+# seconds: a step's phase, an update, a checkpoint write, a recovery
+SECONDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300]
+
+# name -> (kind, description, tags of its own)
+METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "steps": ("counter", "training steps taken (a worker's, a group's, the run's)", ()),
+    "loss": ("gauge", "the training loss, the mean of the last report's steps", ()),
+    "samples_per_second": ("gauge", "samples trained per second over the last report", ()),
+    "phase_seconds": (
+        "histogram",
+        "a step's phases: fetch, compute, gather, average, update (a group's, by its stub); "
+        "a worker's fetch and compute; a server's update",
+        ("phase",),
+    ),
+    "wire_bytes": (
+        "counter",
+        "bytes a group's steps moved from one host to another, as its roles counted them",
+        ("host", "peer"),
+    ),
+    "checkpoint_seconds": (
+        "histogram",
+        "a checkpoint: a server's write of its shard, or the run's from start to commit",
+        (),
+    ),
+    "checkpoint_bytes": ("gauge", "the bytes of the last checkpoint a role wrote", ()),
+    "checkpoints": ("counter", "checkpoints committed", ()),
+    "recoveries": ("counter", "recoveries from a lost role or node, by how", ("kind", "lost")),
+    "recovery_seconds": ("histogram", "how long a recovery took, by how", ("kind",)),
+    "spares_ready": ("gauge", "spare roles loaded and ready to replace a lost one", ()),
+    "divergence_events": ("counter", "the divergence guard's warnings and stops", ("level",)),
+}
+
+_made: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+def _metric(name: str) -> Any:
+    """The process's ``ray.util.metrics`` object of ``name`` (made once per process)."""
+    with _lock:
+        if name not in _made:
+            from ray.util import metrics  # noqa: PLC0415 - only where a run records them
+
+            kind, doc, own = METRICS[name]
+            tags = (*BASE_TAGS, *own)
+            if kind == "counter":
+                _made[name] = metrics.Counter(PREFIX + name, doc, tag_keys=tags)
+            elif kind == "gauge":
+                _made[name] = metrics.Gauge(PREFIX + name, doc, tag_keys=tags)
+            else:
+                _made[name] = metrics.Histogram(PREFIX + name, doc, SECONDS, tag_keys=tags)
+        return _made[name]
+
+
+class Recorder:
+    """One process's recorder, for one role of one run: ``Recorder(None)`` records nothing
+    (``metrics.ray: false``, or no Ray). Tag values are strings; None is recorded as ``""``."""
+
+    def __init__(
+        self,
+        run: str | None,
+        role: str = "driver",
+        index: int | None = None,
+        group: int | None = None,
+    ) -> None:
+        self.on = run is not None
+        self.tags = {
+            "run": run or "",
+            "role": role,
+            "index": "" if index is None else str(index),
+            "group": "" if group is None else str(group),
+        }
+
+    def _tags(self, own: dict[str, Any]) -> dict[str, str]:
+        return {**self.tags, **{k: "" if v is None else str(v) for k, v in own.items()}}
+
+    def inc(self, name: str, value: float = 1.0, **tags: Any) -> None:
+        if self.on and value > 0:
+            _metric(name).inc(float(value), tags=self._tags(tags))
+
+    def set(self, name: str, value: float, **tags: Any) -> None:
+        if self.on:
+            _metric(name).set(float(value), tags=self._tags(tags))
+
+    def observe(self, name: str, value: float, **tags: Any) -> None:
+        if self.on:
+            _metric(name).observe(float(value), tags=self._tags(tags))
+
+    def step(self, phases: dict[str, float], **tags: Any) -> None:
+        """One step of this role: the seconds of each of its ``phases``, and the step counted."""
+        if self.on:
+            for phase, seconds in phases.items():
+                self.observe("phase_seconds", seconds, phase=phase, **tags)
+            self.inc("steps", **tags)
+
+    def steps(self, records: Any, address: Callable[[str], str]) -> None:
+        """A group's steps (a stub's :class:`~raysinga.actors.protocol.StepStats`): each
+        one's phases, and the bytes it moved by route (nodes named by ``address``)."""
+        if self.on:
+            for r in records:
+                for phase in ("fetch", "compute", "gather", "average", "update"):
+                    self.observe("phase_seconds", getattr(r, phase), phase=phase)
+                for a, b, n in r.traffic:
+                    self.inc("wire_bytes", n, host=address(a), peer=address(b))
+            self.inc("steps", len(records))
+
+    def checkpoint(self, seconds: float, nbytes: int) -> None:
+        """A checkpoint this role wrote: how long it took, and its size."""
+        self.observe("checkpoint_seconds", seconds)
+        self.set("checkpoint_bytes", nbytes)
+
+
+class NodeAddresses:
+    """Ray node ids to the nodes' addresses (as ``metrics.jsonl`` names hosts), asked of Ray
+    once for each node not seen before."""
+
+    def __init__(self) -> None:
+        self.known: dict[str, str] = {}
+
+    def __call__(self, node: str) -> str:
+        if node not in self.known:
+            import ray  # noqa: PLC0415
+
+            self.known.update({n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()})
+        return self.known.get(node, node)
+
+
+class RunMetrics:
+    """The driver's subscriber (:class:`~.events.EventHub`): the run's metrics from its events.
+    ``spares``: how many spare roles stand ready (asked at each report), where the run keeps
+    them."""
+
+    def __init__(self, run: str, spares: Callable[[], int] | None = None) -> None:
+        self.rec = Recorder(run, "driver")
+        self.spares = spares
+        self.last_step = 0
+
+    def __call__(self, ev: Event) -> None:
+        rec = self.rec
+        if isinstance(ev, TrainStep):
+            rec.set("loss", ev.loss)
+            rec.set("samples_per_second", ev.samples_per_s)
+            rec.inc("steps", max(ev.step - self.last_step, 0))
+            self.last_step = ev.step
+            if self.spares is not None:
+                rec.set("spares_ready", self.spares())
+        elif isinstance(ev, RunStarted):
+            self.last_step = ev.step
+        elif isinstance(ev, CheckpointCommitted):
+            rec.inc("checkpoints")
+            rec.observe("checkpoint_seconds", ev.seconds)
+        elif isinstance(ev, Recovered):
+            info = ev.info
+            kind = str(info.get("recovery", "recovered"))
+            rec.inc("recoveries", kind=kind, lost=info.get("role", ""))
+            seconds = sum(float(info.get(k) or 0.0) for k in ("detection_s", "restore_s"))
+            rec.observe("recovery_seconds", seconds, kind=kind)
+        elif (ev.record() or {}).get("kind") == "guard":  # the guard fixed its early level
+            rec.inc("divergence_events", level="early level")
+
+    def diverged(self) -> None:
+        """The guard stopped the run."""
+        self.rec.inc("divergence_events", level="diverged")

@@ -1,0 +1,94 @@
+"""raysinga's metrics through Ray's metrics agent (raysinga/obs/raymetrics.py), without Ray:
+what each event of a run records, under which tags, and nothing at all where they are off.
+(tests/cluster/test_metrics.py reads them off a cluster's nodes.)"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from raysinga.obs import raymetrics
+from raysinga.obs.events import CheckpointCommitted, Notice, Recovered, RunStarted, TrainStep
+
+
+class Fake:
+    """A ``ray.util.metrics`` object that keeps what it is handed."""
+
+    def __init__(self, name: str, calls: list) -> None:
+        self.name, self.calls = name, calls
+
+    def inc(self, value, tags):
+        self.calls.append((self.name, "inc", value, tags))
+
+    def set(self, value, tags):
+        self.calls.append((self.name, "set", value, tags))
+
+    def observe(self, value, tags):
+        self.calls.append((self.name, "observe", value, tags))
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    got: list = []
+    monkeypatch.setattr(raymetrics, "_metric", lambda name: Fake(name, got))
+    return got
+
+
+def test_every_metric_is_declared_with_its_kind_and_tags():
+    for name, (kind, doc, tags) in raymetrics.METRICS.items():
+        assert kind in ("counter", "gauge", "histogram") and doc, name
+        assert not set(tags) & set(raymetrics.BASE_TAGS), name
+
+
+def test_a_roles_steps_are_tagged_by_run_role_index_and_group(calls):
+    rec = raymetrics.Recorder("r", "worker", 1, 0)
+    rec.step({"fetch": 0.5, "compute": 0.25})
+    tags = {"run": "r", "role": "worker", "index": "1", "group": "0"}
+    assert calls == [
+        ("phase_seconds", "observe", 0.5, {**tags, "phase": "fetch"}),
+        ("phase_seconds", "observe", 0.25, {**tags, "phase": "compute"}),
+        ("steps", "inc", 1.0, tags),
+    ]
+
+
+def test_a_groups_steps_record_their_phases_and_bytes_by_route(calls):
+    rec = raymetrics.Recorder("r", "stub", 0, 0)
+    step = dict(fetch=1.0, compute=2.0, gather=3.0, average=4.0, update=5.0)
+    records = [SimpleNamespace(**step, traffic=(("n1", "n2", 100), ("n2", "n1", 40)))] * 2
+    rec.steps(records, {"n1": "198.18.0.3", "n2": "198.18.0.4"}.get)
+    wire = [(c[2], c[3]["host"], c[3]["peer"]) for c in calls if c[0] == "wire_bytes"]
+    assert wire == [(100.0, "198.18.0.3", "198.18.0.4"), (40.0, "198.18.0.4", "198.18.0.3")] * 2
+    phases = [c[3]["phase"] for c in calls if c[0] == "phase_seconds"]
+    assert phases == list(step) * 2
+    assert ("steps", "inc", 2.0) == calls[-1][:3]
+
+
+def test_the_runs_events_become_its_metrics(calls):
+    seen = raymetrics.RunMetrics("r", spares=lambda: 3)
+    seen(RunStarted("r", "Ray", 100, 20))
+    seen(TrainStep(40, 100, 1, 0.5, 0.1, 1000.0))
+    seen(CheckpointCommitted(40, "/x", 0.01, 0.2, True))
+    info = {"recovery": "replaced", "role": "worker", "detection_s": 0.5, "restore_s": 0.25}
+    seen(Recovered(info))
+    seen(Notice("nothing to record"))
+    seen.diverged()
+    got = {(c[0], c[1]): (c[2], c[3]) for c in calls}
+    base = {"run": "r", "role": "driver", "index": "", "group": ""}
+    assert got[("loss", "set")] == (0.5, base)
+    assert got[("samples_per_second", "set")] == (1000.0, base)
+    assert got[("steps", "inc")] == (20.0, base)  # from where the run started
+    assert got[("spares_ready", "set")] == (3.0, base)
+    assert got[("checkpoints", "inc")] == (1.0, base)
+    assert got[("checkpoint_seconds", "observe")] == (0.2, base)
+    assert got[("recoveries", "inc")] == (1.0, {**base, "kind": "replaced", "lost": "worker"})
+    assert got[("recovery_seconds", "observe")] == (0.75, {**base, "kind": "replaced"})
+    assert got[("divergence_events", "inc")] == (1.0, {**base, "level": "diverged"})
+
+
+def test_off_records_nothing(calls):
+    rec = raymetrics.Recorder(None, "worker", 0, 0)
+    rec.step({"compute": 1.0})
+    rec.inc("steps")
+    rec.checkpoint(1.0, 10)
+    assert calls == [] and not rec.on
