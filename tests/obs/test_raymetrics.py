@@ -92,3 +92,24 @@ def test_off_records_nothing(calls):
     rec.inc("steps")
     rec.checkpoint(1.0, 10)
     assert calls == [] and not rec.on
+
+
+def test_the_grafana_dashboard_is_built_only_from_these_metrics():
+    import json
+    import re
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "grafana-raysinga.json"
+    dash = json.loads(doc.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = set()
+    for e in exprs:
+        for m in re.finditer(r"ray_raysinga_(\w+)", e):
+            name = re.sub(r"_(total|bucket|count|sum)$", "", m.group(1))
+            assert name in raymetrics.METRICS, (name, e)
+            kind = raymetrics.METRICS[name][0]
+            assert m.group(1).endswith("_total") == (kind == "counter"), e
+            assert m.group(1).endswith("_bucket") <= (kind == "histogram"), e
+            used.add(name)
+    assert used == set(raymetrics.METRICS)  # every metric has a panel
+    assert all('run=~"$run"' in e for e in exprs)
