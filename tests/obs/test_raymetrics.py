@@ -99,7 +99,7 @@ def test_the_grafana_dashboard_is_built_only_from_these_metrics():
     import re
     from pathlib import Path
 
-    doc = Path(__file__).resolve().parents[2] / "docs" / "grafana-raysinga.json"
+    doc = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
     dash = json.loads(doc.read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     used = set()
