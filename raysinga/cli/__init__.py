@@ -1,5 +1,5 @@
 """The ``raysinga`` command line: ``train``, ``inspect``, ``verify``, ``export``, ``plot``,
-``generate``, ``graph``, ``runs`` and ``tune``. Nothing in the library imports it."""
+``generate``, ``graph``, ``runs``, ``status`` and ``tune``. Nothing in the library imports it."""
 
 from __future__ import annotations
 

@@ -381,6 +381,19 @@ def _runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    import json  # noqa: PLC0415
+
+    from raysinga.distributed import status  # noqa: PLC0415
+
+    where = Path(args.run)
+    if not where.is_dir() and "/" not in args.run and Path("runs", args.run).is_dir():
+        where = Path("runs", args.run)  # a run's name: its default run directory
+    st = status.read(where)
+    print(json.dumps(st, indent=2) if args.json else status.render(st))
+    return 0
+
+
 def _tune(args: argparse.Namespace) -> int:
     from .tune import run  # noqa: PLC0415 - Ray Tune, only where needed
 
@@ -406,6 +419,7 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
         "generate": _generate,
         "graph": _graph,
         "runs": _runs,
+        "status": _status,
         "tune": _tune,
     }
     try:

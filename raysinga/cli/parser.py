@@ -190,6 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--step", type=int, default=None, help="with --drop: only this step")
     r.add_argument("--json", action="store_true", help="machine-readable output")
 
+    st = sub.add_parser(
+        "status",
+        help="one screen of a live run: its roles, their nodes and states, checkpoint, recoveries",
+        description="Show what the driver of a run on Ray last wrote of it (its status.json, "
+        "updated at every report, state change, loss, recovery and checkpoint): each role with "
+        "its node, its state (stepping, recovering, spare) and last step time; the latest "
+        "checkpoint; the recoveries so far.",
+    )
+    st.add_argument("run", metavar="RUN", help="the run directory, or a run's name (runs/NAME)")
+    st.add_argument("--json", action="store_true", help="the same, machine-readable")
+
     g = sub.add_parser(
         "graph",
         help="write a job's net structure as JSON and draw it (PNG or SVG)",

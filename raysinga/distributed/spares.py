@@ -73,6 +73,20 @@ class Spares:
         self.far_server: dict[int, Spare] = {}
         self.t_standby = -STANDBY_EVERY_S  # when a standby node was last looked for
 
+    def listed(self) -> list[dict[str, Any]]:
+        """Each spare: what it stands in for and its node (for the run's status)."""
+        out = []
+        for kind, table, by in (
+            ("worker", self.worker, "group"),
+            ("stub", self.stub, "group"),
+            ("server", self.server, "index"),
+            ("worker", self.far_worker, "group"),
+            ("server", self.far_server, "index"),
+        ):
+            for key, sp in table.items():
+                out.append({"role": kind, by: key, "node": sp.node})
+        return out
+
     def ready_count(self) -> int:
         """How many spares are up (their ``describe()`` answered), for the run's metrics."""
         refs = [

@@ -37,6 +37,7 @@ from raysinga.run.trainer import open_data
 from .controller import Controller
 from .failures import FailuresExceeded
 from .role_group import RunPlan
+from .status import RunStatus
 
 ROLE_CLASSES = {"server": ParamServer, "worker": Worker, "stub": Stub}
 
@@ -147,11 +148,22 @@ class DistributedTrainer:
             self.fork_from,
         )
         seen = RunMetrics(cfg.name, self._spares_ready) if cfg.metrics.ray else None
-        remove = self.hub.subscribe(seen) if seen else (lambda: None)
+        status = RunStatus(cfg.name, Path(cfg.run_path), self._roles, self._spares)
+        removes = [self.hub.subscribe(status, first=True)]
+        if seen:
+            removes.append(self.hub.subscribe(seen))
         try:
             return self._fit(seen)
         finally:
-            remove()
+            for remove in removes:
+                remove()
+
+    def _roles(self) -> Any:
+        return self.controller.roles if self.controller else None
+
+    def _spares(self) -> list[dict[str, Any]]:
+        replacer = self.controller.replacer if self.controller else None
+        return replacer.spares.listed() if replacer else []
 
     def _spares_ready(self) -> int:
         replacer = self.controller.replacer if self.controller else None

@@ -1,0 +1,83 @@
+"""``raysinga status`` against a live run (raysinga/distributed/status.py): while a lost worker
+is being recovered it shows that worker recovering, every other role stepping on its node, and
+the run recovering; once the run is done, its state, its latest checkpoint and the recovery."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+from helpers import load_job, signal_worker_at
+
+from raysinga.distributed import DistributedTrainer
+from raysinga.distributed.status import read, render
+from raysinga.obs.events import RoleLost
+
+JOB = """
+name: watched
+seed: 2
+model:
+  input_shape: [64]
+  layers:
+    - {kind: dense, name: fc1, units: 32, activation: relu}
+    - {kind: dense, name: out, units: 10}
+data: {source: {kind: digits}, batch_size: 32}
+updater: {name: sgd, lr: 0.05}
+train_steps: 60
+disp_freq: 10
+test_freq: 0
+checkpoint_frequency: 20
+topology: {preset: sandblaster, n_servers: 2, workers_per_group: 2}
+"""
+
+
+def status(run_dir, *more: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "raysinga.cli", "status", str(run_dir), *more]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_status_shows_a_recovering_role_while_the_recovery_is_under_way(ray_session, tmp_path):
+    t = DistributedTrainer(load_job(tmp_path, JOB), log=lambda line: None)
+    fired = signal_worker_at(t, 30, signal.SIGKILL)
+    during: list[subprocess.CompletedProcess] = []
+
+    def on_loss(ev) -> None:  # the recovery waits for this: it is under way meanwhile
+        if isinstance(ev, RoleLost) and not during:
+            during.append(status(tmp_path, "--json"))
+            during.append(status(tmp_path))
+
+    t.hub.subscribe(on_loss)
+    t.fit()
+    assert fired and len(during) == 2, "the loss was never seen"
+    as_json, as_text = during
+    assert as_json.returncode == 0, as_json.stderr
+    st = json.loads(as_json.stdout)
+    assert st["run"] == "watched" and st["state"] == "recovering", st
+    by_state = {}
+    for r in st["roles"]:
+        by_state.setdefault(r["state"], []).append((r["role"], r["index"], r["group"]))
+        if r["state"] != "spare":
+            assert r["node"], r  # where it runs, as the run's hosts are named
+    assert by_state["recovering"] == [("worker", 1, 0)], st["roles"]
+    stepping = set(by_state["stepping"])
+    assert {("server", 0, None), ("server", 1, None), ("worker", 0, 0), ("stub", 0, 0)} <= stepping
+    assert st["checkpoint"]["step"] in (20, 30) and st["step"] >= 20, st
+    assert "recovering" in as_text.stdout and "worker" in as_text.stdout, as_text.stdout
+    # after the run
+    done = read(tmp_path)
+    assert done["state"] == "finished" and done["step"] == 60, done
+    assert [r["role"] for r in done["recoveries"]] == ["worker"], done
+    assert done["checkpoint"]["step"] == 60
+    assert all(r["state"] in ("stepping", "spare") for r in done["roles"]), done["roles"]
+    text = render(done)
+    assert text.splitlines()[0].startswith("run watched: finished, step 60/60"), text
+    assert "recoveries: 1" in text and "latest checkpoint: step 60" in text, text
+
+
+def test_a_directory_without_a_status_is_one_line(tmp_path):
+    r = status(tmp_path)
+    assert r.returncode == 2 and "no status here" in r.stderr and "\n" not in r.stderr.strip()
