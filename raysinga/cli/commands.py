@@ -17,6 +17,7 @@ from raysinga import config as config_mod
 from raysinga.checkpoint.format import MANIFEST, CheckpointError
 from raysinga.checkpoint.storage import redact_text
 
+from . import runs
 from .parser import build_parser
 
 EXPORT_SUFFIX = {"npz": ".npz", "safetensors": ".safetensors", "torch": ".pt"}
@@ -339,8 +340,6 @@ def _graph(args: argparse.Namespace) -> int:
 def _runs(args: argparse.Namespace) -> int:
     import json  # noqa: PLC0415
 
-    from . import runs  # noqa: PLC0415
-
     if not args.registry:
         if args.drop is not None or args.step is not None:
             raise ValueError("--drop and --step go with --registry")
@@ -381,19 +380,6 @@ def _runs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _status(args: argparse.Namespace) -> int:
-    import json  # noqa: PLC0415
-
-    from raysinga.distributed import status  # noqa: PLC0415
-
-    where = Path(args.run)
-    if not where.is_dir() and "/" not in args.run and Path("runs", args.run).is_dir():
-        where = Path("runs", args.run)  # a run's name: its default run directory
-    st = status.read(where)
-    print(json.dumps(st, indent=2) if args.json else status.render(st))
-    return 0
-
-
 def _tune(args: argparse.Namespace) -> int:
     from .tune import run  # noqa: PLC0415 - Ray Tune, only where needed
 
@@ -419,7 +405,7 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
         "generate": _generate,
         "graph": _graph,
         "runs": _runs,
-        "status": _status,
+        "status": runs.status,
         "tune": _tune,
     }
     try:

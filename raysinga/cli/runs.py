@@ -95,3 +95,18 @@ def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
     lines = ["  ".join(h.ljust(w) for (_, h), w in zip(columns, widths, strict=True))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)) for b in body]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def status(args: Any) -> int:
+    """``raysinga status RUN``: what the driver of a run on Ray last wrote of it
+    (:mod:`raysinga.distributed.status`), from its run directory or its name (``runs/NAME``)."""
+    import json  # noqa: PLC0415
+
+    from raysinga.distributed import status as run_status  # noqa: PLC0415
+
+    where = Path(args.run)
+    if not where.is_dir() and "/" not in args.run and Path("runs", args.run).is_dir():
+        where = Path("runs", args.run)
+    st = run_status.read(where)
+    print(json.dumps(st, indent=2) if args.json else run_status.render(st))
+    return 0

@@ -18,7 +18,7 @@ from raysinga.data import kinds
 from .compute import GpuConfig, PrecisionConfig
 from .fault import FaultConfig
 from .job import CheckpointConfig, DataConfig, DivergenceConfig, InitConfig, JobConfig
-from .observe import MetricsConfig
+from .observe import MetricsConfig, MlflowConfig
 from .section import key_table, shown_default
 from .topology import Topology
 
@@ -30,6 +30,7 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "fault": FaultConfig,
     "divergence": DivergenceConfig,
     "metrics": MetricsConfig,
+    "mlflow": MlflowConfig,
     "init": InitConfig,
     "gpu": GpuConfig,
     "precision": PrecisionConfig,

@@ -25,7 +25,7 @@ from raysinga.nn.model import ModelSpec
 from . import rules
 from .compute import GpuConfig, PrecisionConfig
 from .fault import FaultConfig
-from .observe import MetricsConfig
+from .observe import MetricsConfig, MlflowConfig
 from .section import ConfigError, Section, explain, key
 from .topology import Topology
 
@@ -295,6 +295,11 @@ class JobConfig(Section):
     )
     metrics: MetricsConfig = key(
         MetricsConfig, shown="", description="metrics where a Ray cluster's operators look (below)"
+    )
+    mlflow: MlflowConfig | None = key(
+        None,
+        shown="absent",
+        description="track the run in MLflow (below; `docs/observe.md`); absent: not",
     )
     topology: Topology | None = key(
         None,

@@ -33,6 +33,7 @@ from raysinga.obs.metrics import TrainResult
 from . import record as run_record
 from . import registry as run_registry
 from . import sources as run_sources
+from . import tracking
 from .divergence import Diverged, Guard
 from .prune import BackgroundPrune
 from .record import RESOLVED_JOB
@@ -151,6 +152,8 @@ class RunSession:
         # checkpoint.keep_best: its metric's value at each evaluated step (of this run and,
         # before a resume, of its history)
         self.scores: dict[int, float] = {}
+        self.mlflow: Any = None  # the job's mlflow: its subscriber (obs.mlflow_log)
+        self.final: dict[str, Any] | None = None
         if cfg.checkpoint.keep_best:
             hub.subscribe(self._scored)
         places = [("run_dir", cfg.run_path), ("checkpoint.dir", cfg.checkpoint.dir)]
@@ -178,6 +181,7 @@ class RunSession:
             for rec in self.start.info["history"] if self.start.resumed else ():
                 self._score(rec)
             self._keep_job()
+            self.mlflow = tracking.track(self.cfg, self.start, self.hub)
         except BaseException:
             self._release()
             raise
@@ -194,6 +198,8 @@ class RunSession:
         os.replace(tmp, run_dir / RESOLVED_JOB)
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        killed = isinstance(exc, (Preempted, KeyboardInterrupt))
+        tracking.end(self.mlflow, self.hub, exc is not None, killed, self.final)
         try:
             self.pruning.close(self.log if exc is not None else None)
             if isinstance(exc, Diverged):
@@ -216,6 +222,8 @@ class RunSession:
             where = ck.location if ck.location is not None else getattr(src, "label", None)
             result.checkpoint, result.checkpoint_step = str(where), ck.step
         result.init_report = self.start.report
+        ev = result.final_eval  # what the MLflow run ends with
+        self.final = {k: v for k, v in (ev or {}).items() if k not in ("kind", "time")}
         # of those on disk: a run that set keep_best only on its resume pruned some before
         best = self.best(steps(self.root)) if self.cfg.checkpoint.keep_best else None
         if best is not None:

@@ -1,0 +1,46 @@
+"""A run tracked in MLflow where its job asks (``mlflow``): the subscriber made as the run
+starts, in the MLflow run its history names where it goes on from a checkpoint, and ended with
+the run (:mod:`raysinga.obs.mlflow_log`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from raysinga.checkpoint import storage
+from raysinga.obs.events import EventHub
+
+
+def track(cfg: Any, start: Any, hub: EventHub) -> Any:
+    """The run's MLflow subscriber, subscribed to ``hub``; None where the job has no
+    ``mlflow``. ``start``: how the run starts (:class:`~.session.Start`)."""
+    m = cfg.mlflow
+    if m is None:
+        return None
+    from raysinga.obs.mlflow_log import RUN_FILE, MlflowLog  # noqa: PLC0415
+
+    history = start.info["history"] if start.resumed and start.info else []
+    step = start.checkpoint.step if start.resumed and start.checkpoint is not None else 0
+    log = MlflowLog(
+        m.tracking_uri,
+        m.experiment,
+        m.run_name or cfg.name,
+        storage.redact_all(cfg.raw),
+        step,
+        history,
+        hub.notice,
+        hub.emit,
+        Path(cfg.run_path) / RUN_FILE,
+        start.resumed,
+    )
+    hub.subscribe(log)
+    return log
+
+
+def end(log: Any, hub: EventHub, failed: bool, killed: bool, final: dict | None) -> None:
+    """The MLflow run ended as the run did: finished, failed, or ``killed`` (a stop signal)."""
+    if log is None:
+        return
+    if log in hub.subscribers:
+        hub.subscribers.remove(log)
+    log.close("KILLED" if killed else "FAILED" if failed else "FINISHED", final)
