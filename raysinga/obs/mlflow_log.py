@@ -159,6 +159,10 @@ class MlflowLog:
             from mlflow.tracking import MlflowClient  # noqa: PLC0415
         except ImportError:
             return self._give_up("MLflow is not installed (pip install 'raysinga[mlflow]')")
+        # A server that does not answer: found in seconds, not after MLflow's minutes of
+        # retries (where the user set neither, for this process)
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         try:
             client = MlflowClient(tracking_uri=self.uri)
             run_id = self._open(client)

@@ -93,8 +93,9 @@ def test_the_run_is_in_mlflow_as_in_its_own_files_and_a_resume_goes_on_in_it(tmp
 
 
 def test_a_tracking_server_that_cannot_be_reached_is_one_warning(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    # (raysinga's own retries and timeout: the environment sets neither)
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
     with socket.socket() as s:  # a port with nothing behind it, on loopback
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
