@@ -121,7 +121,11 @@ class MlflowLog:
         MLflow run's end, sent; waits up to :data:`CLOSE_S` for the queue to drain."""
         if result:
             self._put(("tags", {f"result.{k}": str(v) for k, v in result.items()}))
-        self._put(("end", status))
+        if not self.broken:  # the end waits for room: the MLflow run must be ended
+            try:
+                self.q.put(("end", status), timeout=CLOSE_S)
+            except queue.Full:
+                self.dropped += 1
         self.thread.join(CLOSE_S)
         self._tell()
         if self.thread.is_alive() and not self.broken:
