@@ -46,7 +46,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "a checkpoint: a server's write of its shard, or the run's from start to commit",
         (),
     ),
-    "checkpoint_bytes": ("gauge", "the bytes of the last checkpoint a role wrote", ()),
+    "checkpoint_bytes": ("counter", "bytes of checkpoint shards a role wrote", ()),
     "checkpoints": ("counter", "checkpoints committed", ()),
     "recoveries": ("counter", "recoveries from a lost role or node, by how", ("kind", "lost")),
     "recovery_seconds": ("histogram", "how long a recovery took, by how", ("kind",)),
@@ -130,7 +130,7 @@ class Recorder:
     def checkpoint(self, seconds: float, nbytes: int) -> None:
         """A checkpoint this role wrote: how long it took, and its size."""
         self.observe("checkpoint_seconds", seconds)
-        self.set("checkpoint_bytes", nbytes)
+        self.inc("checkpoint_bytes", nbytes)
 
 
 class NodeAddresses:
