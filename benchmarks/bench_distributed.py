@@ -307,7 +307,7 @@ def main() -> None:
             store = f"file://{tempfile.mkdtemp()}/mlruns"
             off = {"metrics": {"ray": False}}
             on = {"metrics": {"ray": True}, "mlflow": {"tracking_uri": store}}
-            what = "Ray metrics, MLflow and the status"
+            what = "Ray metrics and MLflow"
             cost(*a, args.observe_rounds, what, off, on, report, "job", GOAL_OBSERVE)
             report.write(args.json)
             return
