@@ -52,6 +52,7 @@ def records(tmp_path: Path) -> list[dict]:
     return [json.loads(x) for x in lines]
 
 
+@pytest.mark.slow  # three runs of the job: the default tier's time
 def test_the_run_is_in_mlflow_as_in_its_own_files_and_a_resume_goes_on_in_it(tmp_path, store):
     from mlflow.tracking import MlflowClient
 

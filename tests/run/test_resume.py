@@ -131,6 +131,7 @@ def test_compressed_checkpoints_resume_bit_exact(straight, ray_module, tmp_path)
     assert tensors(rd / "checkpoints/step-40") == tensors(sd / "checkpoints/step-40")
 
 
+@pytest.mark.slow  # the default tier's time (resharding: tests/checkpoint/test_finetune.py)
 def test_resume_with_more_workers_and_servers_reshards(ray_module, tmp_path):
     """Batch norm normalises each worker's sub-batch, so a model with it trains differently on
     another number of workers; without it, 3 workers and 2 servers continue the 2-worker,
