@@ -1,5 +1,6 @@
 """A live run's status, for ``raysinga status``: every role with its node, its state
-(``stepping``, ``recovering``, ``spare``) and the group's last step time; the run's state and
+(``stepping``, ``recovering``, ``spare``; the run's, once it finished or stopped) and the
+group's last step time; the run's state and
 step, its latest checkpoint and the recoveries so far.
 
 Made from what the run already knows: the events the controller emits (:mod:`raysinga.obs.events`)
@@ -105,6 +106,7 @@ class RunStatus:
             return []
         st = self.status
         lost = {(r["role"], r["index"], r["group"]) for r in st["recovering"]}
+        ended = st["state"] if st["state"] in ("finished", "stopped") else None
         out: list[dict[str, Any]] = []
 
         def add(kind: str, index: int, group: int | None, info: dict[str, Any]) -> None:
@@ -116,7 +118,7 @@ class RunStatus:
                     "index": index,
                     "group": group,
                     "node": self.address(node) if node else None,
-                    "state": "recovering" if down else "stepping",
+                    "state": ended or ("recovering" if down else "stepping"),
                     "step_ms": st["step_ms"],
                 }
             )
@@ -130,7 +132,8 @@ class RunStatus:
             add("stub", g, g, info)
         for sp in self.spares() if self.spares else []:
             where = self.address(sp["node"]) if sp.get("node") else None
-            out.append({"index": None, "group": None, **sp, "node": where, "state": "spare"})
+            state = ended or "spare"
+            out.append({"index": None, "group": None, **sp, "node": where, "state": state})
         return out
 
 
