@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from raysinga.kernels.cpu_memory import retain_freed_memory
-from raysinga.obs.raymetrics import NodeAddresses, Recorder
+from raysinga.obs.raymetrics import Recorder
 from raysinga.optim.grads import chunks, clip_grad_norm, on_threads, sum_into
 
 from .bells import GroupBells, step_record
@@ -42,7 +42,7 @@ from .protocol import (
     worker_buffer_layout,
 )
 from .replay import ReplayLog
-from .traffic import group_step_bytes
+from .traffic import HostNames, group_step_bytes
 from .wire import blocks
 
 
@@ -68,7 +68,7 @@ class Stub(Fence):
         retain_freed_memory()
         self.index = self.group = spec.index
         self.rec = Recorder(spec.metrics, "stub", spec.index, spec.index)
-        self._address = NodeAddresses()  # (the metrics' host tags)
+        self._address = HostNames()  # (the metrics' host tags)
         self.label = f"{spec.tag} group {spec.index}"  # the run (name and id), the role
         self.servers = servers  # the workers are wired by _wire_workers, as on a rewire
         self.clip_norm, self.n_groups = spec.clip_norm, spec.n_groups

@@ -115,3 +115,19 @@ def host_names(nodes: Iterable[Mapping[str, object]]) -> dict[str, str]:
         node, addr = str(n["NodeID"]), str(n.get("NodeManagerAddress"))
         names[node] = addr if addrs[addr] <= 1 else f"{addr}/{node[:8]}"
     return names
+
+
+class HostNames:
+    """:func:`host_names` of the cluster's nodes, as a function of a node id, asked of Ray again
+    only for a node not seen before (a role replaced elsewhere): how the run's metrics and
+    status name the hosts, as ``metrics.jsonl``'s ``net`` does."""
+
+    def __init__(self) -> None:
+        self.known: dict[str, str] = {}
+
+    def __call__(self, node: str) -> str:
+        if node not in self.known:
+            import ray  # noqa: PLC0415
+
+            self.known = host_names(ray.nodes())
+        return self.known.get(node, node)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from raysinga.actors.traffic import HostNames
 from raysinga.obs.events import (
     CheckpointCommitted,
     Event,
@@ -28,7 +29,6 @@ from raysinga.obs.events import (
     StateChanged,
     TrainStep,
 )
-from raysinga.obs.raymetrics import NodeAddresses
 
 FILE = "status.json"
 
@@ -46,7 +46,7 @@ class RunStatus:
     ) -> None:
         self.path = Path(run_dir) / FILE
         self.roles, self.spares = roles, spares
-        self.address = NodeAddresses()
+        self.address = HostNames()
         self.status: dict[str, Any] = {
             "run": run,
             "pid": os.getpid(),

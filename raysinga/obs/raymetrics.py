@@ -133,21 +133,6 @@ class Recorder:
         self.inc("checkpoint_bytes", nbytes)
 
 
-class NodeAddresses:
-    """Ray node ids to the nodes' addresses (as ``metrics.jsonl`` names hosts), asked of Ray
-    once for each node not seen before."""
-
-    def __init__(self) -> None:
-        self.known: dict[str, str] = {}
-
-    def __call__(self, node: str) -> str:
-        if node not in self.known:
-            import ray  # noqa: PLC0415
-
-            self.known.update({n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()})
-        return self.known.get(node, node)
-
-
 class RunMetrics:
     """The driver's subscriber (:class:`~.events.EventHub`): the run's metrics from its events.
     ``spares``: how many spare roles stand ready (asked at each report), where the run keeps
