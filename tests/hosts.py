@@ -491,6 +491,12 @@ def wait_nodes(head: Host, n: int, timeout: float = 60) -> None:
     assert r.returncode == 0 and r.stdout.strip().endswith(str(n)), r.stdout
 
 
+def sigkill_role(among: list[Host], role: dict[str, Any]) -> None:
+    """SIGKILL a role that :func:`placed_roles` listed, inside its host."""
+    host = next(h for h in among if h.name == role["host"])
+    host.run(["kill", "-9", str(role["pid"])], check=True)
+
+
 def placed_roles(head: Host, among: list[Host]) -> list[dict[str, Any]]:
     """The live actors in a placement group on ``among``, as Ray's state API on the head lists
     them: a run's roles as placed, without the spares that wait outside the group (on a

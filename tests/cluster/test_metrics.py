@@ -118,8 +118,7 @@ def test_every_node_exports_the_runs_metrics_and_a_recovery_counts_once(cluster)
         elif len(seen) == 2 and killed is None:
             placed = hosts.placed_roles(head, nodes)
             killed = next(r for r in placed if r["cls"] == "Worker")
-            host = next(h for h in nodes if h.name == killed["host"])
-            host.run(["kill", "-9", str(killed["pid"])], check=True)
+            hosts.sigkill_role(nodes, killed)
         elif killed is not None and len(seen) == 2 and '"failure"' in metrics.read_text():
             seen.append(scrape(head))  # recovered and stepping again
             stop(head)

@@ -103,8 +103,7 @@ def test_a_role_killed_on_its_host_is_replaced_there_bit_exact(cluster, referenc
             if role == "worker":  # the one on the other host than the stub's
                 mine = [r for r in mine if r["host"] != stub_host]
             killed = mine[0]
-            host = next(h for h in nodes if h.name == killed["host"])
-            host.run(["kill", "-9", str(killed["pid"])], check=True)
+            hosts.sigkill_role(nodes, killed)
     run.wait(timeout=600)
     text = "".join(out)
     assert run.returncode == 0 and killed is not None, text

@@ -169,8 +169,7 @@ def test_a_worker_killed_on_its_host_under_a_compressed_wire_is_recovered_bit_ex
         if killed is None and line.split()[:2] == ["step", f"{FROM}/{TO}"]:
             workers = [r for r in hosts.placed_roles(head, nodes) if r["cls"] == "Worker"]
             killed = workers[-1]
-            host = next(h for h in nodes if h.name == killed["host"])
-            host.run(["kill", "-9", str(killed["pid"])], check=True)
+            hosts.sigkill_role(nodes, killed)
     run.wait(timeout=600)
     text = "".join(out)
     assert run.returncode == 0 and killed is not None, text
