@@ -152,7 +152,8 @@ class RunSession:
         # checkpoint.keep_best: its metric's value at each evaluated step (of this run and,
         # before a resume, of its history)
         self.scores: dict[int, float] = {}
-        self.mlflow: Any = None  # the job's mlflow: its subscriber (obs.mlflow_log)
+        # the job's mlflow: what ends its subscriber (run.tracking), where it has one
+        self.end_tracking: Any = None
         self.final: dict[str, Any] | None = None
         if cfg.checkpoint.keep_best:
             hub.subscribe(self._scored)
@@ -181,7 +182,7 @@ class RunSession:
             for rec in self.start.info["history"] if self.start.resumed else ():
                 self._score(rec)
             self._keep_job()
-            self.mlflow = tracking.track(self.cfg, self.start, self.hub)
+            self.end_tracking = tracking.track(self.cfg, self.start, self.hub)
         except BaseException:
             self._release()
             raise
@@ -198,8 +199,8 @@ class RunSession:
         os.replace(tmp, run_dir / RESOLVED_JOB)
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
-        killed = isinstance(exc, (Preempted, KeyboardInterrupt))
-        tracking.end(self.mlflow, self.hub, exc is not None, killed, self.final)
+        if self.end_tracking is not None:
+            self.end_tracking(exc, isinstance(exc, (Preempted, KeyboardInterrupt)), self.final)
         try:
             self.pruning.close(self.log if exc is not None else None)
             if isinstance(exc, Diverged):

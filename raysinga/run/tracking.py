@@ -4,6 +4,7 @@ the run (:mod:`raysinga.obs.mlflow_log`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,12 @@ from raysinga.checkpoint import storage
 from raysinga.obs.events import EventHub
 
 
-def track(cfg: Any, start: Any, hub: EventHub) -> Any:
+def track(cfg: Any, start: Any, hub: EventHub) -> Callable[[Any, bool, Any], None] | None:
     """The run's MLflow subscriber, subscribed to ``hub``; None where the job has no
-    ``mlflow``. ``start``: how the run starts (:class:`~.session.Start`)."""
+    ``mlflow``. ``start``: how the run starts (:class:`~.session.Start`). Returns what ends it
+    as the run ended: ``end(exc, killed, final)`` (``exc``: what the run raised, or None;
+    ``killed``: it was a stop signal; ``final``: the last evaluation's figures), which
+    unsubscribes it and ends the MLflow run finished, failed or killed."""
     m = cfg.mlflow
     if m is None:
         return None
@@ -33,14 +37,10 @@ def track(cfg: Any, start: Any, hub: EventHub) -> Any:
         Path(cfg.run_path) / RUN_FILE,
         start.resumed,
     )
-    hub.subscribe(log)
-    return log
+    remove = hub.subscribe(log)
 
+    def end(exc: BaseException | None, killed: bool, final: dict | None) -> None:
+        remove()
+        log.close("KILLED" if killed else "FINISHED" if exc is None else "FAILED", final)
 
-def end(log: Any, hub: EventHub, failed: bool, killed: bool, final: dict | None) -> None:
-    """The MLflow run ended as the run did: finished, failed, or ``killed`` (a stop signal)."""
-    if log is None:
-        return
-    if log in hub.subscribers:
-        hub.subscribers.remove(log)
-    log.close("KILLED" if killed else "FAILED" if failed else "FINISHED", final)
+    return end
