@@ -55,9 +55,13 @@ def block_step(stub: Stub, step: int) -> StepStats:
             Published(computes[i][1]) if stub.snapshot[i] else stub.worker_handles[i]
             for i in members
         )
-        done = [computes[i][0] for i in members]  # Ray starts the sum once these are in
+        # the members' results, which the leader waits for: handed inside a tuple, not as
+        # arguments of their own, which Ray would resolve before it sent the call. A member
+        # lost then leaves the call unsent, and the leader's later calls wait behind the gap
+        # in its order of calls (Ray cancels them after 30 s) although the leader lives on.
+        done = tuple(computes[i][0] for i in members)
         leader = stub.workers[members[0]]
-        sums.append(leader.host_sum.remote(step, srcs, *done, to=to, block=b, epoch=stub.epoch))
+        sums.append(leader.host_sum.remote(step, srcs, done, to=to, block=b, epoch=stub.epoch))
     calls = [c[0] for c in computes] + sums
     with stub._server_snapshots(), cancelled_on_failure(calls):
         stats = get_all([c[0] for c in computes], "worker", stub.group)

@@ -290,7 +290,7 @@ class Worker(Abortable, Fence):
         self,
         step: int,
         members: tuple[ShmHandle | Published, ...],
-        *done: Any,
+        done: tuple[Any, ...] = (),
         to: Sequence[tuple[str, int, bytes]] = (),
         block: int = 0,
         epoch: int = 0,
@@ -299,9 +299,12 @@ class Worker(Abortable, Fence):
         block's workers' gradients of ``step`` (``members``, in worker order: the buffer of
         one on this node, the published snapshot of one elsewhere), added in that order, cut
         into each server's slices, laid out as they cross (:mod:`.wire`) and sent to each
-        server's inbox (``to``, in server order). ``done``: the members' results of the step,
-        which Ray hands over once each member is done (:func:`.host_sums.block_sum`)."""
+        server's inbox (``to``, in server order). ``done``: the members' results of the step
+        (refs), waited for here, abortably (:meth:`fetch`); a member's loss raises its error
+        (:func:`.host_sums.block_sum`)."""
         self.admit(epoch, f"sum step {step} of its block (worker {self.index})")
+        if done:
+            self.fetch(list(done))
         return block_sum(self, self.fetched(members), to, step, block, epoch)
 
     def _compute(self, step: int, part: int, parts: int, sources: tuple) -> dict[str, float]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 
 import hosts
@@ -105,22 +106,37 @@ def steps_of(run, out: list[str]) -> Iterator[int]:
             yield int(words[1].split("/")[0])
 
 
+def recovered(head, tries: int = 5) -> dict:
+    """A reading once the recovery's count is exported (the driver counts it as it writes the
+    record; its node's agent exports it within a report or two), or the last of ``tries``."""
+    for _ in range(tries):
+        got = scrape(head)
+        if total(got, "ray_raysinga_recoveries_total") > 0:
+            break
+        time.sleep(2)
+    return got
+
+
 def test_every_node_exports_the_runs_metrics_and_a_recovery_counts_once(cluster):
     head, *nodes = cluster
     args = ["raysinga", "train", "/mnt/shared/job.yaml", "--address", f"{head.address}:6379"]
     run = head.popen([*args, "--set", "run_dir=/mnt/shared/metered"], env=FAST)
     metrics = head.path("/mnt/shared/metered/metrics.jsonl")
     seen: list[dict] = []
-    killed, out = None, []
+    killed, out, read = None, [], 0.0
     for step in steps_of(run, out):
-        if step >= 600 and len(seen) < 2:  # two readings a report apart, the run stepping
+        # two readings while the run steps, the second some reports and seconds after the first
+        # ended: the lines come through a pipe, so those read just after a reading may be old,
+        # and an agent exports what it was handed once a second
+        if (step >= 600 and not seen) or (len(seen) == 1 and time.monotonic() - read > 5):
             seen.append(scrape(head))
+            read = time.monotonic()
         elif len(seen) == 2 and killed is None:
             placed = hosts.placed_roles(head, nodes)
             killed = next(r for r in placed if r["cls"] == "Worker")
             hosts.sigkill_role(nodes, killed)
         elif killed is not None and len(seen) == 2 and '"failure"' in metrics.read_text():
-            seen.append(scrape(head))  # recovered and stepping again
+            seen.append(recovered(head))  # recovered and stepping again
             stop(head)
     run.wait(timeout=600)
     text = "".join(out)
@@ -145,8 +161,11 @@ def test_every_node_exports_the_runs_metrics_and_a_recovery_counts_once(cluster)
     compute = total(first, "ray_raysinga_phase_seconds_count", role="worker", phase="compute")
     assert compute >= w_steps * 0.9, report  # one observation per step
     assert total(first, "ray_raysinga_phase_seconds_count", role="stub", phase="update") > 0
-    assert total(first, "ray_raysinga_loss", role="driver", **run_tags) > 0, report
-    assert total(first, "ray_raysinga_samples_per_second", role="driver") > 0, report
+    # gauges: a node's agent drops one its process has not exported for two report intervals
+    # (Ray's gauge TTL), which a loaded host can miss: seen in one of the readings
+    for gauge in ("loss", "samples_per_second"):
+        got = [total(s, f"ray_raysinga_{gauge}", role="driver", **run_tags) for s in seen]
+        assert max(got) > 0, (gauge, got, report)
     # checkpoints every 500 steps: committed in the background, counted by the time of the last
     assert total(after, "ray_raysinga_checkpoints_total", role="driver") >= 1, report
     assert total(after, "ray_raysinga_checkpoint_seconds_count", role="server") >= 1, report
