@@ -10,6 +10,7 @@ after the last array is down.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -133,3 +134,28 @@ class ServerDevice(_Transfers):
             out[key] = host
         self._copied = self._copier.record()
         return out, self._copied
+
+
+def warm(worker: Any) -> float:
+    """A GPU worker's spare: run one training step of the model's initial parameters on the
+    run's first batch (the group's whole batch), so that its kernels are compiled and loaded
+    and its memory pool grown before it takes over. Nothing of it stays: the state is put
+    back and the gradients are dropped, not written to the shared buffer. Returns the seconds
+    taken."""
+    from raysinga.nn.layers import StepContext  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    kept = {k: v.copy() for k, v in worker.state.items()}
+    params = worker.net.init_params(worker.seed)
+    x, y = worker.train.get(worker.plan.indices(worker.batch_index(0), 0, 1))
+    x = worker.net.prepare_input(x)
+    if worker.gpu is not None:
+        params = worker.gpu.upload(params)
+        x, y = worker.gpu.asarray(x), worker.gpu.asarray(y)
+    ctx = StepContext(train=True, seed=worker.seed, step=0, sample_offset=0)
+    worker.net.loss_and_grads(params, worker.state, x, y, ctx, worker.group_batch)
+    for k, v in kept.items():
+        worker.state[k][...] = v
+    if worker.gpu is not None:
+        worker.gpu.cp.cuda.get_current_stream().synchronize()
+    return time.perf_counter() - t0

@@ -20,8 +20,16 @@ from raysinga.optim.grads import sum_into
 
 from .bells import step_record
 from .buffers import Attachments, ShmHandle
-from .errors import ActorLost, cancelled_on_failure, get_all
-from .protocol import HostFrames, Published, StepStats, worker_buffer_layout
+from .errors import ActorLost, cancel, cancelled_on_failure, get_all
+from .protocol import (
+    HostFrames,
+    MirrorAt,
+    Published,
+    Pushed,
+    ServerAt,
+    StepStats,
+    worker_buffer_layout,
+)
 from .server_grads import own_slices
 from .tcp import Outbox, PeerLost, payload_bytes
 from .traffic import block_step_bytes
@@ -32,19 +40,75 @@ if TYPE_CHECKING:
     from .worker import Worker
 
 
-def block_step(stub: Stub, step: int) -> StepStats:
-    """One step summed by blocks (``topology.reduce: hosts``, :mod:`.wire`): each
-    worker computes; each block's leader, once its members are done, sums them and cuts
+def block_steps(stub: Stub, start: int, stop: int) -> list[StepStats]:
+    """Steps ``start .. stop-1`` summed by blocks (``topology.reduce: hosts``, :mod:`.wire`):
+    each worker computes; each block's leader, once its members are done, sums them and cuts
     the sum into the servers' slices and sends each its own (:mod:`.tcp`); each server takes
-    its slices of every block in and sums them in block order. The computes and the sums go
-    out at once (Ray starts a sum when its block is done); this stub never touches a
-    gradient."""
+    its slices of every block in and sums them in block order. A step's computes, sums and
+    updates go out at once (a leader sums once its members are done, a server updates each
+    part once every block's sum of it is in); this stub never touches a gradient.
+
+    From the third step on, a step's calls go out before the step before is heard back: each
+    worker reads the values it needs once they are in (:class:`~.protocol.MirrorAt`,
+    :class:`~.protocol.ServerAt`), so a step starts as the last values land, not one round
+    trip to this stub later. Each step is computed from the same values as when it waits: a
+    server changes its values only once every worker of the next step is done (its update
+    waits for every block's sum). The first steps are taken alone: the versions the servers
+    hold are read off the first one's answers (a chunk may follow a reload or a recovery)."""
+    records = [_collect(stub, _dispatch(stub, start))]
+    at = list(stub.versions)  # what the servers hold: what the next step reads
+    ahead = all(stub.local_src[i][k] is not None or isinstance(stub.refs[k], Pushed)
+                for i in range(len(stub.workers)) for k in range(len(stub.servers)))  # fmt: skip
+    inflight: list[_Step] = []  # sent, not yet heard back: at most two steps
+    try:
+        for step in range(start + 1, stop):
+            inflight.append(_dispatch(stub, step, at if ahead else None))
+            at = [v + 1 for v in at]
+            if len(inflight) == 2 or not ahead:
+                records.append(_heard(stub, inflight.pop(0)))
+        while inflight:
+            records.append(_heard(stub, inflight.pop(0)))
+    finally:
+        for sent in inflight:  # a step before them failed: their calls are not waited for
+            cancel(sent.calls())
+    return records
+
+
+def _heard(stub: Stub, sent: _Step) -> StepStats:
+    """:func:`_collect`; where ``sent`` read values after given updates, the servers must
+    hold one more each now (else the step after it, sent already, waits for values that
+    never come: the step fails instead)."""
+    record = _collect(stub, sent)
+    if sent.at is not None and stub.versions != [v + 1 for v in sent.at]:
+        raise RuntimeError(
+            f"step {sent.step} read the servers' values after {sent.at} updates and left them "
+            f"after {stub.versions}: a step sent ahead would read the wrong ones"
+        )
+    return record
+
+
+class _Step:
+    """One step's calls, in flight, and when they went out."""
+
+    def __init__(
+        self, step: int, at: list[int] | None, t0: float, computes: list, sums: list, ups: list
+    ) -> None:
+        self.step, self.at, self.t0 = step, at, t0
+        self.computes, self.sums, self.ups = computes, sums, ups
+
+    def calls(self) -> list[Any]:
+        return [c[0] for c in self.computes] + self.sums + self.ups
+
+
+def _dispatch(stub: Stub, step: int, at: list[int] | None = None) -> _Step:
+    """Every call of ``step``: the workers' computes (reading the servers' values after
+    ``at`` updates, where given; else as they are now), the leaders' sums, the servers'
+    updates."""
     t0 = time.time()
     n = len(stub.workers)  # (one synchronous group: the servers' refs are this stub's)
-    published = stub._published_bytes()
     computes = [
         w.compute.options(num_returns=2).remote(
-            step, i, n, stub.snapshot[i], *stub._sources(i), epoch=stub.epoch
+            step, i, n, stub.snapshot[i], *_sources(stub, i, at), epoch=stub.epoch
         )
         for i, w in enumerate(stub.workers)
     ]
@@ -55,25 +119,47 @@ def block_step(stub: Stub, step: int) -> StepStats:
             Published(computes[i][1]) if stub.snapshot[i] else stub.worker_handles[i]
             for i in members
         )
-        # the members' results, which the leader waits for: handed inside a tuple, not as
-        # arguments of their own, which Ray would resolve before it sent the call. A member
-        # lost then leaves the call unsent, and the leader's later calls wait behind the gap
-        # in its order of calls (Ray cancels them after 30 s) although the leader lives on.
-        done = tuple(computes[i][0] for i in members)
+        # the other members' results, which the leader waits for (its own compute runs before
+        # the sum: one caller's calls run in order): handed inside a tuple, not as arguments
+        # of their own, which Ray would resolve before it sent the call. A member lost then
+        # leaves the call unsent, and the leader's later calls wait behind the gap in its
+        # order of calls (Ray cancels them after 30 s) although the leader lives on.
+        done = tuple(computes[i][0] for i in members[1:])
         leader = stub.workers[members[0]]
         sums.append(leader.host_sum.remote(step, srcs, done, to=to, block=b, epoch=stub.epoch))
-    calls = [c[0] for c in computes] + sums
-    with stub._server_snapshots(), cancelled_on_failure(calls):
-        stats = get_all([c[0] for c in computes], "worker", stub.group)
-        t1 = time.time()
-        leaders = [b[0] for b in stub.blocks]
-        sent = [to_each for _, to_each in get_all(sums, "worker", stub.group, indices=leaders)]
-    t2 = time.time()
+    # The servers' updates go out with the rest: each takes the blocks' sums in from its inbox
+    # part by part as they come, updating and pushing a part while later ones cross, with no
+    # wait for the sums' calls to be heard back here. A server waiting for a lost leader's sums
+    # is aborted by the recovery, and puts back what it had updated (whole or not at all).
     frames = HostFrames(stub.epoch, len(stub.blocks))
     ups = [s.update.remote(step, frames, stub.group, stub.epoch) for s in stub.servers]
-    with cancelled_on_failure(ups):
-        results = get_all(ups, "server")
+    return _Step(step, at, t0, computes, sums, ups)
+
+
+def _sources(stub: Stub, i: int, at: list[int] | None) -> tuple[Any, ...]:
+    """Worker ``i``'s sources of the servers' values: as :meth:`~.stub.Stub._sources`, or
+    (``at``) those after ``at[k]`` updates of server ``k``, waited for where it reads them."""
+    if at is None:
+        return stub._sources(i)
+    return tuple(
+        ServerAt(h, at[k], k) if h is not None else MirrorAt(stub.mirror_src[i][k], at[k], k)
+        for k, h in enumerate(stub.local_src[i])
+    )
+
+
+def _collect(stub: Stub, sent: _Step) -> StepStats:
+    """Wait for ``sent``'s calls: the step's record. Where one fails, the others are
+    cancelled (:func:`.errors.cancelled_on_failure`) and the failure raised."""
+    published = stub._published_bytes()  # the values its workers read: the last step's
+    with stub._server_snapshots(), cancelled_on_failure(sent.calls()):
+        stats = get_all([c[0] for c in sent.computes], "worker", stub.group)
+        t1 = time.time()
+        leaders = [b[0] for b in stub.blocks]
+        out = [to_each for _, to_each in get_all(sent.sums, "worker", stub.group, indices=leaders)]
+        t2 = time.time()
+        results = get_all(sent.ups, "server")
     stub.refs = [ref for _, ref, _ in results]
+    stub.versions = [v for v, _, _ in results]
     snaps = [
         worker_buffer_layout(stub.shapes, stub.dtype, st).nbytes if snap else 0
         for snap, st in zip(stub.snapshot, stub.worker_state, strict=True)
@@ -83,11 +169,11 @@ def block_step(stub: Stub, step: int) -> StepStats:
         stub.blocks,
         snaps,
         [s["node"] for s in stub.server_infos],
-        sent,
+        out,
         published,
     )
     seconds = [t for _, _, t in results]
-    return step_record(step, stats, t0, t1, t2, time.time(), seconds, None, traffic)
+    return step_record(sent.step, stats, sent.t0, t1, t2, time.time(), seconds, None, traffic)
 
 
 class BlockSums:
@@ -102,6 +188,23 @@ class BlockSums:
     def close(self) -> None:
         self.maps.close()
         self.outbox.close()
+
+
+def summed_members(
+    worker: Worker, step: int, epoch: int, members: tuple[Any, ...], done: tuple[Any, ...]
+) -> tuple[Any, ...]:
+    """What the leader ``worker`` sums of ``step``: ``members`` with those elsewhere fetched.
+    Its own compute of the step came before (one caller's calls run in order) and must have
+    ended well; the other members' results (``done``: refs, handed inside a tuple so that
+    Ray sends the call at once) are waited for, abortably (a member's loss raises its error)."""
+    if worker.computed != (epoch, step):
+        raise RuntimeError(
+            f"worker {worker.index} cannot sum step {step} of its block: its own compute of "
+            "that step did not end well"
+        )
+    if done:
+        worker.fetch(list(done))
+    return worker.fetched(members)
 
 
 def block_sum(

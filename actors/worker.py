@@ -27,16 +27,17 @@ from raysinga.run.evaluate import evaluate_splits
 from raysinga.run.graph_step import WorkerGraphStep
 
 from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, stable_copy
-from .device import WorkerDevice
+from .device import WorkerDevice, warm
 from .doorbell import Abortable, Steps
 from .errors import reports_role
 from .fence import Fence
-from .host_sums import BlockSums, block_sum
+from .host_sums import BlockSums, block_sum, summed_members
 from .mirrors import Mirrors, wait_for
 from .protocol import (
     STATE_TAGS,
     MirrorAt,
     Published,
+    ServerAt,
     Wiring,
     WorkerDone,
     WorkerSpec,
@@ -105,6 +106,9 @@ class ParamReader:
         if isinstance(src, MirrorAt):  # as they crossed (rounded already), once they are in
             wait_for(self._att, src, self.check)
             return self._att.views(src.handle)
+        if isinstance(src, ServerAt):  # a server beside it, once its update is done
+            wait_for(self._att, src, self.check)
+            src = src.handle
         if isinstance(src, list):  # published by slices (actors.wire): consistent copies
             return dict(zip((e.name for e in lay.entries), decode(src), strict=True))
         if not isinstance(src, ShmHandle):  # a snapshot: a consistent copy already
@@ -147,6 +151,7 @@ class Worker(Abortable, Fence):
         self.slices, self.wire = spec.slices, spec.wire
         self.rec = Recorder(spec.metrics, "worker", spec.index, spec.group)
         self.block_sums = BlockSums()  # as a block's leader (reduce: hosts)
+        self.computed: tuple[int, int] | None = None  # (epoch, step) of its last compute
         self.node = node_id()
         # reduce: hosts: where this is its node's first worker, its mirrors of the servers
         self.mirrors = Mirrors.of(spec, self.reader.layouts, self.node)
@@ -194,26 +199,8 @@ class Worker(Abortable, Fence):
 
     @reports_role
     def warm(self) -> float:
-        """A GPU worker's spare: run one training step of the model's initial parameters on
-        the run's first batch (the group's whole batch), so that its kernels are compiled and
-        loaded and its memory pool grown before it takes over. Nothing of it stays: the state
-        is put back and the gradients are dropped, not written to the shared buffer. Returns
-        the seconds taken."""
-        t0 = time.perf_counter()
-        kept = {k: v.copy() for k, v in self.state.items()}
-        params = self.net.init_params(self.seed)
-        x, y = self.train.get(self.plan.indices(self.batch_index(0), 0, 1))
-        x = self.net.prepare_input(x)
-        if self.gpu is not None:
-            params = self.gpu.upload(params)
-            x, y = self.gpu.asarray(x), self.gpu.asarray(y)
-        ctx = StepContext(train=True, seed=self.seed, step=0, sample_offset=0)
-        self.net.loss_and_grads(params, self.state, x, y, ctx, self.group_batch)
-        for k, v in kept.items():
-            self.state[k][...] = v
-        if self.gpu is not None:
-            self.gpu.cp.cuda.get_current_stream().synchronize()
-        return time.perf_counter() - t0
+        """A GPU worker's spare: one training step run and dropped (:func:`.device.warm`)."""
+        return warm(self)
 
     def batch_index(self, step: int) -> int:
         """Groups take turns through one data order, so no two groups train on one batch."""
@@ -258,7 +245,9 @@ class Worker(Abortable, Fence):
         snapshot of the gradient buffer.
         """
         self.admit(epoch, f"compute step {step} (worker {self.index} of group {self.group})")
+        self.computed = None
         stats = self._compute(step, part, parts, self.fetched(sources))
+        self.computed = (epoch, step)  # what a sum of its block may take from its buffer
         return stats, (self.grads.snapshot() if snapshot else None)
 
     @reports_role
@@ -297,15 +286,13 @@ class Worker(Abortable, Fence):
     ) -> tuple[float, list[int]]:
         """As the leader of block ``block`` (``topology.reduce: hosts``): the sum of the
         block's workers' gradients of ``step`` (``members``, in worker order: the buffer of
-        one on this node, the published snapshot of one elsewhere), added in that order, cut
-        into each server's slices, laid out as they cross (:mod:`.wire`) and sent to each
-        server's inbox (``to``, in server order). ``done``: the members' results of the step
-        (refs), waited for here, abortably (:meth:`fetch`); a member's loss raises its error
-        (:func:`.host_sums.block_sum`)."""
+        one on this node, the published snapshot of one elsewhere; ``done``: the others'
+        results, :func:`.host_sums.summed_members`), added in that order, cut into each
+        server's slices, laid out as they cross (:mod:`.wire`) and sent to each server's
+        inbox (``to``, in server order)."""
         self.admit(epoch, f"sum step {step} of its block (worker {self.index})")
-        if done:
-            self.fetch(list(done))
-        return block_sum(self, self.fetched(members), to, step, block, epoch)
+        members = summed_members(self, step, epoch, members, done)
+        return block_sum(self, members, to, step, block, epoch)
 
     def _compute(self, step: int, part: int, parts: int, sources: tuple) -> dict[str, float]:
         start = time.time()
