@@ -20,13 +20,10 @@ from raysinga.optim.grads import sum_into
 
 from .bells import step_record
 from .buffers import Attachments, ShmHandle
-from .errors import ActorLost, cancel, cancelled_on_failure, get_all
+from .errors import ActorLost, cancelled_on_failure, get_all
 from .protocol import (
     HostFrames,
-    MirrorAt,
     Published,
-    Pushed,
-    ServerAt,
     StepStats,
     worker_buffer_layout,
 )
@@ -46,69 +43,29 @@ def block_steps(stub: Stub, start: int, stop: int) -> list[StepStats]:
     the sum into the servers' slices and sends each its own (:mod:`.tcp`); each server takes
     its slices of every block in and sums them in block order. A step's computes, sums and
     updates go out at once (a leader sums once its members are done, a server updates each
-    part once every block's sum of it is in); this stub never touches a gradient.
-
-    From the third step on, a step's calls go out before the step before is heard back: each
-    worker reads the values it needs once they are in (:class:`~.protocol.MirrorAt`,
-    :class:`~.protocol.ServerAt`), so a step starts as the last values land, not one round
-    trip to this stub later. Each step is computed from the same values as when it waits: a
-    server changes its values only once every worker of the next step is done (its update
-    waits for every block's sum). The first steps are taken alone: the versions the servers
-    hold are read off the first one's answers (a chunk may follow a reload or a recovery)."""
-    records = [_collect(stub, _dispatch(stub, start))]
-    at = list(stub.versions)  # what the servers hold: what the next step reads
-    ahead = all(stub.local_src[i][k] is not None or isinstance(stub.refs[k], Pushed)
-                for i in range(len(stub.workers)) for k in range(len(stub.servers)))  # fmt: skip
-    inflight: list[_Step] = []  # sent, not yet heard back: at most two steps
-    try:
-        for step in range(start + 1, stop):
-            inflight.append(_dispatch(stub, step, at if ahead else None))
-            at = [v + 1 for v in at]
-            if len(inflight) == 2 or not ahead:
-                records.append(_heard(stub, inflight.pop(0)))
-        while inflight:
-            records.append(_heard(stub, inflight.pop(0)))
-    finally:
-        for sent in inflight:  # a step before them failed: their calls are not waited for
-            cancel(sent.calls())
-    return records
-
-
-def _heard(stub: Stub, sent: _Step) -> StepStats:
-    """:func:`_collect`; where ``sent`` read values after given updates, the servers must
-    hold one more each now (else the step after it, sent already, waits for values that
-    never come: the step fails instead)."""
-    record = _collect(stub, sent)
-    if sent.at is not None and stub.versions != [v + 1 for v in sent.at]:
-        raise RuntimeError(
-            f"step {sent.step} read the servers' values after {sent.at} updates and left them "
-            f"after {stub.versions}: a step sent ahead would read the wrong ones"
-        )
-    return record
+    part once every block's sum of it is in); this stub never touches a gradient."""
+    return [_collect(stub, _dispatch(stub, step)) for step in range(start, stop)]
 
 
 class _Step:
     """One step's calls, in flight, and when they went out."""
 
-    def __init__(
-        self, step: int, at: list[int] | None, t0: float, computes: list, sums: list, ups: list
-    ) -> None:
-        self.step, self.at, self.t0 = step, at, t0
+    def __init__(self, step: int, t0: float, computes: list, sums: list, ups: list) -> None:
+        self.step, self.t0 = step, t0
         self.computes, self.sums, self.ups = computes, sums, ups
 
     def calls(self) -> list[Any]:
         return [c[0] for c in self.computes] + self.sums + self.ups
 
 
-def _dispatch(stub: Stub, step: int, at: list[int] | None = None) -> _Step:
-    """Every call of ``step``: the workers' computes (reading the servers' values after
-    ``at`` updates, where given; else as they are now), the leaders' sums, the servers'
+def _dispatch(stub: Stub, step: int) -> _Step:
+    """Every call of ``step``: the workers' computes, the leaders' sums, the servers'
     updates."""
     t0 = time.time()
     n = len(stub.workers)  # (one synchronous group: the servers' refs are this stub's)
     computes = [
         w.compute.options(num_returns=2).remote(
-            step, i, n, stub.snapshot[i], *_sources(stub, i, at), epoch=stub.epoch
+            step, i, n, stub.snapshot[i], *stub._sources(i), epoch=stub.epoch
         )
         for i, w in enumerate(stub.workers)
     ]
@@ -133,18 +90,7 @@ def _dispatch(stub: Stub, step: int, at: list[int] | None = None) -> _Step:
     # is aborted by the recovery, and puts back what it had updated (whole or not at all).
     frames = HostFrames(stub.epoch, len(stub.blocks))
     ups = [s.update.remote(step, frames, stub.group, stub.epoch) for s in stub.servers]
-    return _Step(step, at, t0, computes, sums, ups)
-
-
-def _sources(stub: Stub, i: int, at: list[int] | None) -> tuple[Any, ...]:
-    """Worker ``i``'s sources of the servers' values: as :meth:`~.stub.Stub._sources`, or
-    (``at``) those after ``at[k]`` updates of server ``k``, waited for where it reads them."""
-    if at is None:
-        return stub._sources(i)
-    return tuple(
-        ServerAt(h, at[k], k) if h is not None else MirrorAt(stub.mirror_src[i][k], at[k], k)
-        for k, h in enumerate(stub.local_src[i])
-    )
+    return _Step(step, t0, computes, sums, ups)
 
 
 def _collect(stub: Stub, sent: _Step) -> StepStats:
@@ -159,7 +105,6 @@ def _collect(stub: Stub, sent: _Step) -> StepStats:
         t2 = time.time()
         results = get_all(sent.ups, "server")
     stub.refs = [ref for _, ref, _ in results]
-    stub.versions = [v for v, _, _ in results]
     snaps = [
         worker_buffer_layout(stub.shapes, stub.dtype, st).nbytes if snap else 0
         for snap, st in zip(stub.snapshot, stub.worker_state, strict=True)

@@ -23,7 +23,7 @@ from raysinga.kernels.precision import from_bf16_bits
 
 from .buffers import SEQ, Attachments, Layout, SharedBuffer, with_seq
 from .errors import ActorLost
-from .protocol import MirrorAt, ServerAt, node_ip
+from .protocol import MirrorAt, node_ip
 from .tcp import Inbox
 from .wire import DELTA, apply_delta, parts_of
 
@@ -112,15 +112,13 @@ def first_on_each_node(infos: Iterable[dict[str, Any]]) -> dict[str, dict[str, A
     return firsts
 
 
-def wait_for(maps: Attachments, at: MirrorAt | ServerAt, check: Callable[[], None]) -> None:
-    """Until the mirror ``at`` names holds its version (or, a :class:`ServerAt`, the server's
-    own buffer: its sequence lock counts two per update); ``check`` runs meanwhile (it raises
+def wait_for(maps: Attachments, at: MirrorAt, check: Callable[[], None]) -> None:
+    """Until the mirror ``at`` names holds its version; ``check`` runs meanwhile (it raises
     to give up). Values that do not come within :data:`WAIT_S` were lost on the way: their
     server is reported lost (the run restarts its roles from the newest checkpoint)."""
     seq = maps.views(at.handle)[SEQ]
-    want = 2 * at.version if isinstance(at, ServerAt) else at.version
     end = time.monotonic() + WAIT_S
-    while int(seq[0]) != want:
+    while int(seq[0]) != at.version:
         if time.monotonic() > end:
             raise ActorLost(
                 "server",

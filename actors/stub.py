@@ -89,7 +89,6 @@ class Stub(Fence):
         self.server_layouts = server_layouts(spec.slices, len(servers), dtype)
         self._att = Attachments()
         self.refs = [s.get("ref") for s in server_infos]
-        self.versions: list[int] = []  # the servers' after the last step (reduce: hosts)
         self.server_infos = server_infos
         self.server_remote = [s["node"] != self.node for s in server_infos]
         self.bells: GroupBells | None = None

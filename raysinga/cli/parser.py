@@ -196,9 +196,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Show what the driver of a run on Ray last wrote of it (its status.json, "
         "updated at every report, state change, loss, recovery and checkpoint): each role with "
         "its node, its state (stepping, recovering, spare) and last step time; the latest "
-        "checkpoint; the recoveries so far.",
+        "checkpoint; the recoveries so far. With --address, the run of that name on a live "
+        "Ray cluster, from any machine that reaches it (the driver puts the same into the "
+        "cluster's key-value store).",
     )
-    st.add_argument("run", metavar="RUN", help="the run directory, or a run's name (runs/NAME)")
+    st.add_argument(
+        "run",
+        metavar="RUN",
+        help="the run directory, or a run's name (runs/NAME; with --address, the job's name)",
+    )
+    st.add_argument(
+        "--address",
+        metavar="HOST:PORT",
+        default=None,
+        help="the Ray cluster the run is on (its GCS address, as `ray start --head` printed)",
+    )
     st.add_argument("--json", action="store_true", help="the same, machine-readable")
 
     g = sub.add_parser(

@@ -99,14 +99,18 @@ def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
 
 def status(args: Any) -> int:
     """``raysinga status RUN``: what the driver of a run on Ray last wrote of it
-    (:mod:`raysinga.distributed.status`), from its run directory or its name (``runs/NAME``)."""
+    (:mod:`raysinga.distributed.status`), from its run directory or its name (``runs/NAME``);
+    with ``--address``, the run of that name on the cluster there, from any machine."""
     import json  # noqa: PLC0415
 
     from raysinga.distributed import status as run_status  # noqa: PLC0415
 
-    where = Path(args.run)
-    if not where.is_dir() and "/" not in args.run and Path("runs", args.run).is_dir():
-        where = Path("runs", args.run)
-    st = run_status.read(where)
+    if args.address:
+        st = run_status.read_live(args.run, args.address)
+    else:
+        where = Path(args.run)
+        if not where.is_dir() and "/" not in args.run and Path("runs", args.run).is_dir():
+            where = Path("runs", args.run)
+        st = run_status.read(where)
     print(json.dumps(st, indent=2) if args.json else run_status.render(st))
     return 0

@@ -7,7 +7,9 @@ Made from what the run already knows: the events the controller emits (:mod:`ray
 and what the roles said of themselves when they started (their nodes). The driver writes it to
 ``<run_dir>/status.json`` (atomically: a reader never sees half of it) at each event that
 changes it; ``raysinga status RUN_DIR`` reads it, on the driver's node or wherever the run
-directory is seen.
+directory is seen. On Ray it also puts the same into the cluster's key-value store (Ray's GCS,
+namespace :data:`NAMESPACE`), where ``raysinga status NAME --address HOST:PORT`` reads it from
+any machine that reaches the cluster (:func:`read_live`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from raysinga.obs.events import (
 )
 
 FILE = "status.json"
+NAMESPACE = "raysinga"  # of the cluster's key-value store: each run's status under status/NAME
+CONNECT_S = 5.0  # how long ``--address`` waits for the cluster's GCS to answer at all
 
 
 class RunStatus:
@@ -91,13 +95,15 @@ class RunStatus:
         st = self.status
         st["roles"] = self._roles()
         st["updated"] = time.time()
+        text = json.dumps(st, indent=1, default=str)
         tmp = self.path.with_name(f".{FILE}.{os.getpid()}")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(st, indent=1, default=str))
+            tmp.write_text(text)
             os.replace(tmp, self.path)
         except OSError:  # a status not written costs the run nothing
             tmp.unlink(missing_ok=True)
+        _publish(st["run"], text)
 
     def _roles(self) -> list[dict[str, Any]]:
         """Every role with its node and state, and the group's last step time."""
@@ -135,6 +141,59 @@ class RunStatus:
             state = ended or "spare"
             out.append({"index": None, "group": None, **sp, "node": where, "state": state})
         return out
+
+
+def _key(run: str) -> bytes:
+    return f"status/{run}".encode()
+
+
+def _publish(run: str, text: str) -> None:
+    """``text`` as run ``run``'s status in the cluster's key-value store, where this process
+    is connected to a Ray cluster (one small call to Ray's GCS); nothing otherwise."""
+    try:
+        import ray  # noqa: PLC0415
+        from ray.experimental import internal_kv  # noqa: PLC0415 - as Ray Tune's registry
+
+        if ray.is_initialized():
+            internal_kv._internal_kv_put(_key(run), text.encode(), namespace=NAMESPACE)
+    except Exception:  # noqa: BLE001 - a status not published costs the run nothing
+        pass
+
+
+def read_live(run: str, address: str) -> dict[str, Any]:
+    """The status run ``run``'s driver last put into the key-value store of the Ray cluster
+    at ``address`` (its GCS, ``HOST:PORT``); ValueError in one line where the cluster cannot
+    be reached or no run of that name reported to it."""
+    import socket  # noqa: PLC0415
+
+    import ray  # noqa: PLC0415
+    from ray.experimental import internal_kv  # noqa: PLC0415
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--address {address!r}: not HOST:PORT (the cluster's GCS address)")
+    try:  # Ray itself would retry an address where nothing answers for minutes
+        socket.create_connection((host, int(port)), timeout=CONNECT_S).close()
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        raise ValueError(f"--address {address}: no Ray cluster reached there ({why})") from None
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    except Exception as e:  # noqa: BLE001 - Ray raises several kinds; the first line says
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--address {address}: no Ray cluster reached there ({why})") from None
+    try:
+        raw = internal_kv._internal_kv_get(_key(run), namespace=NAMESPACE)
+        if raw is None:
+            names = internal_kv._internal_kv_list(b"status/", namespace=NAMESPACE)
+            known = sorted(n.decode()[len("status/") :] for n in names)
+            raise ValueError(
+                f"no run named {run!r} reported to the cluster at {address} (runs that did: "
+                f"{', '.join(known) or 'none'})"
+            )
+        return json.loads(raw)
+    finally:
+        ray.shutdown()
 
 
 def read(run_dir: str | Path) -> dict[str, Any]:

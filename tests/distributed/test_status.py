@@ -1,6 +1,7 @@
 """``raysinga status`` against a live run (raysinga/distributed/status.py): while a lost worker
 is being recovered it shows that worker recovering, every other role stepping on its node, and
-the run recovering; once the run is done, its state, its latest checkpoint and the recovery."""
+the run recovering, from its run directory and (``--address``) from the cluster by the run's
+name; once the run is done, its state, its latest checkpoint and the recovery."""
 
 from __future__ import annotations
 
@@ -45,17 +46,24 @@ def test_status_shows_a_recovering_role_while_the_recovery_is_under_way(ray_sess
     fired = signal_worker_at(t, 30, signal.SIGKILL)
     during: list[subprocess.CompletedProcess] = []
 
+    # the cluster's address, as a machine elsewhere would be given it
+    address = ray_session.get_runtime_context().gcs_address
+
     def on_loss(ev) -> None:  # the recovery waits for this: it is under way meanwhile
         if isinstance(ev, RoleLost) and not during:
             during.append(status(tmp_path, "--json"))
             during.append(status(tmp_path))
+            during.append(status("watched", "--address", address, "--json"))
 
     t.hub.subscribe(on_loss)
     t.fit()
-    assert fired and len(during) == 2, "the loss was never seen"
-    as_json, as_text = during
+    assert fired and len(during) == 3, "the loss was never seen"
+    as_json, as_text, live = during
     assert as_json.returncode == 0, as_json.stderr
     st = json.loads(as_json.stdout)
+    # from the cluster's key-value store, by the run's name: the same
+    assert live.returncode == 0, live.stderr
+    assert json.loads(live.stdout) == st
     assert st["run"] == "watched" and st["state"] == "recovering", st
     by_state = {}
     for r in st["roles"]:
@@ -81,3 +89,12 @@ def test_status_shows_a_recovering_role_while_the_recovery_is_under_way(ray_sess
 def test_a_directory_without_a_status_is_one_line(tmp_path):
     r = status(tmp_path)
     assert r.returncode == 2 and "no status here" in r.stderr and "\n" not in r.stderr.strip()
+
+
+def test_address_without_a_cluster_or_without_the_run_is_one_line(ray_session):
+    r = status("watched", "--address", "127.0.0.1:1")  # nothing listens there
+    assert r.returncode == 2 and "no Ray cluster reached" in r.stderr, r.stderr
+    assert "\n" not in r.stderr.strip(), r.stderr
+    address = ray_session.get_runtime_context().gcs_address
+    r = status("never-ran", "--address", address)
+    assert r.returncode == 2 and "no run named 'never-ran'" in r.stderr, r.stderr
