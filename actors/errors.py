@@ -171,15 +171,9 @@ def cancelled_on_failure(calls: list[Any]) -> Iterator[None]:
     try:
         yield
     except Exception:
-        cancel(calls)
+        import ray  # noqa: PLC0415
+
+        for ref in calls:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
         raise
-
-
-def cancel(calls: list[Any]) -> None:
-    """Cancel ``calls`` (refs), those not yet run; a role's running call ends when the
-    recovery aborts it (:class:`.doorbell.Abortable`)."""
-    import ray  # noqa: PLC0415
-
-    for ref in calls:
-        with contextlib.suppress(Exception):
-            ray.cancel(ref)

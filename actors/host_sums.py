@@ -21,12 +21,7 @@ from raysinga.optim.grads import sum_into
 from .bells import step_record
 from .buffers import Attachments, ShmHandle
 from .errors import ActorLost, cancelled_on_failure, get_all
-from .protocol import (
-    HostFrames,
-    Published,
-    StepStats,
-    worker_buffer_layout,
-)
+from .protocol import HostFrames, Published, StepStats, worker_buffer_layout
 from .server_grads import own_slices
 from .tcp import Outbox, PeerLost, payload_bytes
 from .traffic import block_step_bytes
@@ -37,32 +32,16 @@ if TYPE_CHECKING:
     from .worker import Worker
 
 
-def block_steps(stub: Stub, start: int, stop: int) -> list[StepStats]:
-    """Steps ``start .. stop-1`` summed by blocks (``topology.reduce: hosts``, :mod:`.wire`):
-    each worker computes; each block's leader, once its members are done, sums them and cuts
+def block_step(stub: Stub, step: int) -> StepStats:
+    """One step summed by blocks (``topology.reduce: hosts``, :mod:`.wire`): each
+    worker computes; each block's leader, once its members are done, sums them and cuts
     the sum into the servers' slices and sends each its own (:mod:`.tcp`); each server takes
-    its slices of every block in and sums them in block order. A step's computes, sums and
+    its slices of every block in and sums them in block order. The computes, the sums and the
     updates go out at once (a leader sums once its members are done, a server updates each
     part once every block's sum of it is in); this stub never touches a gradient."""
-    return [_collect(stub, _dispatch(stub, step)) for step in range(start, stop)]
-
-
-class _Step:
-    """One step's calls, in flight, and when they went out."""
-
-    def __init__(self, step: int, t0: float, computes: list, sums: list, ups: list) -> None:
-        self.step, self.t0 = step, t0
-        self.computes, self.sums, self.ups = computes, sums, ups
-
-    def calls(self) -> list[Any]:
-        return [c[0] for c in self.computes] + self.sums + self.ups
-
-
-def _dispatch(stub: Stub, step: int) -> _Step:
-    """Every call of ``step``: the workers' computes, the leaders' sums, the servers'
-    updates."""
     t0 = time.time()
     n = len(stub.workers)  # (one synchronous group: the servers' refs are this stub's)
+    published = stub._published_bytes()
     computes = [
         w.compute.options(num_returns=2).remote(
             step, i, n, stub.snapshot[i], *stub._sources(i), epoch=stub.epoch
@@ -90,20 +69,14 @@ def _dispatch(stub: Stub, step: int) -> _Step:
     # is aborted by the recovery, and puts back what it had updated (whole or not at all).
     frames = HostFrames(stub.epoch, len(stub.blocks))
     ups = [s.update.remote(step, frames, stub.group, stub.epoch) for s in stub.servers]
-    return _Step(step, t0, computes, sums, ups)
-
-
-def _collect(stub: Stub, sent: _Step) -> StepStats:
-    """Wait for ``sent``'s calls: the step's record. Where one fails, the others are
-    cancelled (:func:`.errors.cancelled_on_failure`) and the failure raised."""
-    published = stub._published_bytes()  # the values its workers read: the last step's
-    with stub._server_snapshots(), cancelled_on_failure(sent.calls()):
-        stats = get_all([c[0] for c in sent.computes], "worker", stub.group)
+    calls = [c[0] for c in computes] + sums + ups
+    with stub._server_snapshots(), cancelled_on_failure(calls):
+        stats = get_all([c[0] for c in computes], "worker", stub.group)
         t1 = time.time()
         leaders = [b[0] for b in stub.blocks]
-        out = [to_each for _, to_each in get_all(sent.sums, "worker", stub.group, indices=leaders)]
+        sent = [to_each for _, to_each in get_all(sums, "worker", stub.group, indices=leaders)]
         t2 = time.time()
-        results = get_all(sent.ups, "server")
+        results = get_all(ups, "server")
     stub.refs = [ref for _, ref, _ in results]
     snaps = [
         worker_buffer_layout(stub.shapes, stub.dtype, st).nbytes if snap else 0
@@ -114,11 +87,11 @@ def _collect(stub: Stub, sent: _Step) -> StepStats:
         stub.blocks,
         snaps,
         [s["node"] for s in stub.server_infos],
-        out,
+        sent,
         published,
     )
     seconds = [t for _, _, t in results]
-    return step_record(sent.step, stats, sent.t0, t1, t2, time.time(), seconds, None, traffic)
+    return step_record(step, stats, t0, t1, t2, time.time(), seconds, None, traffic)
 
 
 class BlockSums:
