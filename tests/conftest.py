@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -67,14 +70,59 @@ def _ray_stop_last(items):
 @pytest.fixture(scope="session", autouse=True)
 def users_ray(request):
     """Where the session runs a ``users_ray`` test: the Ray a user runs on this machine, there
-    before the first test. A ``ray start --head`` found through Ray's address file is used as it
-    is; else one is started as a user starts it (Ray's default temporary directory, so its
-    address file is written; the default port where free), and stopped after the session.
-    Yields its address and the pids of its GCS and raylet where started here, or None where
-    no such test runs."""
+    before the first test (:func:`users_ray_up`), or None where no such test runs. Under
+    pytest-xdist the controller brings it up before it hands out any test and takes it down
+    after the last (:func:`pytest_xdist_node_collection_finished`); a worker reads it from the
+    file the controller named."""
+    shared = getattr(request.config, "workerinput", {}).get(USERS_RAY_KEY)
+    if shared is not None:
+        yield json.loads(Path(shared).read_text()) if Path(shared).exists() else None
+        return
     if not any("users_ray" in item.keywords for item in request.session.items):
         yield None
         return
+    with users_ray_up() as found:
+        yield found
+
+
+USERS_RAY_KEY = "raysinga_users_ray"  # the file an xdist controller writes the user's Ray to
+USERS_RAY_TESTS = "tests/test_users_ray.py"  # where the users_ray tests are (the node ids say)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist's controller, before a worker starts: the file it will write the user's
+    Ray to, where a worker's tests include a ``users_ray`` one."""
+    config = node.config
+    if not hasattr(config, "_users_ray"):
+        config._users_ray = contextlib.ExitStack()
+        config._users_ray_file = Path(tempfile.mkdtemp(prefix="raysinga-users-ray-")) / "ray.json"
+        config._users_ray.callback(shutil.rmtree, config._users_ray_file.parent, True)
+    node.workerinput[USERS_RAY_KEY] = str(config._users_ray_file)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """pytest-xdist's controller, once a worker has collected and before any test is handed
+    out: the user's Ray is brought up where a ``users_ray`` test will run."""
+    config = node.config
+    if config._users_ray_file.exists() or not any(i.startswith(USERS_RAY_TESTS) for i in ids):
+        return
+    found = config._users_ray.enter_context(users_ray_up())
+    config._users_ray_file.write_text(json.dumps(found))
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "_users_ray"):
+        config._users_ray.close()
+
+
+@contextlib.contextmanager
+def users_ray_up():
+    """The Ray a user runs on this machine. A ``ray start --head`` found through Ray's address
+    file is used as it is; else one is started as a user starts it (Ray's default temporary
+    directory, so its address file is written; the default port where free), and stopped
+    on leaving. Yields its address and the pids of its GCS and raylet where started here."""
     address = _users_address()
     if address is not None:
         yield {"address": address, "daemons": []}
@@ -245,7 +293,7 @@ def _lab(root: Path):
         pytest.skip(why)
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
-        ray.shutdown()  # the session's embedded Ray: two cores hold one cluster at a time
+        ray.shutdown()  # the session's embedded Ray: a session holds one cluster at a time
     return hosts.lab(root)
 
 
@@ -265,11 +313,12 @@ def module_lab(tmp_path_factory):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """After the whole suite, nothing of the emulated hosts is left: no namespace, interface,
-    mount (they live in the hosts' namespaces) or process."""
-    if not hosts.ALL_NAMESPACES:
+    """After the whole suite, nothing of the emulated hosts it made is left: no namespace,
+    interface, mount (they live in the hosts' namespaces) or process. Another session's labs,
+    running meanwhile, are that one's to check."""
+    if not hosts.LAB_IDS:
         return
-    left = hosts.leftovers(hosts.SUITE_PREFIX, hosts.ALL_NAMESPACES)
+    left = hosts.leftovers(tuple(sorted(hosts.LAB_IDS)), hosts.ALL_NAMESPACES)
     if left:
         print(f"\nthe suite's emulated hosts left: {'; '.join(left)}", file=sys.stderr)
         session.exitstatus = 1

@@ -24,6 +24,7 @@ checks that nothing is left: no namespace, interface, mount or process.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
 import json
 import os
@@ -42,7 +43,8 @@ CHECKOUT = Path(__file__).resolve().parents[1]
 SHARED = "/mnt/shared"  # where a host that asks for it sees the lab's shared directory
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 TOOLS = ("ip", "tc", "unshare", "nsenter")
-SUITE_PREFIX = "rsh"  # every lab's names start with it: the session's final check looks for it
+SUITE_PREFIX = "rsh"  # every lab's names start with it
+SUBNET_LOCK = "/tmp/raysinga-test-labs.lock"  # held while a lab takes its subnet
 
 # The first process of a host: makes its filesystem, then reaps orphans until it is killed.
 # Run by the machine's Python (the host's view of it is made before it imports anything more).
@@ -295,15 +297,20 @@ class Lab:
         self.root = root  # a directory of the machine's for what the lab keeps outside hosts
         self.id = f"{SUITE_PREFIX}{os.getpid() % 1000:03d}{int(time.time() * 1000) % 1000:03d}"
         self.bridge = f"{self.id}br"
-        self.net = self._free_subnet()
-        self.gateway = str(self.net.network_address + 1)  # the machine's end of the bridge
         self.hosts: list[Host] = []
         self.shared = root / "shared"
         self._seen_ns: set[str] = set()
         self._unshare: list[subprocess.Popen] = []
         self._servers: list[subprocess.Popen] = []
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{self.gateway}/{self.net.prefixlen}", "dev", self.bridge)
+        LAB_IDS.add(self.id)
+        # another test session of this machine may make a lab meanwhile (CI runs two): the
+        # subnet is chosen and taken under a lock, so no two bridges share one
+        with open(SUBNET_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.net = self._free_subnet()
+            self.gateway = str(self.net.network_address + 1)  # the machine's end of the bridge
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.gateway}/{self.net.prefixlen}", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
 
     @staticmethod
@@ -436,9 +443,12 @@ class Lab:
         return leftovers(self.id, self._seen_ns)
 
 
-def leftovers(prefix: str = SUITE_PREFIX, namespaces: set[str] | None = None) -> list[str]:
-    """Network namespaces and interfaces named with ``prefix``, and processes in any of
-    ``namespaces`` (as ``/proc/PID/ns/*`` name them: ``pid:[id]``), as found on the machine now."""
+def leftovers(
+    prefix: str | tuple[str, ...] = SUITE_PREFIX, namespaces: set[str] | None = None
+) -> list[str]:
+    """Network namespaces and interfaces named with ``prefix`` (or any of several), and
+    processes in any of ``namespaces`` (as ``/proc/PID/ns/*`` name them: ``pid:[id]``), as
+    found on the machine now."""
     left = []
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         if line.split() and line.split()[0].startswith(prefix):
@@ -516,9 +526,19 @@ def placed_roles(head: Host, among: list[Host]) -> list[dict[str, Any]]:
     names = {h.address: h.name for h in among}
     return [
         {"host": names[ip], "cls": cls, "pid": pid}
-        for ip, cls, pid in json.loads(r.stdout.strip().splitlines()[-1])
+        for ip, cls, pid in last_json(r.stdout)
         if ip in names
     ]
+
+
+def last_json(text: str) -> Any:
+    """The last line of a process's output that is a JSON document: what a driver printed
+    last, where Ray's own log lines (its C++ core writes them to stderr, at any time, a
+    worker's error pushed on its way out among them) may follow it."""
+    for line in reversed(text.strip().splitlines()):
+        with contextlib.suppress(ValueError):
+            return json.loads(line)
+    raise AssertionError(f"no JSON line in: {text}")
 
 
 def roles_by_host(head: Host, among: list[Host]) -> dict[str, list[str]]:
@@ -684,6 +704,7 @@ class RemoteCluster:
 
 
 ALL_NAMESPACES: set[str] = set()  # of every lab of this process: the session's last check
+LAB_IDS: set[str] = set()  # the prefixes of this process's labs (another session's are its own)
 
 
 @contextlib.contextmanager

@@ -182,6 +182,6 @@ def test_chaos_that_takes_whole_hosts_is_survived_bit_exact(cluster, reference):
     run_dir = "/mnt/shared/chaos"
     r = hosts.drive(cluster["hosts"], chaos_taking_hosts, f"{head.address}:6379", run_dir, 4)
     assert r.returncode == 0, r.stdout
-    roles = json.loads(r.stdout.strip().splitlines()[-1])
+    roles = hosts.last_json(r.stdout)
     assert len(roles) == 4 and "node" in roles, r.stdout
     assert meta(lambda p: head.path(p).read_text(), f"{run_dir}/checkpoints", 500) == reference[500]

@@ -8,7 +8,6 @@ cannot read the run's directory, so the run's node packs the checkpoints for it.
 from __future__ import annotations
 
 import hashlib
-import json
 
 import hosts
 import pytest
@@ -93,7 +92,7 @@ def test_a_task_on_another_host_reads_the_newest_checkpoint_from_the_registry(mo
     code = READ.format(address=address, ckdir=ckdir)
     got = reader.python(code, timeout=300)
     assert got.returncode == 0, got.stdout
-    seen = json.loads(got.stdout.strip().splitlines()[-1])
+    seen = hosts.last_json(got.stdout)
     assert seen["host"] == "reader" and not seen["sees_dir"] and seen["step"] == 200
     on_disk = Checkpoint.open(head.path(f"{ckdir}/step-200"), verify="full")
     want = {n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in on_disk.arrays().items()}

@@ -236,7 +236,7 @@ def test_a_server_killed_while_the_group_grows_back_is_survived(cluster, referen
     run_dir = "/mnt/shared/grow-kill"
     r = hosts.drive(cluster, grow_back_killing_the_new_server, f"{head.address}:6379", run_dir)
     assert r.returncode == 0, r.stdout
-    did = json.loads(r.stdout.strip().splitlines()[-1])
+    did = hosts.last_json(r.stdout)
     assert did["lost"] and did["added"] and did["killed"], r.stdout
     recs = events(head, run_dir)
     # the resize's record is completed once a launch of the grown placement has succeeded

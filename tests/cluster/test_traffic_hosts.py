@@ -96,7 +96,7 @@ def test_the_bytes_counted_per_host_are_what_the_interfaces_carried(cluster, top
     run = f"/mnt/shared/counted-{[STUB, HOSTS, ZSTD].index(topology)}"
     r = hosts.drive(cluster, counted_run, f"{head.address}:6379", run, topology)
     assert r.returncode == 0, r.stdout
-    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    seen = hosts.last_json(r.stdout)
     a, b = seen[str(FROM)]["counters"], seen[str(TO)]["counters"]
     # each report's: the mean of the steps since the report before
     nets = [v["net"] for k, v in seen.items() if int(k) > FROM]

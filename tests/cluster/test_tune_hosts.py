@@ -8,8 +8,6 @@ there; the other's is refused, naming the loss."""
 
 from __future__ import annotations
 
-import json
-
 import hosts
 import pytest
 
@@ -69,7 +67,7 @@ def test_a_pbt_search_over_two_hosts_exploits_across_them_and_replays_bit_for_bi
 
     keepers = head.python(KEEPERS.format(address=address, prefix=KEEPER_PREFIX))
     assert keepers.returncode == 0, keepers.stdout
-    held = json.loads(keepers.stdout.strip().splitlines()[-1])
+    held = hosts.last_json(keepers.stdout)
     assert held == sorted(h.address for h in nodes), held  # trials ran on both hosts
 
     trial = max(lineage, key=lineage.get)

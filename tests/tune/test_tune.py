@@ -73,7 +73,12 @@ def test_pbt_hands_checkpoints_over_in_memory_and_a_lineage_replays_bit_exact(
     assert len(results) == 4
     # every trial ran to the end; some went on from another trial's checkpoint
     finals = [rtune.read_pointer(r.checkpoint.path) for r in results]
-    assert [p["step"] for p in finals] == [60] * 4, finals
+    seen = [
+        {k: r.metrics.get(k) for k in ("trial_id", "training_iteration", "step", "forked_from")}
+        | {"checkpoint": (p["trial"], p["step"], [s["start"] for s in p["lineage"]])}
+        for r, p in zip(results, finals, strict=True)
+    ]
+    assert [p["step"] for p in finals] == [60] * 4, seen
     forked = [p for p in finals if len(p["lineage"]) > 1]
     assert forked, "PBT exploited no trial"
     assert all(p["uri"] is None for p in finals)  # no disk copy: the exploits read objects
