@@ -3,14 +3,18 @@ some of them while the driver recovers from the kill before; the run ends bit-id
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
 from helpers import load_job
 
 from raysinga import config
+from raysinga.checkpoint import Checkpoint
 from raysinga.distributed import DistributedTrainer
 from raysinga.distributed.chaos import RECOVERY_STATES, Chaos
+from raysinga.obs.events import TrainStep
+from raysinga.run.session import Preempted
 
 JOB = """
 name: chaos
@@ -38,14 +42,37 @@ def job(d: Path, *more: str) -> config.JobConfig:
 def run_under_chaos(
     d: Path, seed: int, kills: int, aimed: int, gap: tuple[float, float], *more, **nodes
 ):
-    want = DistributedTrainer(job(d / "straight", *more), log=None).fit().params
+    """The job under chaos, stopped (as by SIGTERM: a checkpoint at the step reached) once
+    the last kill is recovered and a step trained after it; then an uninterrupted run of the
+    job to that step, whose every parameter the chaos run's checkpoint holds bit for bit
+    (``train_steps`` in ``more`` then only bounds the chaos run). A run that reaches its last
+    step first is held to an uninterrupted run of the whole job."""
     t = DistributedTrainer(job(d / "chaos", *more), log=None)
     lines: list[str] = []
     chaos = Chaos(t, seed, kills, gap, aimed, lines.append, **nodes)
+    seen: list[int] = []  # the recoveries counted when the last kill was seen
+
+    def stop_once_survived(ev) -> None:
+        if not isinstance(ev, TrainStep) or len(chaos.done) < kills:
+            return
+        if not seen:
+            seen.append(len(chaos.failures))
+        elif len(chaos.failures) > seen[0] and t.session.stop_signal is None:
+            t.session.stop_signal = signal.SIGTERM
+
+    t.hub.subscribe(stop_once_survived)
+    to = list(more)
     with chaos:
-        res = t.fit()
+        try:
+            got = t.fit().params  # it ran to its last step first
+        except Preempted as e:
+            assert e.path is not None, (e, lines)
+            got = Checkpoint.open(e.path).arrays("param")
+            to = [x for x in more if not x.startswith("train_steps=")] + [f"train_steps={e.step}"]
+    want = DistributedTrainer(job(d / "straight", *to), log=None).fit().params
+    assert sorted(got) == sorted(want), lines
     for k, a in want.items():
-        assert res.params[k].tobytes() == a.tobytes(), (k, lines)
+        assert got[k].tobytes() == a.tobytes(), (k, lines)
     return chaos, lines
 
 
