@@ -86,13 +86,13 @@ def users_ray(request):
 
 
 USERS_RAY_KEY = "raysinga_users_ray"  # the file an xdist controller writes the user's Ray to
-USERS_RAY_TESTS = "tests/test_users_ray.py"  # where the users_ray tests are (the node ids say)
+USERS_RAY_TESTS = "test_users_ray.py::"  # in the node ids of the users_ray tests
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
     """pytest-xdist's controller, before a worker starts: the file it will write the user's
-    Ray to, where a worker's tests include a ``users_ray`` one."""
+    Ray to, should the tests collected include a ``users_ray`` one."""
     config = node.config
     if not hasattr(config, "_users_ray"):
         config._users_ray = contextlib.ExitStack()
@@ -106,7 +106,7 @@ def pytest_xdist_node_collection_finished(node, ids):
     """pytest-xdist's controller, once a worker has collected and before any test is handed
     out: the user's Ray is brought up where a ``users_ray`` test will run."""
     config = node.config
-    if config._users_ray_file.exists() or not any(i.startswith(USERS_RAY_TESTS) for i in ids):
+    if config._users_ray_file.exists() or not any(USERS_RAY_TESTS in i for i in ids):
         return
     found = config._users_ray.enter_context(users_ray_up())
     config._users_ray_file.write_text(json.dumps(found))
