@@ -498,7 +498,7 @@ def wait_nodes(head: Host, n: int, timeout: float = 60) -> None:
         "print(len([x for x in ray.nodes() if x['Alive']]))\n"
     )
     r = head.python(code, timeout=timeout + 60)
-    assert r.returncode == 0 and r.stdout.strip().endswith(str(n)), r.stdout
+    assert r.returncode == 0 and last_json(r.stdout) == n, r.stdout
 
 
 def sigkill_role(among: list[Host], role: dict[str, Any]) -> None:

@@ -155,4 +155,6 @@ def test_a_lost_host_takes_its_trials_checkpoints_and_the_disk_copy_stands_in(cl
     owner's death: that is not the case tried here.)"""
     r = hosts.drive(cluster, keeper_lost_with_its_host, f"{cluster[0].address}:6379")
     assert r.returncode == 0, r.stdout
-    assert r.stdout.strip().endswith("the disk copy stood in; the bare checkpoint was refused")
+    # the driver's last line (Ray's own log lines may follow it in the output)
+    done = "the disk copy stood in; the bare checkpoint was refused"
+    assert done in r.stdout.strip().splitlines(), r.stdout
