@@ -11,7 +11,7 @@ the calls: no gradient passes through it.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,15 +19,16 @@ import numpy as np
 from raysinga.optim.grads import sum_into
 
 from .bells import step_record
-from .buffers import Attachments, ShmHandle
+from .buffers import Attachments, Layout, ShmHandle
 from .errors import ActorLost, cancelled_on_failure, get_all
-from .protocol import HostFrames, Published, StepStats, worker_buffer_layout
+from .protocol import BlockSend, HostFrames, Published, StepStats, worker_buffer_layout
 from .server_grads import own_slices
 from .tcp import Outbox, PeerLost, payload_bytes
 from .traffic import block_step_bytes
-from .wire import cut, frame, parts_of
+from .wire import Span, cut, frame, parts_of
 
 if TYPE_CHECKING:
+    from .slicing import Slice
     from .stub import Stub
     from .worker import Worker
 
@@ -36,21 +37,25 @@ def block_step(stub: Stub, step: int) -> StepStats:
     """One step summed by blocks (``topology.reduce: hosts``, :mod:`.wire`): each
     worker computes; each block's leader, once its members are done, sums them and cuts
     the sum into the servers' slices and sends each its own (:mod:`.tcp`); each server takes
-    its slices of every block in and sums them in block order. The computes, the sums and the
-    updates go out at once (a leader sums once its members are done, a server updates each
-    part once every block's sum of it is in); this stub never touches a gradient."""
+    its slices of every block in and sums them in block order. A block of one worker sends
+    its gradient as it computes it, the last layers' first (:class:`EarlySends`), and needs no
+    sum. The computes, the sums and the updates go out at once (a leader sums once its
+    members are done, a server updates each part once every block's sum of it is in); this
+    stub never touches a gradient."""
     t0 = time.time()
     n = len(stub.workers)  # (one synchronous group: the servers' refs are this stub's)
     published = stub._published_bytes()
+    to = tuple(s["inbox"] for s in stub.server_infos)
+    alone = {m[0]: BlockSend(to, b) for b, m in enumerate(stub.blocks) if len(m) == 1}
     computes = [
         w.compute.options(num_returns=2).remote(
-            step, i, n, stub.snapshot[i], *stub._sources(i), epoch=stub.epoch
+            step, i, n, stub.snapshot[i], *stub._sources(i), epoch=stub.epoch, send=alone.get(i)
         )
         for i, w in enumerate(stub.workers)
     ]
-    to = tuple(s["inbox"] for s in stub.server_infos)
-    sums = []
-    for b, members in enumerate(stub.blocks):
+    sums, summed = [], [b for b, m in enumerate(stub.blocks) if len(m) > 1]
+    for b in summed:
+        members = stub.blocks[b]
         srcs = tuple(
             Published(computes[i][1]) if stub.snapshot[i] else stub.worker_handles[i]
             for i in members
@@ -73,10 +78,14 @@ def block_step(stub: Stub, step: int) -> StepStats:
     with stub._server_snapshots(), cancelled_on_failure(calls):
         stats = get_all([c[0] for c in computes], "worker", stub.group)
         t1 = time.time()
-        leaders = [b[0] for b in stub.blocks]
-        sent = [to_each for _, to_each in get_all(sums, "worker", stub.group, indices=leaders)]
+        leaders = [stub.blocks[b][0] for b in summed]
+        heard = get_all(sums, "worker", stub.group, indices=leaders)
         t2 = time.time()
         results = get_all(ups, "server")
+    by_block = dict(zip(summed, (to_each for _, to_each in heard), strict=True))
+    sent = [
+        by_block[b] if b in by_block else stats[m[0]].pop("sent") for b, m in enumerate(stub.blocks)
+    ]
     stub.refs = [ref for _, ref, _ in results]
     snaps = [
         worker_buffer_layout(stub.shapes, stub.dtype, st).nbytes if snap else 0
@@ -96,12 +105,32 @@ def block_step(stub: Stub, step: int) -> StepStats:
 
 class BlockSums:
     """A block leader's own: the block's buffers on its node, mapped from one step to the
-    next, the block's sum, reused, and its connections to the servers."""
+    next, the block's sum, reused, its connections to the servers, and how the servers'
+    slices cross in parts (worked out once)."""
 
     def __init__(self) -> None:
         self.maps = Attachments()
         self.sum: dict[str, np.ndarray] = {}
         self.outbox = Outbox()
+        self._plans: list[list[list[Span]]] | None = None
+        self._needs: list[set[str]] | None = None
+
+    def plans_of(self, layouts: Sequence[Layout]) -> list[list[list[Span]]]:
+        """Each server's parts (:func:`.wire.parts_of` of its ``layouts``)."""
+        if self._plans is None:
+            self._plans = [parts_of(lay) for lay in layouts]
+        return self._plans
+
+    def needs_of(self, slices: Sequence[Slice], plans: list[list[list[Span]]]) -> list[set[str]]:
+        """The parameters each round of parts (part ``c`` of every server) holds slices of."""
+        if self._needs is None:
+            param = {s.name: s.param for s in slices}
+            rounds = max(len(p) for p in plans)
+            self._needs = [
+                {param[name] for p in plans if c < len(p) for name, _, _ in p[c]}
+                for c in range(rounds)
+            ]
+        return self._needs
 
     def close(self) -> None:
         self.maps.close()
@@ -135,14 +164,8 @@ def block_sum(
 ) -> tuple[float, list[int]]:
     """The sum of a block's gradients of one step as its leader ``worker`` makes it:
     ``members`` in worker order, each the buffer of a member on this node or the snapshot
-    of one elsewhere. Each server's slices of it (in its order, as they cross:
-    :func:`.wire.encode`) go to that server's inbox (``to``, in server order) in parts
-    (:func:`.wire.parts_of`): every server's first part, then every server's second, ...,
-    each round handed over from the server after this block on (:meth:`.tcp.Outbox.send`).
-    Returns the seconds it took and the bytes sent to each server (what crossed: compressed
-    under ``wire: *+zstd``). A server that cannot be reached is
-    reported lost (:class:`.errors.ActorLost`: its connection broke, its process or host is
-    gone). A block of one worker sends its buffer's slices as they are."""
+    of one elsewhere, sent to the servers (:class:`PartSender`). Returns the seconds it took
+    and the bytes sent to each server."""
     t0 = time.perf_counter()
     mine, reader = worker.block_sums, worker.reader
     mine.maps.keep_only({m.path for m in members if isinstance(m, ShmHandle)})
@@ -156,32 +179,100 @@ def block_sum(
         for p, out in mine.sum.items():
             sum_into(out, [v[p] for v in views])
         own = own_slices(mine.sum, list(worker.slices))
-    plans = [parts_of(lay) for lay in reader.layouts]
-    turn = [(block + 1 + j) % len(to) for j in range(len(to))]  # one block into a server at once
-    sent, lost, first = [0] * len(to), set(), None
-    for c in range(max(len(p) for p in plans)):
-        # part c of every server's slices, then part c + 1: each server can take the first
-        # parts of every block in and update them while the later ones cross
-        ks = [k for k in turn if c < len(plans[k]) and k not in lost]
-        frames = [frame(cut(own, plans[k][c]), worker.wire) for k in ks]
+    sender = PartSender(worker, own, to, step, block, epoch)
+    for c in range(sender.rounds):
+        sender.send_round(c)
+    return time.perf_counter() - t0, sender.result()
+
+
+class PartSender:
+    """A block's sum of one step (``own``: by slice name) on its way to the servers' inboxes
+    (``to``, in server order): each server's slices of it (in its order, as they cross:
+    :func:`.wire.encode`) in parts (:func:`.wire.parts_of`), a round at a time: every server's
+    first part, then every server's second, ..., each round handed over from the server after
+    this block on (:meth:`.tcp.Outbox.send`), so that one block goes into a server at once.
+    A server that cannot be reached gets no more parts and is reported lost once the others
+    have theirs (:meth:`result`)."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        own: dict[str, np.ndarray],
+        to: Sequence[tuple[str, int, bytes]],
+        step: int,
+        block: int,
+        epoch: int,
+    ) -> None:
+        self.worker, self.own, self.to = worker, own, list(to)
+        self.step, self.block, self.epoch = step, block, epoch
+        self.plans = worker.block_sums.plans_of(worker.reader.layouts)
+        self.rounds = max(len(p) for p in self.plans)
+        self.turn = [(block + 1 + j) % len(to) for j in range(len(to))]
+        self.sent, self.lost = [0] * len(to), set[int]()
+        self.first: PeerLost | None = None
+
+    def send_round(self, c: int) -> None:
+        """Part ``c`` of every server's slices that has one (each can take the first parts
+        of every block in and update them while the later ones cross)."""
+        worker, plans = self.worker, self.plans
+        ks = [k for k in self.turn if c < len(plans[k]) and k not in self.lost]
+        frames = [frame(cut(self.own, plans[k][c]), worker.wire) for k in ks]
         try:
-            mine.outbox.send(
-                [to[k] for k in ks],
-                epoch,
-                step,
-                block,
+            worker.block_sums.outbox.send(
+                [self.to[k] for k in ks],
+                self.epoch,
+                self.step,
+                self.block,
                 frames,
                 worker.check_abort,
                 part=c,
                 parts=[len(plans[k]) for k in ks],
             )
         except PeerLost as e:  # the others had theirs; these get no more
-            lost |= {k for k, t in enumerate(to) if (t[0], t[1]) in e.every}
-            first = first or e
+            self.lost |= {k for k, t in enumerate(self.to) if (t[0], t[1]) in e.every}
+            self.first = self.first or e
         for k, f in zip(ks, frames, strict=True):
-            if k not in lost:
-                sent[k] += payload_bytes(f)
-    if first is not None:
-        k = next(k for k, t in enumerate(to) if (t[0], t[1]) == first.where)
-        raise ActorLost("server", k, None, f"its inbox: {first}") from None
-    return time.perf_counter() - t0, sent
+            if k not in self.lost:
+                self.sent[k] += payload_bytes(f)
+
+    def result(self) -> list[int]:
+        """The bytes sent to each server (what crossed: compressed under ``wire: *+zstd``);
+        raises :class:`.errors.ActorLost` for the first server that could not be reached (its
+        connection broke, its process or host is gone)."""
+        if self.first is not None:
+            where = self.first.where
+            k = next(k for k, t in enumerate(self.to) if (t[0], t[1]) == where)
+            raise ActorLost("server", k, None, f"its inbox: {self.first}") from None
+        return self.sent
+
+
+class EarlySends(PartSender):
+    """A block of one worker's gradient of one step (``send``: :class:`.protocol.BlockSend`),
+    sent as the worker computes it: the worker's backward pass reports each layer's
+    parameters done (:meth:`done`, from :meth:`~raysinga.nn.model.Model.backward`), and each
+    round of parts goes out as soon as every parameter it holds a slice of is done. The parts
+    run from the last layers to the first (:func:`.wire.parts_of`), so the first rounds cross
+    the links while the first layers' gradients are still being computed. What is sent is
+    what the whole buffer would send after the step, round by round: the same bytes."""
+
+    def __init__(self, worker: Worker, send: BlockSend, step: int, epoch: int) -> None:
+        own = own_slices(worker.grads.arrays, list(worker.slices))
+        super().__init__(worker, own, send.to, step, send.block, epoch)
+        self.needs = worker.block_sums.needs_of(worker.slices, self.plans)
+        self.ready: set[str] = set()
+        self.next = 0  # the first round not sent yet
+
+    def done(self, params: Iterable[str]) -> None:
+        """``params``' gradients are whole in the worker's buffer: send every round now
+        ready, in order."""
+        self.ready.update(params)
+        while self.next < self.rounds and self.needs[self.next] <= self.ready:
+            self.send_round(self.next)
+            self.next += 1
+
+    def finish(self) -> list[int]:
+        """The step's compute is done: the rounds left go out; :meth:`result`."""
+        while self.next < self.rounds:
+            self.send_round(self.next)
+            self.next += 1
+        return self.result()

@@ -131,6 +131,16 @@ class HostFrames:
 
 
 @dataclass(frozen=True)
+class BlockSend:
+    """What a block of one worker (``topology.reduce: hosts``) sends its gradient to, as it
+    computes it: the servers' inboxes ``to`` (in server order, each ``(host, port, key)``),
+    as block ``block`` (:class:`.host_sums.EarlySends`)."""
+
+    to: tuple[tuple[str, int, bytes], ...]
+    block: int
+
+
+@dataclass(frozen=True)
 class SummedGrads:
     """What a server on its stub's node sums its gradient from, in its own update: its
     workers' gradient buffers (``parts``, in worker order, each laid out as the parameters and

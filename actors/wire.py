@@ -15,10 +15,12 @@ The servers keep float32 values and optimizer state, and sum the blocks in float
 lossless, so every bit is as under ``f32`` or ``bf16``, in fewer bytes on a slow link, for the
 time it takes both ends to compress and decompress them.
 
-Both cross in parts (:func:`parts_of`): a server sums, updates and pushes the values of each
-part as soon as every block's sum of it is in, while the next parts are still on their way, so
-that the sums and the values share the links instead of taking turns. Each element is summed,
-updated and rounded as it would be in one piece: the parts change no bit.
+Both cross in parts (:func:`parts_of`, the last layers' first): a server sums, updates and
+pushes the values of each part as soon as every block's sum of it is in, while the next parts
+are still on their way, so that the sums and the values share the links instead of taking
+turns; a block of one worker sends each part as soon as its backward pass has finished it.
+Each element is summed, updated and rounded as it would be in one piece: the parts change no
+bit.
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ Span = tuple[str, int, int]  # an entry's name and a flat range [start, stop) of
 def parts_of(layout: Layout, part_bytes: int | None = None) -> list[list[Span]]:
     """``layout``'s arrays (a server's slices, in its order) cut into parts of equal element
     counts, the fewest of at most ``part_bytes`` (default :data:`PART_BYTES`) float32
-    bytes each; each part lists its
-    flat ranges of the arrays, in order. A pure function of its inputs: a server and the
-    nodes it sends to agree on it without a word."""
+    bytes each; each part lists its flat ranges of the arrays, in order. The parts run from
+    the layout's end to its start: a server's slices follow the model's parameters, whose
+    last layer's gradients a backward pass finishes first, so a worker can send the first
+    parts while it computes the rest (:class:`.host_sums.EarlySends`). A pure function of
+    its inputs: a server and the nodes it sends to agree on it without a word."""
     part_bytes = PART_BYTES if part_bytes is None else part_bytes
     sizes = [(e.name, math.prod(e.shape)) for e in layout.entries]
     total = sum(n for _, n in sizes)
@@ -58,7 +62,7 @@ def parts_of(layout: Layout, part_bytes: int | None = None) -> list[list[Span]]:
                 spans.append((name, a, b))
             off += n
         parts.append(spans)
-    return parts
+    return parts[::-1]
 
 
 def cut(arrays: dict[str, np.ndarray], part: Sequence[Span]) -> list[np.ndarray]:

@@ -31,10 +31,11 @@ from .device import WorkerDevice, warm
 from .doorbell import Abortable, Steps
 from .errors import reports_role
 from .fence import Fence
-from .host_sums import BlockSums, block_sum, summed_members
+from .host_sums import BlockSums, EarlySends, block_sum, summed_members
 from .mirrors import Mirrors, wait_for
 from .protocol import (
     STATE_TAGS,
+    BlockSend,
     MirrorAt,
     Published,
     Wiring,
@@ -232,17 +233,24 @@ class Worker(Abortable, Fence):
         snapshot: bool,
         *sources: ShmHandle | Published,
         epoch: int = 0,
-    ) -> tuple[dict[str, float], np.ndarray | None]:
+        send: BlockSend | None = None,
+    ) -> tuple[dict[str, Any], np.ndarray | None]:
         """Loss and gradient of part ``part`` of ``parts`` of the group's batch at ``step``,
         for a stub of ``epoch`` (an older one's is refused: :mod:`.fence`).
 
         The loss is divided by the group's batch size, so the group's gradient is the plain sum
         of its workers' gradients. Returns timings and, when the stub is on another node, a
-        snapshot of the gradient buffer.
+        snapshot of the gradient buffer. ``send`` (a block of one worker, ``topology.reduce:
+        hosts``): the gradient goes to the servers as the backward pass makes it
+        (:class:`.host_sums.EarlySends`); the timings then carry the bytes sent to each
+        server (``"sent"``).
         """
         self.admit(epoch, f"compute step {step} (worker {self.index} of group {self.group})")
         self.computed = None
-        stats = self._compute(step, part, parts, self.fetched(sources))
+        early = None if send is None else EarlySends(self, send, step, epoch)
+        stats = self._compute(step, part, parts, self.fetched(sources), early)
+        if early is not None:
+            stats["sent"] = early.finish()
         self.computed = (epoch, step)  # what a sum of its block may take from its buffer
         return stats, (self.grads.snapshot() if snapshot else None)
 
@@ -290,7 +298,9 @@ class Worker(Abortable, Fence):
         members = summed_members(self, step, epoch, members, done)
         return block_sum(self, members, to, step, block, epoch)
 
-    def _compute(self, step: int, part: int, parts: int, sources: tuple) -> dict[str, float]:
+    def _compute(
+        self, step: int, part: int, parts: int, sources: tuple, early: EarlySends | None = None
+    ) -> dict[str, Any]:
         start = time.time()
         t0 = time.perf_counter()
         if self.state_shapes:
@@ -306,7 +316,7 @@ class Worker(Abortable, Fence):
         if self.graphs is not None:  # the upload is staged with the recorded step
             loss = self.graphs.step(step, ctx, x, y, params)
         else:
-            loss = self._eager(params, x, y, ctx)
+            loss = self._eager(params, x, y, ctx, early)
         if self.state_shapes:
             write_state_copy(self.grads.arrays, self._host_state(), step + 1)
             self.state_at = step + 1
@@ -357,22 +367,36 @@ class Worker(Abortable, Fence):
     def _host_state(self) -> dict[str, np.ndarray]:
         return {k: to_numpy(v) for k, v in self.state.items()}
 
-    def _eager(self, params: dict, x: Any, y: Any, ctx: StepContext) -> float:
-        """The step launched op by op; the gradients end in the shared buffer."""
+    def _eager(
+        self, params: dict, x: Any, y: Any, ctx: StepContext, early: EarlySends | None = None
+    ) -> float:
+        """The step launched op by op; the gradients end in the shared buffer. On a CPU each
+        layer's are put there as soon as the layer is done, and ``early`` told."""
         x = self.net.prepare_input(x)
         if self.gpu is not None:
             x, y = self.gpu.asarray(x), self.gpu.asarray(y)
         into = None if self.gpu is not None else self.grads.arrays  # written in place there
-        with precision.copies_in_use(self._weight_copies(params)):
-            loss, grads, _ = self.net.loss_and_grads(
-                params, self.state, x, y, ctx, self.group_batch, into
-            )
-        if self.gpu is not None:
-            self.gpu.download_grads(grads)
-        else:
+
+        def into_buffer(grads: dict[str, Any]) -> None:
             for k, g in grads.items():
                 if g is not self.grads.arrays[k]:
                     self.grads.arrays[k][...] = g
+            if early is not None:
+                early.done(grads)
+
+        with precision.copies_in_use(self._weight_copies(params)):
+            loss, grads, _ = self.net.loss_and_grads(
+                params,
+                self.state,
+                x,
+                y,
+                ctx,
+                self.group_batch,
+                into,
+                on_grads=None if self.gpu is not None else into_buffer,
+            )
+        if self.gpu is not None:
+            self.gpu.download_grads(grads)
         return loss
 
     @reports_role

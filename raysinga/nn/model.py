@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -285,10 +286,17 @@ class Net:
                 kept[ly.name] = x
         return x
 
-    def backward(self, dout: Any, into: dict[str, Any] | None = None) -> dict[str, Any]:
+    def backward(
+        self,
+        dout: Any,
+        into: dict[str, Any] | None = None,
+        on_grads: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
         """The parameters' gradients. ``into`` (parameter name -> an array of its shape and
         dtype): where layers that can write their gradients do so (a worker's shared buffer);
-        the others' come back as new arrays."""
+        the others' come back as new arrays. ``on_grads``: called with each layer's
+        gradients (by parameter name) as soon as that layer is done, the last layer first
+        (a worker sends them on while the layers before it are computed)."""
         grads: dict[str, Any] = {}
         # the gradient with respect to each layer's output, summed over where it went
         pending: dict[str, Any] = {self.layers[-1].name: dout}
@@ -300,7 +308,10 @@ class Net:
                 dx, g = ly.backward(pending.pop(ly.name))
             finally:
                 ly.grads_into = {}
-            grads.update({ly.key(k): v for k, v in g.items()})
+            mine = {ly.key(k): v for k, v in g.items()}
+            grads.update(mine)
+            if on_grads is not None and mine:
+                on_grads(mine)
             if i == 0:
                 break
             for name in sources if sources is not None else (self.layers[i - 1].name,):
@@ -317,15 +328,17 @@ class Net:
         denom: int | None = None,
         into: dict[str, Any] | None = None,
         on_device: bool = False,
+        on_grads: Callable[[dict[str, Any]], None] | None = None,
     ) -> tuple[Any, dict[str, Any], Any]:
         """``(loss, grads, output)``; the loss is summed over the batch and divided by ``denom``
         (default: the batch size). A worker of a group passes the group's batch size, so that the
-        group's gradient is the plain sum of its workers' gradients. ``into``: see
-        :meth:`backward`. The loss is a float, or with ``on_device`` the 0-d array where it was
-        computed (nothing waits for the GPU: a step recorded as a CUDA graph needs that)."""
+        group's gradient is the plain sum of its workers' gradients. ``into`` and ``on_grads``:
+        see :meth:`backward`. The loss is a float, or with ``on_device`` the 0-d array where it
+        was computed (nothing waits for the GPU: a step recorded as a CUDA graph needs that)."""
         out = self.forward(params, state, x, ctx)
         loss, dout = self.loss_fn(out, y, len(x) if denom is None else denom)
-        return (loss if on_device else float(loss)), self.backward(dout, into), out
+        grads = self.backward(dout, into, on_grads)
+        return (loss if on_device else float(loss)), grads, out
 
     def evaluate(self, params: dict, state: dict, x: Any, y: Any) -> tuple[float, float | None]:
         """``(mean loss, accuracy or None)`` on one batch in inference mode."""

@@ -51,13 +51,14 @@ def test_bytes_on_the_wire_and_blocks():
     assert blocks(3, 1) == [[0], [1], [2]]
 
 
-def test_parts_cut_a_servers_slices_in_order_into_equal_parts():
+def test_parts_cut_a_servers_slices_into_equal_parts_from_the_last_array_on():
     lay = Layout.of({"a": ((1000,), "float32"), "b": ((3,), "float32"), "c": ((10, 50), "float32")})
     parts = parts_of(lay, 1600)  # 400 float32 each at most: 1503 elements in 4 parts
     assert len(parts) == 4
-    flat = [(name, i) for part in parts for name, a, b in part for i in range(a, b)]
+    flat = [(name, i) for part in parts[::-1] for name, a, b in part for i in range(a, b)]
     want = [(e.name, i) for e in lay.entries for i in range(int(np.prod(e.shape)))]
-    assert flat == want  # every element once, in the layout's order
+    assert flat == want  # every element once; the parts from the layout's end, each in order
+    assert parts[0] == [("c", 124, 500)] and parts[-1] == [("a", 0, 375)]
     counts = [sum(b - a for _, a, b in part) for part in parts]
     assert max(counts) - min(counts) <= 1 and max(counts) <= 400
     assert parts_of(lay, 1 << 20) == [[("a", 0, 1000), ("b", 0, 3), ("c", 0, 500)]]
@@ -65,5 +66,5 @@ def test_parts_cut_a_servers_slices_in_order_into_equal_parts():
     arrays = {
         e.name: np.arange(np.prod(e.shape), dtype=np.float32).reshape(e.shape) for e in lay.entries
     }
-    got = np.concatenate([x for part in parts for x in cut(arrays, part)])
+    got = np.concatenate([x for part in parts[::-1] for x in cut(arrays, part)])
     assert got.tobytes() == np.concatenate([v.reshape(-1) for v in arrays.values()]).tobytes()

@@ -83,14 +83,24 @@ def test_one_worker_and_one_server_summed_by_hosts_is_the_single_process_run(blo
         assert err <= 1e-5, (k, err)
 
 
+ALONE = ("topology.workers_per_host=1", "topology.n_servers=4")  # blocks of one worker
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("role", ["worker", "server"])
-def test_a_killed_role_of_a_block_is_recovered_bit_exact(blocks, tmp_path, role):
+@pytest.mark.parametrize(
+    "role, more",
+    [("worker", ()), ("server", ()), ("worker", ALONE)],
+    ids=["worker", "server", "worker-sending-as-it-computes"],
+)
+def test_a_killed_role_of_a_block_is_recovered_bit_exact(blocks, tmp_path, role, more):
     """A block's worker SIGKILLed is replaced alone (its group redoes the step); a server
-    (no role logs the whole sum to rebuild it from) restarts the roles from the checkpoint."""
+    (no role logs the whole sum to rebuild it from) restarts the roles from the checkpoint.
+    A block of one worker sends its gradient as it computes it: one killed then has sent a
+    server some parts of a step and not the rest."""
     import ray
 
-    t = DistributedTrainer(load_job(tmp_path, JOB, "disp_freq=5"), **QUIET)
+    want = blocks.params if not more else fit(tmp_path / "want", *more).params
+    t = DistributedTrainer(load_job(tmp_path / "run", JOB, "disp_freq=5", *more), **QUIET)
     fired = []
 
     def hook(ev) -> None:
@@ -105,10 +115,10 @@ def test_a_killed_role_of_a_block_is_recovered_bit_exact(blocks, tmp_path, role)
     assert fired
     kinds = [r for r in res.history if r["kind"] == "failure"]
     seen = [f"{r['role']} {r['index']} ({r['recovery']}): {r['error']}" for r in kinds]
-    assert same_bits(res.params, blocks.params), seen
+    assert same_bits(res.params, want), seen
     assert len(kinds) == 1 and kinds[0]["role"] == role, seen
-    want = "replaced" if role == "worker" else "restarted"
-    assert kinds[0]["recovery"].startswith(want), seen
+    how = "replaced" if role == "worker" else "restarted"
+    assert kinds[0]["recovery"].startswith(how), seen
 
 
 @pytest.mark.parametrize(
