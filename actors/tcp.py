@@ -354,10 +354,13 @@ def _send_all(sock: socket.socket, data: Any, check: Check) -> None:
 
 
 def _fill(conn: socket.socket, view: memoryview) -> int:
-    """Bytes into ``view`` until it is full or the connection ends; returns how many."""
+    """Bytes into ``view`` until it is full or the connection ends; returns how many. The
+    kernel fills it whole before it wakes this thread (``MSG_WAITALL``): on a link that
+    delivers a frame a few packets at a time, a wake-up per packet would cost the receiving
+    process more than the copy itself."""
     got = 0
     while got < len(view):
-        k = conn.recv_into(view[got:])
+        k = conn.recv_into(view[got:], 0, socket.MSG_WAITALL)
         if k == 0:
             break
         got += k
