@@ -376,24 +376,10 @@ class Worker(Abortable, Fence):
         if self.gpu is not None:
             x, y = self.gpu.asarray(x), self.gpu.asarray(y)
         into = None if self.gpu is not None else self.grads.arrays  # written in place there
-
-        def into_buffer(grads: dict[str, Any]) -> None:
-            for k, g in grads.items():
-                if g is not self.grads.arrays[k]:
-                    self.grads.arrays[k][...] = g
-            if early is not None:
-                early.done(grads)
-
+        tell = None if into is None else _into_buffer(into, early)
         with precision.copies_in_use(self._weight_copies(params)):
             loss, grads, _ = self.net.loss_and_grads(
-                params,
-                self.state,
-                x,
-                y,
-                ctx,
-                self.group_batch,
-                into,
-                on_grads=None if self.gpu is not None else into_buffer,
+                params, self.state, x, y, ctx, self.group_batch, into, on_grads=tell
             )
         if self.gpu is not None:
             self.gpu.download_grads(grads)
@@ -424,3 +410,19 @@ class Worker(Abortable, Fence):
         if self.gpu is not None:
             self.gpu.close()
         self.grads.close()
+
+
+def _into_buffer(
+    buffer: dict[str, np.ndarray], early: EarlySends | None
+) -> Callable[[dict[str, Any]], None]:
+    """What a CPU worker's backward pass hands each layer's gradients to: each put into the
+    worker's shared ``buffer`` (those the layer did not write there), then ``early`` told."""
+
+    def tell(grads: dict[str, Any]) -> None:
+        for k, g in grads.items():
+            if g is not buffer[k]:
+                buffer[k][...] = g
+        if early is not None:
+            early.done(grads)
+
+    return tell
