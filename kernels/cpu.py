@@ -7,8 +7,6 @@ or float64; integer labels are int32/int64.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -102,17 +100,12 @@ def dense_backward(
     act: str,
     need_dx: bool = True,
     dw_out: np.ndarray | None = None,
-    grads_done: Callable[[np.ndarray, np.ndarray], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dx, dw, db)`` for ``y = act(x @ w + b)``; ``dx`` is None unless ``need_dx`` (a net's
     first layer skips a whole GEMM that way). ``dw`` is written into ``dw_out`` where given
-    (the same product, so the same bits). ``grads_done(dw, db)`` is called before ``dx`` is
-    computed (a worker sends them on meanwhile)."""
+    (the same product, so the same bits)."""
     dz, db = _bias_act_grads(dy, y, act)
-    dw = matmul(x.T, dz, dw_out)
-    if grads_done is not None:
-        grads_done(dw, db)
-    return (matmul(dz, w.T) if need_dx else None), dw, db
+    return (matmul(dz, w.T) if need_dx else None), matmul(x.T, dz, dw_out), db
 
 
 # ---------------------------------------------------------------- losses

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -58,10 +57,6 @@ class Layer:
         # parameter's shape and dtype), set by the net for one call; a layer that does not
         # returns fresh arrays, which the net's caller copies there.
         self.grads_into: dict[str, Any] = {}
-        # Set by the net for one call where its caller wants each layer's gradients as soon
-        # as they are done: a layer may hand over its parameters' gradients (local name ->
-        # array) before it computes its dx; the net hands over whatever it did not.
-        self.grads_done: Callable[[dict[str, Any]], None] | None = None
         self._cache: tuple = ()
 
     # -- shapes and initial values
@@ -167,13 +162,8 @@ class Dense(Layer):
             self.opts["activation"],
             self.need_dx,
             dw_out=self.grads_into.get("W"),
-            grads_done=self._report,
         )
         return (None if dx is None else dx.reshape(x_shape)), {"W": dw, "b": db}
-
-    def _report(self, dw: Any, db: Any) -> None:
-        if self.grads_done is not None:
-            self.grads_done({"W": dw, "b": db})
 
 
 class Conv2D(Layer):

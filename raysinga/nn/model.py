@@ -295,9 +295,8 @@ class Net:
         """The parameters' gradients. ``into`` (parameter name -> an array of its shape and
         dtype): where layers that can write their gradients do so (a worker's shared buffer);
         the others' come back as new arrays. ``on_grads``: called with each layer's
-        gradients (by parameter name) as soon as they are done (a dense layer's before it
-        computes its dx), the last layer first, each gradient once (a worker sends them on
-        while the layers before it are computed)."""
+        gradients (by parameter name) as soon as that layer is done, the last layer first
+        (a worker sends them on while the layers before it are computed)."""
         grads: dict[str, Any] = {}
         # the gradient with respect to each layer's output, summed over where it went
         pending: dict[str, Any] = {self.layers[-1].name: dout}
@@ -305,18 +304,14 @@ class Net:
             ly, sources = self.layers[i], self.sources[i]
             if into:
                 ly.grads_into = {k: into[ly.key(k)] for k in ly.param_shapes()}
-            told: set[str] = set()  # what the layer handed over before its dx
-            if on_grads is not None:
-                ly.grads_done = _teller(ly, on_grads, told)
             try:
                 dx, g = ly.backward(pending.pop(ly.name))
             finally:
-                ly.grads_into, ly.grads_done = {}, None
+                ly.grads_into = {}
             mine = {ly.key(k): v for k, v in g.items()}
             grads.update(mine)
-            rest = {k: v for k, v in mine.items() if k not in told}
-            if on_grads is not None and rest:
-                on_grads(rest)
+            if on_grads is not None and mine:
+                on_grads(mine)
             if i == 0:
                 break
             for name in sources if sources is not None else (self.layers[i - 1].name,):
@@ -351,17 +346,3 @@ class Net:
         loss, _ = self.loss_fn(out, y, len(x))
         acc = accuracy(out, y) if self.spec.loss in CLASSIFYING else None
         return float(loss), acc
-
-
-def _teller(
-    ly: Layer, on_grads: Callable[[dict[str, Any]], None], told: set[str]
-) -> Callable[[dict[str, Any]], None]:
-    """What layer ``ly`` hands its gradients over with before its backward pass ends: on to
-    ``on_grads`` by parameter name, noted in ``told``."""
-
-    def tell(g: dict[str, Any]) -> None:
-        mine = {ly.key(k): v for k, v in g.items()}
-        told.update(mine)
-        on_grads(mine)
-
-    return tell

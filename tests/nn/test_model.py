@@ -136,56 +136,6 @@ def test_gradients_written_into_given_arrays_are_the_same_bits(spec_dict):
     assert all(not ly.grads_into for ly in net.layers)  # held for one call only
 
 
-@pytest.mark.parametrize("spec_dict", [MLP, CNN])
-def test_each_layers_gradients_are_handed_over_as_soon_as_they_are_done(spec_dict):
-    """What a worker sends on while the backward pass goes on: every gradient once, the last
-    layer's first, each whole when handed over (the bits it ends with); a dense layer's before
-    it computes its dx, that is before the layer under it starts."""
-    net = Net(ModelSpec.from_dict(spec_dict))
-    params, state = net.init_params(3), net.init_state()
-    x = np.random.default_rng(4).standard_normal((9, *spec_dict["input_shape"]), np.float32)
-    y = np.arange(9) % 7
-    ctx = StepContext(train=True, seed=1, step=2)
-    _, plain, _ = net.loss_and_grads(params, state, x, y, ctx)
-    told: list[tuple[str, np.ndarray]] = []
-    seen_by_dense: dict[str, int] = {}  # a dense layer's kernel: how many told before its dx
-
-    import raysinga.nn.layers as layers_module
-
-    real = layers_module.K.dense_backward
-
-    def spy(*args, **kwargs):
-        done = kwargs["grads_done"]
-
-        def noted(dw, db):
-            done(dw, db)
-            seen_by_dense[id(dw)] = len(told)
-
-        return real(*args, **{**kwargs, "grads_done": noted})
-
-    layers_module.K.dense_backward = spy
-    try:
-        into = {k: np.zeros_like(v) for k, v in params.items()}
-        _, grads, _ = net.loss_and_grads(
-            params, net.init_state(), x, y, ctx, into=into,
-            on_grads=lambda g: told.extend((k, v.copy()) for k, v in g.items()),
-        )  # fmt: skip
-    finally:
-        layers_module.K.dense_backward = real
-    names = [k for k, _ in told]
-    assert sorted(names) == sorted(plain) and len(names) == len(set(names))
-    order = [ly.name for ly in net.layers if ly.param_shapes()][::-1]
-    assert [n.rpartition("/")[0] for n in names] == sorted(
-        (n.rpartition("/")[0] for n in names), key=order.index
-    )
-    for k, v in told:  # whole when told: the bits the pass ends with
-        np.testing.assert_array_equal(v, plain[k], err_msg=k)
-        np.testing.assert_array_equal(grads[k], plain[k], err_msg=k)
-    dense = [ly for ly in net.layers if ly.kind == "dense"]
-    assert len(seen_by_dense) == len(dense)  # each told from inside its kernel, before its dx
-    assert all(ly.grads_done is None for ly in net.layers)  # held for one call only
-
-
 def test_batchnorm_running_statistics_match_pytorch():
     spec = ModelSpec.from_dict(
         {"input_shape": [3, 4, 4], "layers": [{"kind": "batchnorm", "name": "bn", "momentum": 0.2}]}
