@@ -295,8 +295,9 @@ class Net:
         """The parameters' gradients. ``into`` (parameter name -> an array of its shape and
         dtype): where layers that can write their gradients do so (a worker's shared buffer);
         the others' come back as new arrays. ``on_grads``: called with each layer's
-        gradients (by parameter name) as soon as that layer is done, the last layer first
-        (a worker sends them on while the layers before it are computed)."""
+        gradients (by parameter name) as soon as that layer is done, its dx too, the last
+        layer first (a worker sends them on while the layers before it are computed; a
+        server may then update those parameters in place, which no layer before reads)."""
         grads: dict[str, Any] = {}
         # the gradient with respect to each layer's output, summed over where it went
         pending: dict[str, Any] = {self.layers[-1].name: dout}

@@ -136,6 +136,47 @@ def test_gradients_written_into_given_arrays_are_the_same_bits(spec_dict):
     assert all(not ly.grads_into for ly in net.layers)  # held for one call only
 
 
+@pytest.mark.parametrize("spec_dict", [MLP, CNN])
+def test_each_layers_gradients_are_handed_over_once_its_backward_pass_is_done(spec_dict):
+    """What a worker sends on while the backward pass goes on: every gradient once, the last
+    layer's first, whole when handed over (the bits the pass ends with), and only once the
+    layer is done with its dx as well: the layer under it has not started."""
+    net = Net(ModelSpec.from_dict(spec_dict))
+    params, state = net.init_params(3), net.init_state()
+    x = np.random.default_rng(4).standard_normal((9, *spec_dict["input_shape"]), np.float32)
+    y = np.arange(9) % 7
+    ctx = StepContext(train=True, seed=1, step=2)
+    _, plain, _ = net.loss_and_grads(params, state, x, y, ctx)
+    told: list[tuple[str, np.ndarray]] = []
+    started: list[str] = []  # the layers whose backward pass had begun, at each handing over
+    for ly in net.layers:
+        real = ly.backward
+
+        def spy(dy, ly=ly, real=real):
+            started.append(ly.name)
+            return real(dy)
+
+        ly.backward = spy
+
+    def on_grads(g):
+        layer = next(iter(g)).rpartition("/")[0]
+        assert started[-1] == layer, (layer, started)  # nothing under it begun yet
+        told.extend((k, v.copy()) for k, v in g.items())
+
+    into = {k: np.zeros_like(v) for k, v in params.items()}
+    _, grads, _ = net.loss_and_grads(
+        params, net.init_state(), x, y, ctx, into=into, on_grads=on_grads
+    )
+    names = [k for k, _ in told]
+    assert sorted(names) == sorted(plain) and len(names) == len(set(names))
+    order = [ly.name for ly in net.layers if ly.param_shapes()][::-1]
+    layers = [n.rpartition("/")[0] for n in names]
+    assert layers == sorted(layers, key=order.index)
+    for k, v in told:  # whole when told: the bits the pass ends with
+        np.testing.assert_array_equal(v, plain[k], err_msg=k)
+        np.testing.assert_array_equal(grads[k], plain[k], err_msg=k)
+
+
 def test_batchnorm_running_statistics_match_pytorch():
     spec = ModelSpec.from_dict(
         {"input_shape": [3, 4, 4], "layers": [{"kind": "batchnorm", "name": "bn", "momentum": 0.2}]}
