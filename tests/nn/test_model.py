@@ -148,18 +148,22 @@ def test_each_layers_gradients_are_handed_over_once_its_backward_pass_is_done(sp
     ctx = StepContext(train=True, seed=1, step=2)
     _, plain, _ = net.loss_and_grads(params, state, x, y, ctx)
     told: list[tuple[str, np.ndarray]] = []
-    started: list[str] = []  # the layers whose backward pass had begun, at each handing over
+    started: list[str] = []  # the layers whose backward pass had begun
+    ended: list[str] = []  # and those whose backward pass (dx included) had returned
     for ly in net.layers:
         real = ly.backward
 
         def spy(dy, ly=ly, real=real):
             started.append(ly.name)
-            return real(dy)
+            out = real(dy)
+            ended.append(ly.name)
+            return out
 
         ly.backward = spy
 
     def on_grads(g):
         layer = next(iter(g)).rpartition("/")[0]
+        assert ended[-1] == layer, (layer, ended)  # done, its dx too
         assert started[-1] == layer, (layer, started)  # nothing under it begun yet
         told.extend((k, v.copy()) for k, v in g.items())
 
