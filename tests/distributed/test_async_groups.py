@@ -69,8 +69,8 @@ class RecordingWorker(Worker):
         (LOGS / run).mkdir(parents=True, exist_ok=True)
         self._log = LOGS / run / f"g{self.group}w{self.index}-{uuid.uuid4().hex[:6]}.jsonl"
 
-    def _compute(self, step, part, parts, sources):
-        st = super()._compute(step, part, parts, sources)
+    def _compute(self, step, part, parts, sources, early=None):
+        st = super()._compute(step, part, parts, sources, early)
         rec = {"group": self.group, "step": step, "batch": self.batch_index(step)}
         with open(self._log, "a") as f:
             f.write(json.dumps({**rec, "start": st["start"], "end": st["end"]}) + "\n")

@@ -277,10 +277,10 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 class BrokenWorker(Worker):
     """Fails at step 3 in worker 1, whichever path (Ray calls or doorbells) drives it."""
 
-    def _compute(self, step, part, parts, sources):
+    def _compute(self, step, part, parts, sources, early=None):
         if step == 3 and self.index == 1:
             return self._explode(step)
-        return super()._compute(step, part, parts, sources)
+        return super()._compute(step, part, parts, sources, early)
 
     def _explode(self, step):
         raise ValueError(f"bad sample at step {step}")
