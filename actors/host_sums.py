@@ -11,7 +11,7 @@ the calls: no gradient passes through it.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -180,8 +180,7 @@ def block_sum(
             sum_into(out, [v[p] for v in views])
         own = own_slices(mine.sum, list(worker.slices))
     sender = PartSender(worker, own, to, step, block, epoch)
-    for c in range(sender.rounds):
-        sender.send_round(c)
+    sender.send_rounds()
     return time.perf_counter() - t0, sender.result()
 
 
@@ -210,8 +209,15 @@ class PartSender:
         self.turn = [(block + 1 + j) % len(to) for j in range(len(to))]
         self.sent, self.lost = [0] * len(to), set[int]()
         self.first: PeerLost | None = None
+        self.next = 0  # the first round not sent yet
 
-    def send_round(self, c: int) -> None:
+    def send_rounds(self, ready: Callable[[int], bool] = lambda c: True) -> None:
+        """The rounds not sent yet, in order, as long as ``ready`` says each may go."""
+        while self.next < self.rounds and ready(self.next):
+            self._send_round(self.next)
+            self.next += 1
+
+    def _send_round(self, c: int) -> None:
         """Part ``c`` of every server's slices that has one (each can take the first parts
         of every block in and update them while the later ones cross)."""
         worker, plans = self.worker, self.plans
@@ -260,19 +266,14 @@ class EarlySends(PartSender):
         super().__init__(worker, own, send.to, step, send.block, epoch)
         self.needs = worker.block_sums.needs_of(worker.slices, self.plans)
         self.ready: set[str] = set()
-        self.next = 0  # the first round not sent yet
 
     def done(self, params: Iterable[str]) -> None:
         """``params``' gradients are whole in the worker's buffer: send every round now
         ready, in order."""
         self.ready.update(params)
-        while self.next < self.rounds and self.needs[self.next] <= self.ready:
-            self.send_round(self.next)
-            self.next += 1
+        self.send_rounds(lambda c: self.needs[c] <= self.ready)
 
     def finish(self) -> list[int]:
         """The step's compute is done: the rounds left go out; :meth:`result`."""
-        while self.next < self.rounds:
-            self.send_round(self.next)
-            self.next += 1
+        self.send_rounds()
         return self.result()

@@ -114,16 +114,23 @@ def test_gradients_match_pytorch_float32(spec_dict, batch):
         assert err <= 1e-5, f"{k}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("spec_dict", [MLP, CNN])
-def test_gradients_written_into_given_arrays_are_the_same_bits(spec_dict):
-    """A worker hands the net its shared gradient buffer: dense layers write their weight
-    gradients there (no copy), the others' come back as new arrays, every one bit-identical to
-    a backward pass without it."""
+def _one_batch(spec_dict):
+    """A net of ``spec_dict``, its parameters and state, and one training batch with its
+    context: what the gradient tests take a backward pass of."""
     net = Net(ModelSpec.from_dict(spec_dict))
     params, state = net.init_params(3), net.init_state()
     x = np.random.default_rng(4).standard_normal((9, *spec_dict["input_shape"]), np.float32)
     y = np.arange(9) % 7
     ctx = StepContext(train=True, seed=1, step=2)
+    return net, params, state, x, y, ctx
+
+
+@pytest.mark.parametrize("spec_dict", [MLP, CNN])
+def test_gradients_written_into_given_arrays_are_the_same_bits(spec_dict):
+    """A worker hands the net its shared gradient buffer: dense layers write their weight
+    gradients there (no copy), the others' come back as new arrays, every one bit-identical to
+    a backward pass without it."""
+    net, params, state, x, y, ctx = _one_batch(spec_dict)
     loss, plain, _ = net.loss_and_grads(params, state, x, y, ctx)
     into = {k: np.full_like(v, np.nan) for k, v in params.items()}
     loss_into, given, _ = net.loss_and_grads(params, net.init_state(), x, y, ctx, into=into)
@@ -141,11 +148,7 @@ def test_each_layers_gradients_are_handed_over_once_its_backward_pass_is_done(sp
     """What a worker sends on while the backward pass goes on: every gradient once, the last
     layer's first, whole when handed over (the bits the pass ends with), and only once the
     layer is done with its dx as well: the layer under it has not started."""
-    net = Net(ModelSpec.from_dict(spec_dict))
-    params, state = net.init_params(3), net.init_state()
-    x = np.random.default_rng(4).standard_normal((9, *spec_dict["input_shape"]), np.float32)
-    y = np.arange(9) % 7
-    ctx = StepContext(train=True, seed=1, step=2)
+    net, params, state, x, y, ctx = _one_batch(spec_dict)
     _, plain, _ = net.loss_and_grads(params, state, x, y, ctx)
     told: list[tuple[str, np.ndarray]] = []
     started: list[str] = []  # the layers whose backward pass had begun
