@@ -225,9 +225,9 @@ def step_record(
         loss=sum(st["loss"] for st in stats),
         fetch=fetch,
         compute=compute,
-        gather=t1 - t0 - fetch - compute,
+        gather=max(0.0, t1 - t0 - fetch - compute),
         # where "gather" goes: reaching the last worker, and hearing back from it
-        dispatch=max(st["start"] for st in stats) - t0,
+        dispatch=max(0.0, max(st["start"] for st in stats) - t0),  # 0: a step sent ahead
         collect=t1 - max(st["end"] for st in stats),
         average=t2 - t1,
         update=t3 - t2,

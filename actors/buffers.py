@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from .seqwait import wake
+
 ALIGN = 64  # bytes: every array starts on a cache line
 
 
@@ -85,12 +87,14 @@ class UpdateGuard:
 
     def set_version(self, version: int) -> None:
         self.seq[0] = 2 * version
+        wake(self.seq)
 
     def __enter__(self) -> None:
         self.seq[0] += 1
 
     def __exit__(self, *exc: object) -> None:
         self.seq[0] += 1
+        wake(self.seq)  # a reader waiting for this version (:func:`.mirrors.wait_for`)
 
 
 def stable_copy(src: np.ndarray, seq: np.ndarray, out: np.ndarray, wait_s: float = 1e-4) -> int:

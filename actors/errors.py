@@ -171,9 +171,15 @@ def cancelled_on_failure(calls: list[Any]) -> Iterator[None]:
     try:
         yield
     except Exception:
-        import ray  # noqa: PLC0415
-
-        for ref in calls:
-            with contextlib.suppress(Exception):
-                ray.cancel(ref)
+        cancel(calls)
         raise
+
+
+def cancel(calls: list[Any]) -> None:
+    """Cancel ``calls`` (refs), those not yet run; a role's running call ends when the
+    recovery aborts it (:class:`.doorbell.Abortable`)."""
+    import ray  # noqa: PLC0415
+
+    for ref in calls:
+        with contextlib.suppress(Exception):
+            ray.cancel(ref)

@@ -20,8 +20,17 @@ from raysinga.optim.grads import sum_into
 
 from .bells import step_record
 from .buffers import Attachments, Layout, ShmHandle
-from .errors import ActorLost, cancelled_on_failure, get_all
-from .protocol import BlockSend, HostFrames, Published, StepStats, worker_buffer_layout
+from .errors import ActorLost, cancel, cancelled_on_failure, get_all
+from .protocol import (
+    BlockSend,
+    HostFrames,
+    MirrorAt,
+    Published,
+    Pushed,
+    ServerAt,
+    StepStats,
+    worker_buffer_layout,
+)
 from .server_grads import own_slices
 from .tcp import Outbox, PeerLost, payload_bytes
 from .traffic import block_step_bytes
@@ -33,28 +42,84 @@ if TYPE_CHECKING:
     from .worker import Worker
 
 
-def block_step(stub: Stub, step: int) -> StepStats:
-    """One step summed by blocks (``topology.reduce: hosts``, :mod:`.wire`): each
-    worker computes; each block's leader, once its members are done, sums them and cuts
+def block_steps(stub: Stub, start: int, stop: int) -> list[StepStats]:
+    """Steps ``start .. stop-1`` summed by blocks (``topology.reduce: hosts``, :mod:`.wire`):
+    each worker computes; each block's leader, once its members are done, sums them and cuts
     the sum into the servers' slices and sends each its own (:mod:`.tcp`); each server takes
     its slices of every block in and sums them in block order. A block of one worker sends
     its gradient as it computes it, the last layers' first (:class:`EarlySends`), and needs no
-    sum. The computes, the sums and the updates go out at once (a leader sums once its
-    members are done, a server updates each part once every block's sum of it is in); this
-    stub never touches a gradient."""
+    sum. A step's computes, sums and updates go out at once (a leader sums once its members
+    are done, a server updates each part once every block's sum of it is in); this stub never
+    touches a gradient.
+
+    From a chunk's second step on, a step's calls go out before the step before is heard
+    back: each worker reads the values it needs once they are in (:class:`~.protocol.MirrorAt`,
+    :class:`~.protocol.ServerAt`, waited for asleep: :mod:`.seqwait`), so a step starts as the
+    last values land, not one round trip to this stub later. Each step is computed from the
+    same values as when it waits: a server changes its values only once every worker of the
+    next step is done with them (its update waits for every block's sum). A chunk's first
+    step is taken alone: the versions the servers hold are read off its answers (a chunk may
+    follow a reload or a recovery)."""
+    first = _dispatch(stub, start)
+    records = [_collect(stub, first)]
+    at = [v for v, _, _ in first.results]  # what the servers hold: what the next step reads
+    ahead = all(
+        stub.local_src[i][k] is not None or isinstance(stub.refs[k], Pushed)
+        for i in range(len(stub.workers))
+        for k in range(len(stub.servers))
+    )
+    inflight: list[_Step] = []  # sent, not yet heard back: at most two steps
+    try:
+        for step in range(start + 1, stop):
+            inflight.append(_dispatch(stub, step, at if ahead else None))
+            at = [v + 1 for v in at]
+            if len(inflight) == 2 or not ahead:
+                records.append(_heard(stub, inflight.pop(0)))
+        while inflight:
+            records.append(_heard(stub, inflight.pop(0)))
+    finally:
+        for sent in inflight:  # a step before them failed: their calls are not waited for
+            cancel(sent.calls())
+    return records
+
+
+class _Step:
+    """One step's calls, in flight: when they went out, the servers' versions its workers
+    read (None: as they were when it went out), and once heard back, the servers' answers."""
+
+    def __init__(
+        self, step: int, at: list[int] | None, t0: float, computes: list, sums: list, ups: list
+    ) -> None:
+        self.step, self.at, self.t0 = step, at, t0
+        self.computes, self.sums, self.ups = computes, sums, ups
+        self.results: list[tuple[int, Any, float]] = []
+
+    def calls(self) -> list[Any]:
+        return [c[0] for c in self.computes] + self.sums + self.ups
+
+
+def _dispatch(stub: Stub, step: int, at: list[int] | None = None) -> _Step:
+    """Every call of ``step``: the workers' computes (reading the servers' values after
+    ``at`` updates, where given; else as they are now), the leaders' sums, the servers'
+    updates."""
     t0 = time.time()
     n = len(stub.workers)  # (one synchronous group: the servers' refs are this stub's)
-    published = stub._published_bytes()
     to = tuple(s["inbox"] for s in stub.server_infos)
     alone = {m[0]: BlockSend(to, b) for b, m in enumerate(stub.blocks) if len(m) == 1}
     computes = [
         w.compute.options(num_returns=2).remote(
-            step, i, n, stub.snapshot[i], *stub._sources(i), epoch=stub.epoch, send=alone.get(i)
+            step,
+            i,
+            n,
+            stub.snapshot[i],
+            *_sources(stub, i, at),
+            epoch=stub.epoch,
+            send=alone.get(i),
         )
         for i, w in enumerate(stub.workers)
     ]
-    sums, summed = [], [b for b, m in enumerate(stub.blocks) if len(m) > 1]
-    for b in summed:
+    sums = []
+    for b in (b for b, m in enumerate(stub.blocks) if len(m) > 1):
         members = stub.blocks[b]
         srcs = tuple(
             Published(computes[i][1]) if stub.snapshot[i] else stub.worker_handles[i]
@@ -74,19 +139,51 @@ def block_step(stub: Stub, step: int) -> StepStats:
     # is aborted by the recovery, and puts back what it had updated (whole or not at all).
     frames = HostFrames(stub.epoch, len(stub.blocks))
     ups = [s.update.remote(step, frames, stub.group, stub.epoch) for s in stub.servers]
-    calls = [c[0] for c in computes] + sums + ups
-    with stub._server_snapshots(), cancelled_on_failure(calls):
-        stats = get_all([c[0] for c in computes], "worker", stub.group)
+    return _Step(step, at, t0, computes, sums, ups)
+
+
+def _sources(stub: Stub, i: int, at: list[int] | None) -> tuple[Any, ...]:
+    """Worker ``i``'s sources of the servers' values: as :meth:`~.stub.Stub._sources`, or
+    (``at``) those after ``at[k]`` updates of server ``k``, waited for where it reads them."""
+    if at is None:
+        return stub._sources(i)
+    return tuple(
+        ServerAt(h, at[k], k) if h is not None else MirrorAt(stub.mirror_src[i][k], at[k], k)
+        for k, h in enumerate(stub.local_src[i])
+    )
+
+
+def _heard(stub: Stub, sent: _Step) -> StepStats:
+    """:func:`_collect`; where ``sent`` read values after given updates, the servers must
+    hold one more each now (else the step after it, sent already, waits for values that
+    never come: the step fails instead)."""
+    record = _collect(stub, sent)
+    after = [v for v, _, _ in sent.results]
+    if sent.at is not None and after != [v + 1 for v in sent.at]:
+        raise RuntimeError(
+            f"step {sent.step} read the servers' values after {sent.at} updates and left them "
+            f"after {after}: a step sent ahead would read the wrong ones"
+        )
+    return record
+
+
+def _collect(stub: Stub, sent: _Step) -> StepStats:
+    """Wait for ``sent``'s calls: the step's record. Where one fails, the others are
+    cancelled (:func:`.errors.cancelled_on_failure`) and the failure raised."""
+    published = stub._published_bytes()  # the values its workers read: the last step's
+    summed = [b for b, m in enumerate(stub.blocks) if len(m) > 1]
+    with stub._server_snapshots(), cancelled_on_failure(sent.calls()):
+        stats = get_all([c[0] for c in sent.computes], "worker", stub.group)
         t1 = time.time()
         leaders = [stub.blocks[b][0] for b in summed]
-        heard = get_all(sums, "worker", stub.group, indices=leaders)
+        heard = get_all(sent.sums, "worker", stub.group, indices=leaders)
         t2 = time.time()
-        results = get_all(ups, "server")
+        sent.results = get_all(sent.ups, "server")
     by_block = dict(zip(summed, (to_each for _, to_each in heard), strict=True))
-    sent = [
+    out = [
         by_block[b] if b in by_block else stats[m[0]].pop("sent") for b, m in enumerate(stub.blocks)
     ]
-    stub.refs = [ref for _, ref, _ in results]
+    stub.refs = [ref for _, ref, _ in sent.results]
     snaps = [
         worker_buffer_layout(stub.shapes, stub.dtype, st).nbytes if snap else 0
         for snap, st in zip(stub.snapshot, stub.worker_state, strict=True)
@@ -96,11 +193,16 @@ def block_step(stub: Stub, step: int) -> StepStats:
         stub.blocks,
         snaps,
         [s["node"] for s in stub.server_infos],
-        sent,
+        out,
         published,
     )
-    seconds = [t for _, _, t in results]
-    return step_record(step, stats, t0, t1, t2, time.time(), seconds, None, traffic)
+    seconds = [t for _, _, t in sent.results]
+    # A step sent ahead counts from when the step before was heard back: the steps' times
+    # add up to the time they took (the chunks are sized by them), a wait for values in
+    # the step's fetch
+    t0 = max(sent.t0, stub.heard)
+    stub.heard = t3 = time.time()
+    return step_record(sent.step, stats, t0, t1, t2, t3, seconds, None, traffic)
 
 
 class BlockSums:

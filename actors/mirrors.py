@@ -23,12 +23,13 @@ from raysinga.kernels.precision import from_bf16_bits
 
 from .buffers import SEQ, Attachments, Layout, SharedBuffer, with_seq
 from .errors import ActorLost
-from .protocol import MirrorAt, node_ip
+from .protocol import MirrorAt, ServerAt, node_ip
+from .seqwait import sleep_while, wake
 from .tcp import Inbox
 from .wire import DELTA, apply_delta, parts_of
 
 WAIT_S = 60.0  # values that have not come by then were lost on the way: the server is lost
-POLL_S = 0.0005
+CHECK_S = 0.05  # how often a wait for values looks for an abort
 
 
 class Mirrors:
@@ -96,6 +97,7 @@ class Mirrors:
                 else:
                     dst[...] = (from_bf16_bits(a) if a.dtype == np.uint16 else a).reshape(-1)
         buf.arrays[SEQ][0] = version
+        wake(buf.arrays[SEQ])
 
     def close(self) -> None:
         self.inbox.close()
@@ -112,13 +114,16 @@ def first_on_each_node(infos: Iterable[dict[str, Any]]) -> dict[str, dict[str, A
     return firsts
 
 
-def wait_for(maps: Attachments, at: MirrorAt, check: Callable[[], None]) -> None:
-    """Until the mirror ``at`` names holds its version; ``check`` runs meanwhile (it raises
-    to give up). Values that do not come within :data:`WAIT_S` were lost on the way: their
-    server is reported lost (the run restarts its roles from the newest checkpoint)."""
+def wait_for(maps: Attachments, at: MirrorAt | ServerAt, check: Callable[[], None]) -> None:
+    """Until the mirror ``at`` names holds its version (or, a :class:`ServerAt`, the server's
+    own buffer: its sequence lock counts two per update), asleep on its counter
+    (:mod:`.seqwait`); ``check`` runs every :data:`CHECK_S` meanwhile (it raises to give up).
+    Values that do not come within :data:`WAIT_S` were lost on the way: their server is
+    reported lost (the run restarts its roles from the newest checkpoint)."""
     seq = maps.views(at.handle)[SEQ]
+    want = 2 * at.version if isinstance(at, ServerAt) else at.version
     end = time.monotonic() + WAIT_S
-    while int(seq[0]) != at.version:
+    while (now := int(seq[0])) != want:
         if time.monotonic() > end:
             raise ActorLost(
                 "server",
@@ -127,4 +132,4 @@ def wait_for(maps: Attachments, at: MirrorAt, check: Callable[[], None]) -> None
                 f"its values after update {at.version} did not reach this node in {WAIT_S:g} s",
             )
         check()
-        time.sleep(POLL_S)
+        sleep_while(seq, now, CHECK_S)

@@ -120,6 +120,18 @@ class MirrorAt:
 
 
 @dataclass(frozen=True)
+class ServerAt:
+    """A server's own buffer on a worker's node, to be read once it holds the values after
+    ``version`` updates of server ``server`` (its sequence lock at ``2 * version``): for a
+    step whose call went out before the step before it was done
+    (:func:`actors.host_sums.block_steps`)."""
+
+    handle: Any  # the server's ShmHandle
+    version: int
+    server: int
+
+
+@dataclass(frozen=True)
 class HostFrames:
     """A server's share of one step of a group summed by hosts (``topology.reduce: hosts``):
     the frames of the ``blocks`` blocks' leaders, each the block's sum of this server's slices

@@ -57,10 +57,14 @@ def update_by_parts(server: ParamServer, step: int, frames: HostFrames) -> Calla
     version, kept, skip = guard.version, [], set()
     values = {s.name: server.buf.arrays[s.name] for s in server.slices}
     deltas = squeezed(server.wire) and bool(server.readers.based)  # readers to send differences
-    guard.__enter__()  # odd: an update under way
     try:
         for c in range(len(server.parts)):
             part = take_part(server, step, frames, c)
+            if c == 0:
+                # odd from here: an update under way. Until every block's first part is in,
+                # no worker of the step is left to read the values, save one whose call went
+                # out early (actors.host_sums.block_steps), which waits for them even
+                guard.__enter__()
             before = [a.copy() for a in cut(values, part)] if deltas else None
             with server.snaps.updating():  # a checkpoint's write in the background pauses
                 grads = server.layout.views(server.host_sum)

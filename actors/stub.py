@@ -26,7 +26,7 @@ from .bells import GroupBells, step_record
 from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
 from .errors import ActorLost, cancelled_on_failure, get_all, lost_server, reports_role
 from .fence import Fence
-from .host_sums import block_step
+from .host_sums import block_steps
 from .mirrors import first_on_each_node
 from .protocol import (
     MirrorAt,
@@ -91,6 +91,7 @@ class Stub(Fence):
         self.refs = [s.get("ref") for s in server_infos]
         self.server_infos = server_infos
         self.server_remote = [s["node"] != self.node for s in server_infos]
+        self.heard = 0.0  # when the last step was heard back (reduce: hosts)
         self.bells: GroupBells | None = None
         self.chunks = 0  # chunks served through doorbells: numbers each chunk's go messages
         # each step's summed gradient, and the servers' copies: what a lost server is rebuilt from
@@ -291,7 +292,7 @@ class Stub(Fence):
             if self.summing:
                 return bells.run_alone(start, serving, self._seal)
         if self.block:
-            return [block_step(self, step) for step in range(start, stop)]
+            return block_steps(self, start, stop)
         records = []
         for step in range(start, stop):
             t0 = time.time()  # (wall clock: the workers' own times are compared with it)

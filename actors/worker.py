@@ -38,6 +38,7 @@ from .protocol import (
     BlockSend,
     MirrorAt,
     Published,
+    ServerAt,
     Wiring,
     WorkerDone,
     WorkerSpec,
@@ -106,6 +107,9 @@ class ParamReader:
         if isinstance(src, MirrorAt):  # as they crossed (rounded already), once they are in
             wait_for(self._att, src, self.check)
             return self._att.views(src.handle)
+        if isinstance(src, ServerAt):  # a server beside it, once its update is done
+            wait_for(self._att, src, self.check)
+            src = src.handle
         if isinstance(src, list):  # published by slices (actors.wire): consistent copies
             return dict(zip((e.name for e in lay.entries), decode(src), strict=True))
         if not isinstance(src, ShmHandle):  # a snapshot: a consistent copy already

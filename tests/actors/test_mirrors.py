@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import actors.mirrors as mirrors
-from actors.buffers import SEQ, Attachments, Layout
+from actors.buffers import SEQ, Attachments, Layout, SharedBuffer, UpdateGuard, with_seq
 from actors.errors import ActorLost
-from actors.protocol import MirrorAt
+from actors.protocol import MirrorAt, ServerAt
 from actors.tcp import Outbox
 from actors.wire import encode, rounded
 
@@ -67,6 +67,24 @@ def test_a_reader_waits_for_the_version_it_was_named(node, monkeypatch):
         mirrors.wait_for(maps, MirrorAt(handles[0], 4, 0), never)
     assert (e.value.role, e.value.index) == ("server", 0)
     assert "did not reach this node" in str(e.value)
+
+
+def test_a_reader_of_a_server_beside_it_waits_for_its_update_to_end(monkeypatch):
+    buf = SharedBuffer("test-mirrors-server", with_seq(LAYOUTS[1]))
+    maps = Attachments()
+    try:
+        guard = UpdateGuard(buf.arrays[SEQ])
+        guard.set_version(3)
+        guard.__enter__()  # update 4 under way: version 4 is not there yet
+        monkeypatch.setattr(mirrors, "WAIT_S", 0.3)
+        with pytest.raises(ActorLost) as e:
+            mirrors.wait_for(maps, ServerAt(buf.handle(), 4, 1), never)
+        assert (e.value.role, e.value.index) == ("server", 1)
+        guard.__exit__()
+        mirrors.wait_for(maps, ServerAt(buf.handle(), 4, 1), never)
+    finally:
+        maps.close()
+        buf.close()
 
 
 def test_a_wait_ends_with_what_the_check_raises(node):
