@@ -105,7 +105,11 @@ def _dispatch(stub: Stub, step: int, at: list[int] | None = None) -> _Step:
     t0 = time.time()
     n = len(stub.workers)  # (one synchronous group: the servers' refs are this stub's)
     to = tuple(s["inbox"] for s in stub.server_infos)
-    alone = {m[0]: BlockSend(to, b) for b, m in enumerate(stub.blocks) if len(m) == 1}
+    alone = {
+        m[0]: BlockSend(to, b, tuple(h is not None for h in stub.local_src[m[0]]))
+        for b, m in enumerate(stub.blocks)
+        if len(m) == 1
+    }
     computes = [
         w.compute.options(num_returns=2).remote(
             step,
@@ -215,7 +219,7 @@ class BlockSums:
         self.sum: dict[str, np.ndarray] = {}
         self.outbox = Outbox()
         self._plans: list[list[list[Span]]] | None = None
-        self._needs: list[set[str]] | None = None
+        self._needs: list[list[set[str]]] | None = None
 
     def plans_of(self, layouts: Sequence[Layout]) -> list[list[list[Span]]]:
         """Each server's parts (:func:`.wire.parts_of` of its ``layouts``)."""
@@ -223,15 +227,13 @@ class BlockSums:
             self._plans = [parts_of(lay) for lay in layouts]
         return self._plans
 
-    def needs_of(self, slices: Sequence[Slice], plans: list[list[list[Span]]]) -> list[set[str]]:
-        """The parameters each round of parts (part ``c`` of every server) holds slices of."""
+    def needs_of(
+        self, slices: Sequence[Slice], plans: list[list[list[Span]]]
+    ) -> list[list[set[str]]]:
+        """The parameters each server's each part holds slices of."""
         if self._needs is None:
             param = {s.name: s.param for s in slices}
-            rounds = max(len(p) for p in plans)
-            self._needs = [
-                {param[name] for p in plans if c < len(p) for name, _, _ in p[c]}
-                for c in range(rounds)
-            ]
+            self._needs = [[{param[name] for name, _, _ in part} for part in p] for p in plans]
         return self._needs
 
     def close(self) -> None:
@@ -289,11 +291,11 @@ def block_sum(
 class PartSender:
     """A block's sum of one step (``own``: by slice name) on its way to the servers' inboxes
     (``to``, in server order): each server's slices of it (in its order, as they cross:
-    :func:`.wire.encode`) in parts (:func:`.wire.parts_of`), a round at a time: every server's
-    first part, then every server's second, ..., each round handed over from the server after
-    this block on (:meth:`.tcp.Outbox.send`), so that one block goes into a server at once.
-    A server that cannot be reached gets no more parts and is reported lost once the others
-    have theirs (:meth:`result`)."""
+    :func:`.wire.encode`) in parts (:func:`.wire.parts_of`), each server's in order. Parts
+    that go together go as a round, handed over from the server after this block on
+    (:meth:`.tcp.Outbox.send`), so that one block goes into a server at once. A server that
+    cannot be reached gets no more parts and is reported lost once the others have theirs
+    (:meth:`result`)."""
 
     def __init__(
         self,
@@ -307,23 +309,30 @@ class PartSender:
         self.worker, self.own, self.to = worker, own, list(to)
         self.step, self.block, self.epoch = step, block, epoch
         self.plans = worker.block_sums.plans_of(worker.reader.layouts)
-        self.rounds = max(len(p) for p in self.plans)
         self.turn = [(block + 1 + j) % len(to) for j in range(len(to))]
         self.sent, self.lost = [0] * len(to), set[int]()
         self.first: PeerLost | None = None
-        self.next = 0  # the first round not sent yet
+        self.next = [0] * len(to)  # each server's first part not sent yet
 
-    def send_rounds(self, ready: Callable[[int], bool] = lambda c: True) -> None:
-        """The rounds not sent yet, in order, as long as ``ready`` says each may go."""
-        while self.next < self.rounds and ready(self.next):
-            self._send_round(self.next)
-            self.next += 1
+    def send_rounds(self, may: Callable[[int, int], bool] = lambda k, c: True) -> None:
+        """Every part not sent yet that ``may(server, part)`` lets go, each server's in order:
+        the servers whose next part is the same go together, the lowest part first."""
+        moved = True
+        while moved:
+            moved = False
+            live = [k for k in self.turn if k not in self.lost]
+            for c in sorted({self.next[k] for k in live if self.next[k] < len(self.plans[k])}):
+                ks = [k for k in live if self.next[k] == c and may(k, c)]
+                if ks:
+                    self._send_round(c, ks)
+                    for k in ks:
+                        self.next[k] += 1
+                    moved = True
 
-    def _send_round(self, c: int) -> None:
-        """Part ``c`` of every server's slices that has one (each can take the first parts
-        of every block in and update them while the later ones cross)."""
+    def _send_round(self, c: int, ks: list[int]) -> None:
+        """Part ``c`` of servers ``ks``' slices (each can take the first parts of every block
+        in and update them while the later ones cross)."""
         worker, plans = self.worker, self.plans
-        ks = [k for k in self.turn if c < len(plans[k]) and k not in self.lost]
         frames = [frame(cut(self.own, plans[k][c]), worker.wire) for k in ks]
         try:
             worker.block_sums.outbox.send(
@@ -356,26 +365,49 @@ class PartSender:
 
 class EarlySends(PartSender):
     """A block of one worker's gradient of one step (``send``: :class:`.protocol.BlockSend`),
-    sent as the worker computes it: the worker's backward pass reports each layer's
-    parameters done (:meth:`done`, from :meth:`~raysinga.nn.model.Model.backward`), and each
-    round of parts goes out as soon as every parameter it holds a slice of is done. The parts
-    run from the last layers to the first (:func:`.wire.parts_of`), so the first rounds cross
-    the links while the first layers' gradients are still being computed. What is sent is
-    what the whole buffer would send after the step, round by round: the same bytes."""
+    sent as the worker computes it. The worker's backward pass reports each layer's gradients
+    final (:meth:`ready`: a dense layer's before it computes its dx, which still reads its
+    weights) and each layer done (:meth:`done`), the last layers first
+    (:meth:`~raysinga.nn.model.Model.backward`). A server's part goes as soon as every
+    parameter it holds a slice of is:
+
+    - done, for a server on this worker's node (a worker there reads its values in place,
+      and the server updates a part in place once every block's is in), and for a server's
+      last part (a node's mirror of a server takes the values in only once every part is in:
+      :mod:`.mirrors`; by then every worker is done with every layer the server holds);
+    - final, for the server's other parts, which go a GEMM earlier.
+
+    The parts run from the last layers to the first (:func:`.wire.parts_of`), so the first
+    parts cross the links while the first layers' gradients are still being computed. What
+    is sent is what the whole buffer would send after the step: the same bytes."""
 
     def __init__(self, worker: Worker, send: BlockSend, step: int, epoch: int) -> None:
         own = own_slices(worker.grads.arrays, list(worker.slices))
         super().__init__(worker, own, send.to, step, send.block, epoch)
         self.needs = worker.block_sums.needs_of(worker.slices, self.plans)
-        self.ready: set[str] = set()
+        self.beside = send.beside or (True,) * len(send.to)  # (unknown: held as if beside)
+        self.final: set[str] = set()  # the parameters whose gradients are final
+        self.finished: set[str] = set()  # and those whose layers are done
+
+    def ready(self, params: Iterable[str]) -> None:
+        """``params``' gradients are final in the worker's buffer (their layer's dx may still
+        read their values): send every part now free to go."""
+        self.final.update(params)
+        self.send_rounds(self._may)
 
     def done(self, params: Iterable[str]) -> None:
-        """``params``' gradients are whole in the worker's buffer: send every round now
-        ready, in order."""
-        self.ready.update(params)
-        self.send_rounds(lambda c: self.needs[c] <= self.ready)
+        """``params``' layer is done, dx included: send every part now free to go."""
+        self.final.update(params)
+        self.finished.update(params)
+        self.send_rounds(self._may)
+
+    def _may(self, k: int, c: int) -> bool:
+        need = self.needs[k][c]
+        if self.beside[k] or c == len(self.plans[k]) - 1:
+            return need <= self.finished
+        return need <= self.final
 
     def finish(self) -> list[int]:
-        """The step's compute is done: the rounds left go out; :meth:`result`."""
+        """The step's compute is done: the parts left go out; :meth:`result`."""
         self.send_rounds()
         return self.result()

@@ -150,6 +150,9 @@ class BlockSend:
 
     to: tuple[tuple[str, int, bytes], ...]
     block: int
+    # for each server, whether it sits on the worker's node: a worker there reads its values
+    # in place, so the worker's parts for it wait until their layers are done, dx included
+    beside: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)

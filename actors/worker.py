@@ -8,7 +8,7 @@ gradient into a persistent buffer that the stub reads in place.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -380,10 +380,14 @@ class Worker(Abortable, Fence):
         if self.gpu is not None:
             x, y = self.gpu.asarray(x), self.gpu.asarray(y)
         into = None if self.gpu is not None else self.grads.arrays  # written in place there
-        tell = None if into is None else _into_buffer(into, early)
+        hooks = {}  # each layer's gradients put into the buffer, and the early sends told
+        if into is not None:
+            hooks["on_grads"] = _into_buffer(into, early and early.done)
+        if into is not None and early is not None:
+            hooks["on_ready"] = _into_buffer(into, early.ready)
         with precision.copies_in_use(self._weight_copies(params)):
             loss, grads, _ = self.net.loss_and_grads(
-                params, self.state, x, y, ctx, self.group_batch, into, on_grads=tell
+                params, self.state, x, y, ctx, self.group_batch, into, **hooks
             )
         if self.gpu is not None:
             self.gpu.download_grads(grads)
@@ -417,16 +421,17 @@ class Worker(Abortable, Fence):
 
 
 def _into_buffer(
-    buffer: dict[str, np.ndarray], early: EarlySends | None
+    buffer: dict[str, np.ndarray], then: Callable[[Iterable[str]], None] | None
 ) -> Callable[[dict[str, Any]], None]:
     """What a CPU worker's backward pass hands each layer's gradients to: each put into the
-    worker's shared ``buffer`` (those the layer did not write there), then ``early`` told."""
+    worker's shared ``buffer`` (those the layer did not write there), then ``then`` told
+    their names (:meth:`.host_sums.EarlySends.ready`, :meth:`~.host_sums.EarlySends.done`)."""
 
     def tell(grads: dict[str, Any]) -> None:
         for k, g in grads.items():
             if g is not buffer[k]:
                 buffer[k][...] = g
-        if early is not None:
-            early.done(grads)
+        if then is not None:
+            then(grads)
 
     return tell

@@ -7,6 +7,8 @@ or float64; integer labels are int32/int64.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -100,12 +102,17 @@ def dense_backward(
     act: str,
     need_dx: bool = True,
     dw_out: np.ndarray | None = None,
+    grads_ready: Callable[[np.ndarray, np.ndarray], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dx, dw, db)`` for ``y = act(x @ w + b)``; ``dx`` is None unless ``need_dx`` (a net's
     first layer skips a whole GEMM that way). ``dw`` is written into ``dw_out`` where given
-    (the same product, so the same bits)."""
+    (the same product, so the same bits). ``grads_ready(dw, db)`` is called once they are
+    final, before ``dx`` is computed (which still reads ``w``)."""
     dz, db = _bias_act_grads(dy, y, act)
-    return (matmul(dz, w.T) if need_dx else None), matmul(x.T, dz, dw_out), db
+    dw = matmul(x.T, dz, dw_out)
+    if grads_ready is not None:
+        grads_ready(dw, db)
+    return (matmul(dz, w.T) if need_dx else None), dw, db
 
 
 # ---------------------------------------------------------------- losses

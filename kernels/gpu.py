@@ -13,6 +13,7 @@ The optimizer updates and the stub's gradient sum live in ``gpu_optim`` (they ar
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import cupy
 import numpy as np
@@ -145,11 +146,16 @@ def dense_backward(
     act: str,
     need_dx: bool = True,
     dw_out: cupy.ndarray | None = None,
+    grads_ready: Callable[[cupy.ndarray, cupy.ndarray], None] | None = None,
 ) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
     """``(dx, dw, db)`` for ``y = act(x @ w + b)``; ``dx`` is None unless ``need_dx`` (a net's
-    first layer skips a whole GEMM that way). ``dw`` is written into ``dw_out`` where given."""
+    first layer skips a whole GEMM that way). ``dw`` is written into ``dw_out`` where given.
+    ``grads_ready(dw, db)`` is called once they are launched, before ``dx`` is."""
     dz, db = bias_act_backward(dy, y, act)
-    return (matmul(dz, w.T) if need_dx else None), matmul(x.T, dz, dw_out), db
+    dw = matmul(x.T, dz, dw_out)
+    if grads_ready is not None:
+        grads_ready(dw, db)
+    return (matmul(dz, w.T) if need_dx else None), dw, db
 
 
 # ---------------------------------------------------------------- losses

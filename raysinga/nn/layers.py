@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -57,6 +58,10 @@ class Layer:
         # parameter's shape and dtype), set by the net for one call; a layer that does not
         # returns fresh arrays, which the net's caller copies there.
         self.grads_into: dict[str, Any] = {}
+        # Set by the net for one call where its caller wants each layer's gradients as soon
+        # as they are final: a layer that can hands its parameters' gradients (local name ->
+        # array) over before it computes its dx, which may still read its parameters.
+        self.grads_ready: Callable[[dict[str, Any]], None] | None = None
         self._cache: tuple = ()
 
     # -- shapes and initial values
@@ -162,8 +167,13 @@ class Dense(Layer):
             self.opts["activation"],
             self.need_dx,
             dw_out=self.grads_into.get("W"),
+            grads_ready=None if self.grads_ready is None else self._ready,
         )
         return (None if dx is None else dx.reshape(x_shape)), {"W": dw, "b": db}
+
+    def _ready(self, dw: Any, db: Any) -> None:
+        assert self.grads_ready is not None
+        self.grads_ready({"W": dw, "b": db})
 
 
 class Conv2D(Layer):

@@ -291,13 +291,17 @@ class Net:
         dout: Any,
         into: dict[str, Any] | None = None,
         on_grads: Callable[[dict[str, Any]], None] | None = None,
+        on_ready: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
         """The parameters' gradients. ``into`` (parameter name -> an array of its shape and
         dtype): where layers that can write their gradients do so (a worker's shared buffer);
         the others' come back as new arrays. ``on_grads``: called with each layer's
         gradients (by parameter name) as soon as that layer is done, its dx too, the last
         layer first (a worker sends them on while the layers before it are computed; a
-        server may then update those parameters in place, which no layer before reads)."""
+        server may then update those parameters in place, which no layer before reads).
+        ``on_ready``: called before that, with the gradients of a layer that can hand them
+        over final before it computes its dx (a dense layer), which still reads the layer's
+        parameters: what may go where no reader of those parameters is disturbed."""
         grads: dict[str, Any] = {}
         # the gradient with respect to each layer's output, summed over where it went
         pending: dict[str, Any] = {self.layers[-1].name: dout}
@@ -305,10 +309,12 @@ class Net:
             ly, sources = self.layers[i], self.sources[i]
             if into:
                 ly.grads_into = {k: into[ly.key(k)] for k in ly.param_shapes()}
+            if on_ready is not None:
+                ly.grads_ready = _keyed(ly, on_ready)
             try:
                 dx, g = ly.backward(pending.pop(ly.name))
             finally:
-                ly.grads_into = {}
+                ly.grads_into, ly.grads_ready = {}, None
             mine = {ly.key(k): v for k, v in g.items()}
             grads.update(mine)
             if on_grads is not None and mine:
@@ -330,15 +336,17 @@ class Net:
         into: dict[str, Any] | None = None,
         on_device: bool = False,
         on_grads: Callable[[dict[str, Any]], None] | None = None,
+        on_ready: Callable[[dict[str, Any]], None] | None = None,
     ) -> tuple[Any, dict[str, Any], Any]:
         """``(loss, grads, output)``; the loss is summed over the batch and divided by ``denom``
         (default: the batch size). A worker of a group passes the group's batch size, so that the
-        group's gradient is the plain sum of its workers' gradients. ``into`` and ``on_grads``:
-        see :meth:`backward`. The loss is a float, or with ``on_device`` the 0-d array where it
-        was computed (nothing waits for the GPU: a step recorded as a CUDA graph needs that)."""
+        group's gradient is the plain sum of its workers' gradients. ``into``, ``on_grads`` and
+        ``on_ready``: see :meth:`backward`. The loss is a float, or with ``on_device`` the 0-d
+        array where it was computed (nothing waits for the GPU: a step recorded as a CUDA graph
+        needs that)."""
         out = self.forward(params, state, x, ctx)
         loss, dout = self.loss_fn(out, y, len(x) if denom is None else denom)
-        grads = self.backward(dout, into, on_grads)
+        grads = self.backward(dout, into, on_grads, on_ready)
         return (loss if on_device else float(loss)), grads, out
 
     def evaluate(self, params: dict, state: dict, x: Any, y: Any) -> tuple[float, float | None]:
@@ -347,3 +355,8 @@ class Net:
         loss, _ = self.loss_fn(out, y, len(x))
         acc = accuracy(out, y) if self.spec.loss in CLASSIFYING else None
         return float(loss), acc
+
+
+def _keyed(ly: Any, fn: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    """``fn`` of layer ``ly``'s gradients by their local names, called by parameter name."""
+    return lambda g: fn({ly.key(k): v for k, v in g.items()})

@@ -184,6 +184,54 @@ def test_each_layers_gradients_are_handed_over_once_its_backward_pass_is_done(sp
         np.testing.assert_array_equal(grads[k], plain[k], err_msg=k)
 
 
+@pytest.mark.parametrize("spec_dict", [MLP, CNN])
+def test_a_dense_layers_gradients_are_handed_over_final_before_its_dx(spec_dict):
+    """What a worker may send before a layer's dx: a dense layer's weight and bias gradients,
+    once each, final (the bits the pass ends with), while that layer's backward pass is under
+    way (its dx, which reads its weights, still to come); every layer's gradients are still
+    handed over whole once it is done."""
+    net, params, state, x, y, ctx = _one_batch(spec_dict)
+    _, plain, _ = net.loss_and_grads(params, state, x, y, ctx)
+    ready: list[tuple[str, np.ndarray]] = []
+    told: list[str] = []
+    inside: list[str] = []  # the layer whose backward pass is under way
+    for ly in net.layers:
+        real = ly.backward
+
+        def spy(dy, ly=ly, real=real):
+            inside.append(ly.name)
+            try:
+                return real(dy)
+            finally:
+                inside.pop()
+
+        ly.backward = spy
+
+    def on_ready(g):
+        layer = next(iter(g)).rpartition("/")[0]
+        assert inside == [layer], (layer, inside)  # under way, not done
+        ready.extend((k, v.copy()) for k, v in g.items())
+
+    into = {k: np.zeros_like(v) for k, v in params.items()}
+    net.loss_and_grads(
+        params,
+        net.init_state(),
+        x,
+        y,
+        ctx,
+        into=into,
+        on_grads=lambda g: told.extend(g),
+        on_ready=on_ready,
+    )
+    dense = {ly.key(k) for ly in net.layers if ly.kind == "dense" for k in ly.param_shapes()}
+    names = [k for k, _ in ready]
+    assert sorted(names) == sorted(dense) and len(names) == len(set(names))
+    assert sorted(told) == sorted(plain)
+    for k, v in ready:
+        np.testing.assert_array_equal(v, plain[k], err_msg=k)
+    assert all(ly.grads_ready is None for ly in net.layers)  # held for one call only
+
+
 def test_batchnorm_running_statistics_match_pytorch():
     spec = ModelSpec.from_dict(
         {"input_shape": [3, 4, 4], "layers": [{"kind": "batchnorm", "name": "bn", "momentum": 0.2}]}

@@ -1,0 +1,95 @@
+"""A block of one worker sends its gradient as its backward pass makes it
+(actors/host_sums.py, EarlySends): which server's part may go when. A part goes once its
+gradients are final, a GEMM before its layer's dx, except where a reader could still be
+reading the values the part would have a server change: the server beside the worker (read
+in place there) waits for the layer to be done, and so does each server's last part (a
+node's mirror takes a server's values in only once every part is in)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import actors.wire as wire
+from actors.host_sums import BlockSums, EarlySends
+from actors.protocol import BlockSend, server_layouts
+from actors.slicing import plan_slices
+
+SHAPES = {"fc1/W": (8, 8), "fc1/b": (8,), "fc2/W": (8, 8), "fc2/b": (8,)}
+LAYERS = [["fc2/W", "fc2/b"], ["fc1/W", "fc1/b"]]  # as the backward pass finishes them
+
+
+class Recorder:
+    """An outbox that notes what would cross: (server, part) in the order handed over."""
+
+    def __init__(self, to):
+        self.to, self.sent = list(to), []
+
+    def send(self, to, epoch, step, sender, frames, check, part=0, parts=None):
+        self.sent += [(self.to.index(t), part) for t in to]
+        return 0
+
+
+def sender(beside, monkeypatch):
+    monkeypatch.setattr(wire, "PART_BYTES", 96)  # each server's 72 values in 3 parts
+    slices = plan_slices(SHAPES, 4, 2, 16)
+    to = (("10.0.0.1", 1, b"a"), ("10.0.0.2", 2, b"b"))
+    sums = BlockSums()
+    sums.outbox = Recorder(to)
+    worker = SimpleNamespace(
+        grads=SimpleNamespace(arrays={p: np.zeros(s, np.float32) for p, s in SHAPES.items()}),
+        slices=slices,
+        block_sums=sums,
+        reader=SimpleNamespace(layouts=server_layouts(slices, 2, "float32")),
+        wire="f32",
+        check_abort=lambda: None,
+    )
+    return EarlySends(worker, BlockSend(to, 0, beside), 0, 0), sums.outbox
+
+
+def test_a_layers_final_gradients_go_to_other_nodes_servers_before_its_dx(monkeypatch):
+    early, box = sender((True, False), monkeypatch)  # server 0 beside the worker
+    plans = early.plans
+    assert all(len(p) == 3 for p in plans)
+    # which parts hold only fc2's slices: those may go once fc2's gradients are final
+    only_fc2 = {
+        (k, c)
+        for k, p in enumerate(plans)
+        for c in range(len(p))
+        if early.needs[k][c] <= set(LAYERS[0])
+    }
+    early.ready(LAYERS[0])
+    sent = set(box.sent)
+    assert sent == {(1, c) for c in range(2) if (1, c) in only_fc2}  # not beside, not last
+    assert sent, "some part of server 1 holds fc2 alone"
+    early.done(LAYERS[0])  # fc2's dx done too: server 0's fc2 parts go now
+    assert {(0, c) for c in range(2) if (0, c) in only_fc2} <= set(box.sent)
+    early.ready(LAYERS[1])  # fc1's final: every server's last part still waits for done
+    assert (0, 2) not in box.sent and (1, 2) not in box.sent
+    assert (1, 1) in box.sent
+    early.done(LAYERS[1])
+    assert early.finish() == early.sent
+    # every part once, each server's in order
+    assert sorted(box.sent) == [(k, c) for k in range(2) for c in range(3)]
+    for k in range(2):
+        assert [c for kk, c in box.sent if kk == k] == [0, 1, 2]
+
+
+def test_without_knowing_where_the_servers_are_every_part_waits_for_its_layer(monkeypatch):
+    early, box = sender((), monkeypatch)
+    early.ready(LAYERS[0])
+    assert box.sent == []
+    early.done(LAYERS[0])
+    assert box.sent
+
+
+@pytest.mark.parametrize("beside", [(False, False), (True, True)])
+def test_the_same_parts_go_whatever_goes_early(monkeypatch, beside):
+    early, box = sender(beside, monkeypatch)
+    for names in LAYERS:
+        early.ready(names)
+        early.done(names)
+    early.finish()
+    assert sorted(box.sent) == [(k, c) for k in range(2) for c in range(3)]
