@@ -137,7 +137,15 @@ class FailureBook:
                 },
                 sizes,
             )
-        if self.resize is not None:
+        if self.resize is not None and "resized_from" not in sizes:
+            # The room a grow was started for was gone by the time the roles were placed (a
+            # node just lost may still be listed as alive for a moment): no resize happened.
+            self.hub.notice(
+                f"raysinga: the room to grow at step {self.resize[0]} was gone when the roles "
+                f"were placed; going on with {sizes['groups']} group(s) x {sizes['workers']} "
+                "worker(s)"
+            )
+        elif self.resize is not None:
             step, t0 = self.resize
             info = {
                 "kind": "resize",
