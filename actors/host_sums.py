@@ -372,10 +372,10 @@ class EarlySends(PartSender):
     parameter it holds a slice of is:
 
     - done, for a server on this worker's node (a worker there reads its values in place,
-      and the server updates a part in place once every block's is in), and for a server's
-      last part (a node's mirror of a server takes the values in only once every part is in:
-      :mod:`.mirrors`; by then every worker is done with every layer the server holds);
-    - final, for the server's other parts, which go a GEMM earlier.
+      and the server updates a part in place once every block's is in);
+    - final, for a server on another node, a GEMM earlier: a worker there reads the server's
+      values from a mirror, and the values after the update cross into the node's other
+      mirror (:mod:`.mirrors`).
 
     The parts run from the last layers to the first (:func:`.wire.parts_of`), so the first
     parts cross the links while the first layers' gradients are still being computed. What
@@ -402,10 +402,7 @@ class EarlySends(PartSender):
         self.send_rounds(self._may)
 
     def _may(self, k: int, c: int) -> bool:
-        need = self.needs[k][c]
-        if self.beside[k] or c == len(self.plans[k]) - 1:
-            return need <= self.finished
-        return need <= self.final
+        return self.needs[k][c] <= (self.finished if self.beside[k] else self.final)
 
     def finish(self) -> list[int]:
         """The step's compute is done: the parts left go out; :meth:`result`."""

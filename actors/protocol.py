@@ -114,9 +114,14 @@ class MirrorAt:
     """A server's values in its mirror on a worker's node (:mod:`actors.mirrors`), to be read
     once the mirror holds those after ``version`` updates of server ``server``."""
 
-    handle: Any  # the mirror's ShmHandle
+    handles: tuple[Any, Any]  # the ShmHandles of the server's two mirrors there, taken in turn
     version: int
     server: int
+
+    @property
+    def handle(self) -> Any:
+        """The mirror that takes the values after ``version`` updates in."""
+        return self.handles[self.version % 2]
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,9 @@ off from the run) are dropped, never summed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
+import math
 import secrets
 import socket
 import struct
@@ -114,14 +116,19 @@ class PeerLost(ConnectionError):
 
 
 Sink = Callable[[int, int, int, int, int, list[np.ndarray]], None]
+# where array ``index`` of a frame is to be received: (epoch, step, sender, part, parts, index,
+# dtype, shape) -> a writable C-contiguous array of that dtype and size, or None (a new one)
+Place = Callable[[int, int, int, int, int, int, np.dtype, tuple[int, ...]], np.ndarray | None]
 
 
 class Inbox:
     """A role's listening socket for frames from its peers, kept by ``(epoch, step, sender,
     part)`` until :meth:`take` takes them, or each handed to ``sink(epoch, step, sender, part,
-    parts, arrays)`` as it comes in. One thread accepts; one per connection reads."""
+    parts, arrays)`` as it comes in. ``place``, where given, names where each uncompressed
+    array is received (the kernel copies its bytes there, and nowhere else): the sink's arrays
+    are then those. One thread accepts; one per connection reads."""
 
-    def __init__(self, host: str, sink: Sink | None = None) -> None:
+    def __init__(self, host: str, sink: Sink | None = None, place: Place | None = None) -> None:
         self.sock = socket.create_server((host, 0), backlog=128)
         self.address: Address = (host, self.sock.getsockname()[1])
         self.token = secrets.token_bytes(16)
@@ -131,7 +138,7 @@ class Inbox:
         self._cond = threading.Condition()
         self._conns: set[socket.socket] = set()
         self._closed = False
-        self._sink = sink
+        self._sink, self._place = sink, place
         threading.Thread(target=self._accept, name="inbox-accept", daemon=True).start()
 
     @property
@@ -206,7 +213,10 @@ class Inbox:
                 if magic != MAGIC:
                     self._refuse()
                     return
-                arrays = [_recv_array(conn) for _ in range(count)]
+                into = None
+                if self._place is not None:
+                    into = functools.partial(self._place, epoch, step, sender, part, parts)
+                arrays = [_recv_array(conn, into, j) for j in range(count)]
                 if self._sink is not None:
                     self._sink(epoch, step, sender, part, parts, arrays)
                 with self._cond:
@@ -379,7 +389,13 @@ def _recv(conn: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def _recv_array(conn: socket.socket) -> np.ndarray:
+def _recv_array(
+    conn: socket.socket,
+    into: Callable[[int, np.dtype, tuple[int, ...]], np.ndarray | None] | None = None,
+    index: int = 0,
+) -> np.ndarray:
+    """The next array of a frame: where ``into(index, dtype, shape)`` names one that fits (an
+    uncompressed array), received into it, else into a new one."""
     head = _recv(conn, ARRAY.size)
     if head is None:
         raise EOFError("the connection ended inside a frame")
@@ -396,10 +412,23 @@ def _recv_array(conn: socket.socket) -> np.ndarray:
         if size is None or _fill(conn, memoryview(payload)) < payload.nbytes:
             raise EOFError("the connection ended inside a frame")
         return unsqueeze(payload, DTYPES[code & ~SQUEEZED], shape)
-    out = np.empty(shape, DTYPES[code])
+    dtype = DTYPES[code]
+    out = into(index, dtype, shape) if into is not None else None
+    if not _fits(out, dtype, shape):
+        out = np.empty(shape, dtype)
     if _fill(conn, memoryview(out).cast("B")) < out.nbytes:
         raise EOFError("the connection ended inside a frame")
-    return out
+    return out.reshape(shape)
+
+
+def _fits(out: np.ndarray | None, dtype: np.dtype, shape: tuple[int, ...]) -> bool:
+    return (
+        out is not None
+        and out.dtype == dtype
+        and out.size == math.prod(shape)
+        and out.flags.c_contiguous
+        and out.flags.writeable
+    )
 
 
 def _close(sock: socket.socket) -> None:

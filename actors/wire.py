@@ -128,14 +128,15 @@ def delta_frame(
     return out
 
 
-def apply_delta(dst: np.ndarray, delta: np.ndarray) -> None:
-    """A reader's float32 ``dst`` (the words that crossed one update earlier, decoded) moved
-    on by one :func:`delta_frame` array ``delta`` (float32 bits, or bfloat16 words)."""
+def apply_delta(dst: np.ndarray, delta: np.ndarray, base: np.ndarray | None = None) -> None:
+    """A reader's float32 ``dst`` (the words that crossed one update earlier, decoded; or,
+    given, ``base``'s, which are left as they are) moved on by one :func:`delta_frame` array
+    ``delta`` (float32 bits, or bfloat16 words)."""
     bits = dst.view(np.uint32)
     if delta.dtype == np.uint16:  # a bfloat16 word is a float32's upper half
-        bits ^= delta.astype(np.uint32) << 16
-    else:
-        bits ^= delta.view(np.uint32)
+        delta = delta.astype(np.uint32) << 16
+    was = bits if base is None else base.view(np.uint32)
+    np.bitwise_xor(was, delta.view(np.uint32), out=bits)
 
 
 def rounded(values: dict[str, np.ndarray], wire: str) -> dict[str, np.ndarray]:

@@ -2,8 +2,9 @@
 (actors/host_sums.py, EarlySends): which server's part may go when. A part goes once its
 gradients are final, a GEMM before its layer's dx, except where a reader could still be
 reading the values the part would have a server change: the server beside the worker (read
-in place there) waits for the layer to be done, and so does each server's last part (a
-node's mirror takes a server's values in only once every part is in)."""
+in place there) waits for the layer to be done. A server on another node is read from a
+node's mirror, and its next values cross into the node's other mirror: every part of it goes
+once final, its last one too."""
 
 from __future__ import annotations
 
@@ -62,13 +63,13 @@ def test_a_layers_final_gradients_go_to_other_nodes_servers_before_its_dx(monkey
     }
     early.ready(LAYERS[0])
     sent = set(box.sent)
-    assert sent == {(1, c) for c in range(2) if (1, c) in only_fc2}  # not beside, not last
+    assert sent == {(1, c) for c in range(3) if (1, c) in only_fc2}  # not beside
     assert sent, "some part of server 1 holds fc2 alone"
     early.done(LAYERS[0])  # fc2's dx done too: server 0's fc2 parts go now
     assert {(0, c) for c in range(2) if (0, c) in only_fc2} <= set(box.sent)
-    early.ready(LAYERS[1])  # fc1's final: every server's last part still waits for done
-    assert (0, 2) not in box.sent and (1, 2) not in box.sent
-    assert (1, 1) in box.sent
+    early.ready(LAYERS[1])  # fc1's final: server 1's every part goes, server 0's last waits
+    assert (0, 2) not in box.sent
+    assert (1, 1) in box.sent and (1, 2) in box.sent
     early.done(LAYERS[1])
     assert early.finish() == early.sent
     # every part once, each server's in order

@@ -50,7 +50,7 @@ def test_pushed_values_are_read_at_their_version_as_they_crossed(node, wire):
     for k, lay in enumerate(LAYOUTS):
         at = MirrorAt(handles[k], 7, k)
         mirrors.wait_for(maps, at, never)
-        got = maps.views(handles[k])
+        got = maps.views(at.handle)
         want = rounded(dict(zip((e.name for e in lay.entries), values(k), strict=True)), wire)
         for name, arr in want.items():
             assert got[name].tobytes() == arr.tobytes()
@@ -104,7 +104,7 @@ def test_a_frame_that_is_not_a_servers_values_is_dropped(node):
     box.send([contact], 0, 1, 1, [values(0)], never)  # server 0's arrays for server 1
     box.send([contact], 0, 2, 1, [values(1)], never)
     mirrors.wait_for(maps, MirrorAt(handles[1], 2, 1), never)
-    assert maps.views(handles[0])[SEQ][0] == -1
+    assert [maps.views(h)[SEQ][0] for h in handles[0]] == [-1, -1]
 
 
 def test_a_version_is_written_once_every_part_is_in_and_a_taken_back_one_never(monkeypatch):
@@ -114,7 +114,8 @@ def test_a_version_is_written_once_every_part_is_in_and_a_taken_back_one_never(m
     m = mirrors.Mirrors("test-mirrors-parts", LAYOUTS, "node", "127.0.0.1")
     box, maps = Outbox(), Attachments()
     try:
-        contact, handle = m.describe()["contact"], m.describe()["handles"][0]
+        contact, pair = m.describe()["contact"], m.describe()["handles"][0]
+        handle = pair[0]  # the mirror of the even versions
         plan = m.plans[0]
         assert len(plan) == 3
         seq = maps.views(handle)[SEQ]
@@ -139,13 +140,70 @@ def test_a_version_is_written_once_every_part_is_in_and_a_taken_back_one_never(m
         want_bytes[0] += 12
         assert written() == -1  # parts 1 of the first try and 0 of this one are not all
         send(4, new, range(1, 3))
-        mirrors.wait_for(maps, MirrorAt(handle, 4, 0), never)
+        mirrors.wait_for(maps, MirrorAt(pair, 4, 0), never)
         got = maps.views(handle)
         assert got["a"].tobytes() + got["b"].tobytes() == new[0].tobytes() + new[1].tobytes()
         box.send([contact], 0, 5, 0, [values(0)], never)  # one part where there are three
         send(6, old, range(3))
-        mirrors.wait_for(maps, MirrorAt(handle, 6, 0), never)
+        mirrors.wait_for(maps, MirrorAt(pair, 6, 0), never)
         assert got["a"].tobytes() == old[0].tobytes()
+    finally:
+        box.close()
+        maps.close()
+        m.close()
+
+
+def test_a_version_crosses_in_place_into_the_mirror_the_one_before_is_not_read_from(
+    monkeypatch,
+):
+    """Versions take the server's two mirrors in turn: while version 8 crosses part by part,
+    version 7 stays whole where its readers read it; the float32 parts are received where
+    they are read (no copy aside); the mirror version 9 takes names no version from its first
+    part on."""
+    import actors.wire as wire
+
+    monkeypatch.setattr(wire, "PART_BYTES", 16)  # server 0's 9 values in 3 parts of 3
+    m = mirrors.Mirrors("test-mirrors-turns", LAYOUTS, "node", "127.0.0.1")
+    box, maps = Outbox(), Attachments()
+    handed: list[np.ndarray] = []
+    fill = m.inbox._sink
+    m.inbox._sink = lambda *a: (handed.extend(a[-1]), fill(*a))
+    try:
+        contact, pair = m.describe()["contact"], m.describe()["handles"][0]
+        plan = m.plans[0]
+        odd, even = maps.views(pair[1]), maps.views(pair[0])
+
+        def send(version: int, v: list[np.ndarray], parts: range) -> None:
+            named = dict(zip(("a", "b"), v, strict=True))
+            for c in parts:
+                box.send([contact], 0, version, 0, [wire.cut(named, plan[c])], never, c, [3])
+
+        def arrived(n: int) -> None:
+            deadline = time.monotonic() + 10
+            while m.inbox.received < n * 12 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert m.inbox.received == n * 12
+
+        v7, v8, v9 = values(0), [x + 1 for x in values(0)], [x + 2 for x in values(0)]
+        send(7, v7, range(3))
+        mirrors.wait_for(maps, MirrorAt(pair, 7, 0), never)
+        was = odd["a"].tobytes() + odd["b"].tobytes()
+        assert was == v7[0].tobytes() + v7[1].tobytes()
+        send(8, v8, range(2))
+        arrived(5)
+        assert odd[SEQ][0] == 7 and even[SEQ][0] == -1
+        assert odd["a"].tobytes() + odd["b"].tobytes() == was  # read as it was
+        send(8, v8, range(2, 3))
+        mirrors.wait_for(maps, MirrorAt(pair, 8, 0), never)
+        assert even["a"].tobytes() + even["b"].tobytes() == v8[0].tobytes() + v8[1].tobytes()
+        assert odd[SEQ][0] == 7 and odd["a"].tobytes() + odd["b"].tobytes() == was
+        mine = m.bufs[0][0].arrays  # the even mirror as the inbox maps it
+        assert len(handed) == 6 and all(
+            np.shares_memory(a, mine["a"]) or np.shares_memory(a, mine["b"]) for a in handed[3:]
+        )  # each of version 8's arrays was received where its readers read it
+        send(9, v9, range(1))
+        arrived(7)
+        assert odd[SEQ][0] == -1 and even[SEQ][0] == 8  # 7 is read no more: 8 is
     finally:
         box.close()
         maps.close()
@@ -169,6 +227,7 @@ def test_a_compressed_push_sends_the_difference_to_a_mirror_that_holds_the_versi
     readers = ValueReaders(0, wire, parts_of(lay))
     readers.set(True, None, [m.describe()["contact"]])
     handle = m.describe()["handles"][0]
+    got = maps.views(handle[0])  # the mirror of the even versions
     rng = np.random.default_rng(3)
     old = {e.name: (rng.standard_normal(e.shape) * 0.05).astype(np.float32) for e in lay.entries}
     step = {
@@ -183,7 +242,6 @@ def test_a_compressed_push_sends_the_difference_to_a_mirror_that_holds_the_versi
         readers.push_part(cut, 8, 0, set(), never, before=[old[n] for n in names])
         pushed = readers.pushed(8)
         mirrors.wait_for(maps, MirrorAt(handle, 8, 0), never)
-        got = maps.views(handle)
         for n, want in rounded(step, wire).items():
             assert got[n].tobytes() == want.tobytes(), n
         assert pushed.nbytes < whole

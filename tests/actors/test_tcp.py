@@ -80,6 +80,38 @@ def test_frames_are_taken_in_sender_order_with_their_bits_and_shapes(inbox):
     assert inbox.received == sum(a.nbytes for f in sent.values() for a in f)
 
 
+def test_arrays_are_received_where_the_inbox_places_them_and_elsewhere_where_they_do_not_fit():
+    """``place`` names where each uncompressed array lands: there, bit for bit, where it is
+    one of the array's dtype and size (whatever its shape); else in a new array."""
+    room = np.zeros(32, np.float32)
+    asked: list[tuple] = []
+
+    def place(epoch, step, sender, part, parts, j, dtype, shape):
+        asked.append((epoch, step, sender, part, parts, j, dtype, shape))
+        if j == 0:
+            return room[:15]  # fits the (3, 5) float32 array
+        return room[:7]  # the bfloat16 words do not fit float32 room: a new array
+
+    got: list[list[np.ndarray]] = []
+    box, out = Inbox("127.0.0.1", sink=lambda *a: got.append(a[-1]), place=place), Outbox()
+    try:
+        sent = frames(1)
+        out.send([box.contact], 2, 9, 1, [sent], never, 0, [1])
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        out.close()
+        box.close()
+    (arrays,) = got
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(arrays, sent, strict=True))
+    assert arrays[0].shape == (3, 5) and np.shares_memory(arrays[0], room)
+    assert room[:15].tobytes() == sent[0].tobytes() and not room[15:].any()
+    assert not np.shares_memory(arrays[1], room) and arrays[1].dtype == np.uint16
+    assert [a[:6] for a in asked] == [(2, 9, 1, 0, 1, j) for j in range(3)]
+    assert asked[1][6:] == (np.dtype(np.uint16), (7,))
+
+
 def weights(n: int, seed: int = 0) -> np.ndarray:
     """float32 values as a layer holds them: small, of few exponents."""
     return (np.random.default_rng(seed).standard_normal(n) * 0.05).astype(np.float32)
