@@ -53,6 +53,43 @@ def cluster(module_lab):
     return made
 
 
+@pytest.fixture(scope="module")
+def counted(cluster):
+    """Each topology's counted run of the job on the hosts (:func:`counted_run`), made once
+    for the module, its bytes and its bits read off the same run: topology -> its run
+    directory and the driver's output."""
+    head, done = cluster[0], {}
+
+    def run(topology: str) -> tuple[str, str]:
+        if topology not in done:
+            run_dir = f"/mnt/shared/counted-{[STUB, HOSTS, ZSTD].index(topology)}"
+            r = hosts.drive(cluster, counted_run, f"{head.address}:6379", run_dir, topology)
+            assert r.returncode == 0, r.stdout
+            done[topology] = (run_dir, r.stdout)
+        return done[topology]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    """The job summed by hosts run on this machine alone (every read local) to step ``TO``,
+    once for the module: its final checkpoint's tensors."""
+    made: dict[str, dict] = {}
+
+    def tensors() -> dict:
+        if not made:
+            start_ray()
+            d = tmp_path_factory.mktemp("alone")
+            (d / "job.yaml").write_text(JOB)
+            sets = [f"run_dir={d / 'here'}", f"train_steps={TO}", f"topology={HOSTS}"]
+            DistributedTrainer(config.load(d / "job.yaml", sets), log=None).fit()
+            made["tensors"] = checkpoint_tensors(d / f"here/checkpoints/step-{TO}")
+        return made["tensors"]
+
+    return tensors
+
+
 def counted_run(address: str, run_dir: str, topology: str) -> None:
     """A driver on the head (:func:`hosts.drive`): trains the job, reading every host's
     counters at the reports of steps ``FROM`` and ``TO``; prints them with the run's ``net``."""
@@ -89,29 +126,26 @@ PARAMS = 4 * (64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10)  # the model's b
 
 
 @pytest.mark.parametrize("topology", [STUB, HOSTS, ZSTD], ids=["stub", "hosts", "zstd"])
-def test_the_bytes_counted_per_host_are_what_the_interfaces_carried(cluster, topology):
+def test_the_bytes_counted_per_host_are_what_the_interfaces_carried(counted, topology):
     """Summed by hosts, each host also carries at most 1.1x what ring allreduce moves,
     2 (W-1)/W of the parameters' bytes each way ([N2])."""
-    head = cluster[0]
-    run = f"/mnt/shared/counted-{[STUB, HOSTS, ZSTD].index(topology)}"
-    r = hosts.drive(cluster, counted_run, f"{head.address}:6379", run, topology)
-    assert r.returncode == 0, r.stdout
-    seen = hosts.last_json(r.stdout)
+    _, stdout = counted(topology)
+    seen = hosts.last_json(stdout)
     a, b = seen[str(FROM)]["counters"], seen[str(TO)]["counters"]
     # each report's: the mean of the steps since the report before
     nets = [v["net"] for k, v in seen.items() if int(k) > FROM]
     if topology != ZSTD:  # a placement's steps all move the same
-        assert all(n == seen[str(FROM)]["net"] for n in nets), r.stdout
+        assert all(n == seen[str(FROM)]["net"] for n in nets), stdout
     # compressed, each step moves its own count: the mean of the reports from FROM to TO
     net = {h: {k: sum(n[h][k] for n in nets) / len(nets) for k in ("in", "out")} for h in nets[-1]}
     steps = TO - FROM
     step_s = (seen[str(TO)]["t"] - seen[str(FROM)]["t"]) / steps
     per_step = {h: {k: (b[h][k] - a[h][k]) / steps for k in a[h]} for h in a}
     lines = [f"{h}: counted {net.get(h)}, interface {per_step[h]}" for h in per_step]
-    report = "\n".join(lines) + "\n" + r.stdout
+    report = "\n".join(lines) + "\n" + stdout
     print("\n".join(lines))
     # the progress lines show the busiest host's bytes
-    assert any("  net " in x and " per step (" in x for x in r.stdout.splitlines()), report
+    assert any("  net " in x and " per step (" in x for x in stdout.splitlines()), report
     assert set(net) <= set(per_step), report
     into, out = (sum(v[k] for v in net.values()) for k in ("in", "out"))
     assert into == pytest.approx(out, rel=1e-6), report  # (each report's mean is rounded)
@@ -131,29 +165,19 @@ def test_the_bytes_counted_per_host_are_what_the_interfaces_carried(cluster, top
 
 
 @pytest.mark.parametrize("topology", [HOSTS, ZSTD], ids=["f32", "f32+zstd"])
-def test_summed_by_hosts_over_the_network_ends_as_on_one_machine(cluster, tmp_path, topology):
+def test_summed_by_hosts_over_the_network_ends_as_on_one_machine(cluster, counted, alone, topology):
     """Three hosts, the sums sent to the servers' inboxes and the values pushed to mirrors
     on each host (actors/tcp.py, actors/mirrors.py): every tensor of the final checkpoint
     the bits of the same job run on this machine alone, where every read is local; so too
-    with the wire compressed (``f32+zstd``: lossless)."""
-    head = cluster[0]
-    run = f"/mnt/shared/over-the-network-{topology == ZSTD}"
-    r = hosts.drive(cluster, counted_run, f"{head.address}:6379", run, topology)
-    assert r.returncode == 0, r.stdout
-    start_ray()
-    job = tmp_path / "job.yaml"
-    job.write_text(JOB)
-    sets = [f"run_dir={tmp_path / 'here'}", f"train_steps={TO}", f"topology={HOSTS}"]
-    DistributedTrainer(config.load(job, sets), log=None).fit()
-    theirs = checkpoint_tensors(head.path(f"{run}/checkpoints/step-{TO}"))
-    ours = checkpoint_tensors(tmp_path / f"here/checkpoints/step-{TO}")
+    with the wire compressed (``f32+zstd``: lossless). (The runs whose bytes are counted.)"""
+    run, _ = counted(topology)
+    theirs = checkpoint_tensors(cluster[0].path(f"{run}/checkpoints/step-{TO}"))
+    ours = alone()
     assert theirs.keys() == ours.keys()
     assert [n for n in ours if ours[n] != theirs[n]] == []
 
 
-def test_a_worker_killed_on_its_host_under_a_compressed_wire_is_recovered_bit_exact(
-    cluster, tmp_path
-):
+def test_a_worker_killed_on_its_host_under_a_compressed_wire_is_recovered_bit_exact(cluster, alone):
     """``wire: f32+zstd``: a server sends a node's mirror only the difference from the values
     it pushed it last. A worker SIGKILLed on its host takes its node's mirror with it; the
     replacement's mirror is pushed whole, and the run ends with the bits of the same job run
@@ -177,11 +201,6 @@ def test_a_worker_killed_on_its_host_under_a_compressed_wire_is_recovered_bit_ex
     failures = [r for r in map(json.loads, lines) if r["kind"] == "failure"]
     seen = [f"{r['role']} {r['index']}: {r['error']}" for r in failures]
     assert [r["role"] for r in failures] == ["worker"], seen  # the others' calls go on
-    start_ray()
-    job = tmp_path / "job.yaml"
-    job.write_text(JOB)
-    here = [f"run_dir={tmp_path / 'here'}", f"train_steps={TO}", f"topology={HOSTS}"]
-    DistributedTrainer(config.load(job, here), log=None).fit()
     theirs = checkpoint_tensors(head.path(f"{run_dir}/checkpoints/step-{TO}"))
-    ours = checkpoint_tensors(tmp_path / f"here/checkpoints/step-{TO}")
+    ours = alone()
     assert [n for n in ours if ours[n] != theirs[n]] == []

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import params_of, sigkill_once, signal_worker_at
+from helpers import params_of, sigkill_once, signal_worker_at, start_ray
 
 from raysinga import config
 from raysinga.checkpoint import steps
@@ -31,10 +31,17 @@ def small(run_dir: Path, *more: str) -> config.JobConfig:
     return config.load(JOB, [*SMALL, f"run_dir={run_dir}", *more])
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> tuple[Path, dict]:
+    """The small job on Ray, never interrupted: its run directory and final parameters."""
+    start_ray()  # the session's embedded Ray (``ray_session`` is per test)
+    run = tmp_path_factory.mktemp("charlm") / "straight"
+    return run, DistributedTrainer(small(run), log=None).fit().params
+
+
 @pytest.mark.slow
-def test_the_example_resumes_bit_identically_after_a_sigkill(ray_session, tmp_path):
-    DistributedTrainer(small(tmp_path / "straight"), log=None).fit()
-    want = params_of(tmp_path / "straight" / "checkpoints" / "step-12")
+def test_the_example_resumes_bit_identically_after_a_sigkill(ray_session, straight, tmp_path):
+    want = params_of(straight[0] / "checkpoints" / "step-12")
     run = tmp_path / "killed"
     address = ray_session.get_runtime_context().gcs_address
     cmd = [sys.executable, "-m", "raysinga.cli", "train", str(JOB), "--address", address]
@@ -48,8 +55,8 @@ def test_the_example_resumes_bit_identically_after_a_sigkill(ray_session, tmp_pa
 
 
 @pytest.mark.slow
-def test_the_example_survives_a_lost_worker_bit_identically(ray_session, tmp_path):
-    want = DistributedTrainer(small(tmp_path / "straight"), log=None).fit().params
+def test_the_example_survives_a_lost_worker_bit_identically(ray_session, straight, tmp_path):
+    want = straight[1]
     t = DistributedTrainer(small(tmp_path / "lost"), log=None)
     fired = signal_worker_at(t, 6, signal.SIGKILL)
     got = t.fit().params

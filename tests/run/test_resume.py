@@ -401,25 +401,36 @@ def test_a_failed_background_write_reaches_the_driver_and_commits_nothing(
 # --- the driver SIGKILLed, resumed from the command line ----------------------------------------
 
 
-def _long_run(ray_session, tmp_path: Path, checkpoint_frequency: int) -> tuple:
-    """The job at 200 steps in ``ref`` and ``run``, ``ref`` trained uninterrupted: returns
-    (ref, run, ref's result, the command line that trains ``run`` on the session's Ray)."""
+def _long_job(checkpoint_frequency: int) -> str:
+    """The job at 200 steps, checkpointed every ``checkpoint_frequency`` (0: at its end)."""
     text = JOB.replace("train_steps: 40", "train_steps: 200").replace("steps: 60", "steps: 200")
     text = text.replace("checkpoint_frequency: 10", f"checkpoint_frequency: {checkpoint_frequency}")
-    text = text.replace("disp_freq: 5", "disp_freq: 10").replace("test_freq: 20", "test_freq: 0")
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    for d in (ref, run):
-        d.mkdir()
-        (d / "job.yaml").write_text(text)
-    want = DistributedTrainer(job(ref), **QUIET).fit()
+    return text.replace("disp_freq: 5", "disp_freq: 10").replace("test_freq: 20", "test_freq: 0")
+
+
+@pytest.fixture(scope="module")
+def long_ref(tmp_path_factory, ray_module):
+    """The job at 200 steps trained uninterrupted, checkpointed every 20 steps (where a run
+    checkpoints changes none of its bits): its directory and result."""
+    d = tmp_path_factory.mktemp("long-ref")
+    (d / "job.yaml").write_text(_long_job(20))
+    return d, DistributedTrainer(job(d), **QUIET).fit()
+
+
+def _long_run(ray_session, tmp_path: Path, checkpoint_frequency: int) -> tuple:
+    """The job at 200 steps in ``run``: returns ``run`` and the command line that trains it
+    on the session's Ray."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "job.yaml").write_text(_long_job(checkpoint_frequency))
     address = ray_session.get_runtime_context().gcs_address
     cmd = [sys.executable, "-m", "raysinga.cli", "train", str(run / "job.yaml")]
-    return ref, run, want, [*cmd, "--address", address, "--set", f"run_dir={run}"]
+    return run, [*cmd, "--address", address, "--set", f"run_dir={run}"]
 
 
 @pytest.mark.slow
-def test_sigkilled_driver_resumes_bit_exact(ray_session, tmp_path):
-    ref, run, want, cmd = _long_run(ray_session, tmp_path, checkpoint_frequency=20)
+def test_sigkilled_driver_resumes_bit_exact(ray_session, long_ref, tmp_path):
+    (ref, want), (run, cmd) = long_ref, _long_run(ray_session, tmp_path, checkpoint_frequency=20)
     sigkill_once(cmd, run / "checkpoints/step-120")
     killed_at = steps(run / "checkpoints")[0]
     assert 120 <= killed_at < 200
@@ -432,11 +443,13 @@ def test_sigkilled_driver_resumes_bit_exact(ray_session, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_the_step_reached_and_resumes_bit_exact(ray_session, tmp_path):
+def test_sigterm_checkpoints_the_step_reached_and_resumes_bit_exact(
+    ray_session, long_ref, tmp_path
+):
     """SIGTERM (preemption, ``ray job stop``) to a distributed run: it finishes the steps under
     way, checkpoints that step, exits 128 + 15, and ``--resume`` ends bit-identical to a run
     never stopped."""
-    ref, run, _, cmd = _long_run(ray_session, tmp_path, checkpoint_frequency=0)
+    (ref, _), (run, cmd) = long_ref, _long_run(ray_session, tmp_path, checkpoint_frequency=0)
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
