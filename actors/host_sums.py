@@ -152,7 +152,9 @@ def _sources(stub: Stub, i: int, at: list[int] | None) -> tuple[Any, ...]:
     if at is None:
         return stub._sources(i)
     return tuple(
-        ServerAt(h, at[k], k) if h is not None else MirrorAt(stub.mirror_src[i][k], at[k], k)
+        ServerAt(h, at[k], k)
+        if h is not None
+        else MirrorAt(stub.mirror_src[i][k], at[k], k, stub.refs[k].generation)
         for k, h in enumerate(stub.local_src[i])
     )
 

@@ -6,7 +6,10 @@ server on its own node, once the mirror holds the version the stub names
 (:class:`~.protocol.MirrorAt`).
 
 Each server has two mirrors on a node, taken in turn: the values after an even count of updates
-go to the first, after an odd count to the second. So a version crosses into the mirror no
+go to the first, after an odd count to the second. A mirror names its values by their version
+and their generation (:func:`~.protocol.mirror_seq`), which a server draws anew whenever its
+values change other than by an update: after a reload, what a mirror held before is never read
+as the same version of the new values. So a version crosses into the mirror no
 worker reads while the workers still read the version before, and the kernel writes its bytes
 where they are read, with no copy kept aside. A worker can be at most one version behind:
 a server's next update waits for every worker of the step (it waits for the blocks' sums,
@@ -106,17 +109,20 @@ class Mirrors:
         self, kind: int, version: int, k: int, part: int, parts: int, arrays: list[np.ndarray]
     ) -> None:
         """Part ``part`` of server ``k``'s values after ``version`` updates, as they crossed
-        (:func:`.wire.parts_of`), noted until every part is in; then the version of its
-        mirror (a reader waits for it before it reads). The parts crossed into the mirror
-        (:meth:`_place`), save those that must be written: bfloat16 words, widened, and
-        differences. A server sends the parts in order, so a first part starts the version
-        anew: an update the server took back (:meth:`~.server.ParamServer._update`) never
-        names a version, and its next parts write over it.
+        (:func:`.wire.parts_of`; ``version`` as :func:`~.protocol.mirror_seq` names it, its
+        generation above the update count, which alone picks the mirror), noted until every
+        part is in; then the version of its mirror (a reader waits for it before it reads).
+        The parts crossed into the mirror (:meth:`_place`), save those that must be written:
+        bfloat16 words, widened, and differences. A server sends the parts in order, so a
+        first part starts the version anew: an update the server took back
+        (:meth:`~.server.ParamServer._update`) never names a version, and its next parts
+        write over it.
 
         ``kind`` :data:`.wire.DELTA`: the parts are the difference from the version before,
-        which the other mirror must hold whole to apply them (the server sends a difference
-        only where it pushed that version whole); where it does not, the version is not taken
-        in, and a reader waiting for it reports the server lost (:func:`wait_for`)."""
+        which the other mirror must hold whole, of the same generation, to apply them (the
+        server sends a difference only where it pushed that version whole); where it does
+        not, the version is not taken in, and a reader waiting for it reports the server lost
+        (:func:`wait_for`)."""
         spans = [self._span(k, part, parts, j) for j in range(len(arrays))]
         if not spans or None in spans or len(spans) != len(self.plans[k][part]):
             return
@@ -169,7 +175,7 @@ def wait_for(maps: Attachments, at: MirrorAt | ServerAt, check: Callable[[], Non
     Values that do not come within :data:`WAIT_S` were lost on the way: their server is
     reported lost (the run restarts its roles from the newest checkpoint)."""
     seq = maps.views(at.handle)[SEQ]
-    want = 2 * at.version if isinstance(at, ServerAt) else at.version
+    want = 2 * at.version if isinstance(at, ServerAt) else at.seq
     end = time.monotonic() + WAIT_S
     while (now := int(seq[0])) != want:
         if time.monotonic() > end:

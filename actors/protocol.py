@@ -99,29 +99,46 @@ class Published:
     ref: Any
 
 
+def mirror_seq(generation: int, version: int) -> int:
+    """What a node's mirror of a server's values names them by (:mod:`actors.mirrors`): the
+    version in the low 32 bits, and above it the generation of the server's values, which
+    changes whenever they change other than by an update (loaded, restored, rewired), so that
+    a mirror's values from before never pass for the same version after."""
+    return generation << 32 | version & 0xFFFFFFFF
+
+
 @dataclass(frozen=True)
 class Pushed:
     """A server's values as it pushed them to a worker's inbox on each node that reads them
-    (``topology.reduce: hosts``, :mod:`actors.mirrors`): after ``version`` updates;
-    ``nbytes``: what each reader node was sent of them (compressed, under ``wire: *+zstd``)."""
+    (``topology.reduce: hosts``, :mod:`actors.mirrors`): after ``version`` updates, of
+    ``generation`` (:func:`mirror_seq`); ``nbytes``: what each reader node was sent of them
+    (compressed, under ``wire: *+zstd``)."""
 
     version: int
     nbytes: int = 0
+    generation: int = 0
 
 
 @dataclass(frozen=True)
 class MirrorAt:
     """A server's values in its mirror on a worker's node (:mod:`actors.mirrors`), to be read
-    once the mirror holds those after ``version`` updates of server ``server``."""
+    once the mirror holds those after ``version`` updates of server ``server``, of
+    ``generation`` (:func:`mirror_seq`)."""
 
     handles: tuple[Any, Any]  # the ShmHandles of the server's two mirrors there, taken in turn
     version: int
     server: int
+    generation: int = 0
 
     @property
     def handle(self) -> Any:
         """The mirror that takes the values after ``version`` updates in."""
         return self.handles[self.version % 2]
+
+    @property
+    def seq(self) -> int:
+        """What that mirror names these values by, once it holds them."""
+        return mirror_seq(self.generation, self.version)
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,13 @@ server's own node read its shared buffer and need neither."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from .protocol import Pushed
+from .protocol import Pushed, mirror_seq
 from .tcp import Outbox, PeerLost, payload_bytes
 from .wire import DELTA, WHOLE, Span, cut, delta_frame, encode, frame, words
 
@@ -27,6 +28,7 @@ class ValueReaders:
         self.pushes: list[tuple[str, int, bytes]] | None = None
         self.published: Any = None
         self.pushing = 0  # bytes of the update being pushed, to all reader nodes
+        self.generation = 0  # of the values pushed (.protocol.mirror_seq): new at each forget
         # each reader's inbox (its contact) -> the version it was last pushed whole, every
         # part; and the readers that had every part of the push under way
         self.based: dict[tuple[str, int, bytes], int] = {}
@@ -110,8 +112,8 @@ class ValueReaders:
             self.pushing += payload_bytes(out) * len(group)
             try:
                 self.outbox.send(
-                    group, kind, version, self.index, [out] * len(group), check, part,
-                    [parts] * len(group),
+                    group, kind, mirror_seq(self.generation, version), self.index,
+                    [out] * len(group), check, part, [parts] * len(group),
                 )  # fmt: skip
             except PeerLost as e:  # the others had theirs
                 skip.update(e.every)
@@ -122,13 +124,17 @@ class ValueReaders:
         the readers that had every part hold that version whole."""
         whole = [c for c in self.pushes or () if (c[0], c[1]) in self._whole]
         self.based = {tuple(c): version for c in whole}
-        self.published = Pushed(version, self.pushing // max(len(self.pushes or ()), 1))
+        nbytes = self.pushing // max(len(self.pushes or ()), 1)
+        self.published = Pushed(version, nbytes, self.generation)
         return self.published
 
     def forget(self) -> None:
         """The values changed other than by an update (loaded, restored): no reader holds
-        the version before the next one, and the next push sends the values whole."""
+        the version before the next one, and the next push sends the values whole, under a
+        new generation (drawn at random: a server started anew draws its own), so that what
+        a mirror held before never passes for the same version of the values now."""
         self.based = {}
+        self.generation = secrets.randbits(30) + 1
 
     def close(self) -> None:
         self.outbox.close()

@@ -255,7 +255,7 @@ class Stub(Fence):
         node where the server pushes them there (:mod:`.mirrors`), else published."""
         ref = self.refs[k]
         if isinstance(ref, Pushed):
-            return MirrorAt(self.mirror_src[i][k], ref.version, k)
+            return MirrorAt(self.mirror_src[i][k], ref.version, k, ref.generation)
         return Published(self._ref_for(k, i))
 
     def _ref_for(self, k: int, i: int) -> Any:

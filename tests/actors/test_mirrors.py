@@ -12,7 +12,7 @@ import pytest
 import actors.mirrors as mirrors
 from actors.buffers import SEQ, Attachments, Layout, SharedBuffer, UpdateGuard, with_seq
 from actors.errors import ActorLost
-from actors.protocol import MirrorAt, ServerAt
+from actors.protocol import MirrorAt, ServerAt, mirror_seq
 from actors.tcp import Outbox
 from actors.wire import encode, rounded
 
@@ -236,12 +236,13 @@ def test_a_compressed_push_sends_the_difference_to_a_mirror_that_holds_the_versi
     try:
         readers.publish(old, np.concatenate(list(old.values())), 7, never)  # whole
         assert readers.based == {tuple(m.describe()["contact"]): 7}
-        mirrors.wait_for(maps, MirrorAt(handle, 7, 0), never)
+        gen = readers.generation
+        mirrors.wait_for(maps, MirrorAt(handle, 7, 0, gen), never)
         whole = readers.published.nbytes
         cut = [step[n] for n in names]
         readers.push_part(cut, 8, 0, set(), never, before=[old[n] for n in names])
         pushed = readers.pushed(8)
-        mirrors.wait_for(maps, MirrorAt(handle, 8, 0), never)
+        mirrors.wait_for(maps, MirrorAt(handle, 8, 0, gen), never)
         for n, want in rounded(step, wire).items():
             assert got[n].tobytes() == want.tobytes(), n
         assert pushed.nbytes < whole
@@ -249,10 +250,51 @@ def test_a_compressed_push_sends_the_difference_to_a_mirror_that_holds_the_versi
         readers.based = {k: 9 for k in readers.based}  # (as if 9 had gone whole)
         readers.push_part(cut, 10, 0, set(), never, before=cut)
         time.sleep(0.3)
-        assert got[SEQ][0] == 8
+        assert got[SEQ][0] == mirror_seq(gen, 8)
         readers.forget()
         readers.push_part(cut, 10, 0, set(), never, before=cut)  # whole again
-        mirrors.wait_for(maps, MirrorAt(handle, 10, 0), never)
+        assert readers.generation != gen
+        mirrors.wait_for(maps, MirrorAt(handle, 10, 0, readers.generation), never)
+    finally:
+        readers.close()
+        maps.close()
+        m.close()
+
+
+def test_what_a_mirror_held_before_a_reload_never_passes_for_the_same_version_after(
+    monkeypatch,
+):
+    """A server's values reloaded (a checkpoint, another trial's values: ``forget``) may take
+    up a version its mirrors held before, with other values. The push after it is of a new
+    generation: a reader named that version of the new values waits for them, never reading
+    what the mirrors held."""
+    from actors.server_values import ValueReaders
+    from actors.wire import parts_of
+
+    lay = LAYOUTS[1]
+    m, maps = mirrors.Mirrors("test-reload", [lay], "node", "127.0.0.1"), Attachments()
+    readers = ValueReaders(0, "f32", parts_of(lay))
+    readers.set(True, None, [m.describe()["contact"]])
+    pair = m.describe()["handles"][0]
+    old, new = values(1)[0], values(1)[0] + 1
+
+    def publish(v: np.ndarray, version: int):
+        return readers.publish({"c": v}, v, version, never)
+
+    try:
+        for version in (8, 9):
+            at = MirrorAt(pair, version, 0, publish(old, version).generation)
+            mirrors.wait_for(maps, at, never)
+        readers.forget()  # reloaded: versions 8 and 9 are no longer those the mirrors hold
+        monkeypatch.setattr(mirrors, "WAIT_S", 0.3)
+        for version in (8, 9):
+            with pytest.raises(ActorLost):
+                mirrors.wait_for(maps, MirrorAt(pair, version, 0, readers.generation), never)
+        pushed = publish(new, 8)
+        assert pushed.generation == readers.generation
+        at = MirrorAt(pair, 8, 0, pushed.generation)
+        mirrors.wait_for(maps, at, never)
+        assert maps.views(at.handle)["c"].tobytes() == new.tobytes()
     finally:
         readers.close()
         maps.close()

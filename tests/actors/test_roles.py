@@ -511,7 +511,7 @@ def test_a_server_updates_the_blocks_sums_part_by_part_and_takes_a_step_back_who
     step redone gives the same bits."""
     from raysinga.actors import mirrors, wire
     from raysinga.actors.buffers import SEQ, Attachments
-    from raysinga.actors.protocol import HostFrames, MirrorAt
+    from raysinga.actors.protocol import HostFrames, MirrorAt, mirror_seq
     from raysinga.actors.tcp import Outbox
     from raysinga.optim.grads import sum_into
 
@@ -528,7 +528,8 @@ def test_a_server_updates_the_blocks_sums_part_by_part_and_takes_a_step_back_who
         assert len(parts) >= 4
         hosts.set_remote_readers(True, pushes=[node.describe()["contact"]])
         handle = node.describe()["handles"][0]
-        mirrors.wait_for(maps, MirrorAt(handle, 0, 0), lambda: None)
+        gen = hosts.readers.generation  # drawn as the readers were set
+        mirrors.wait_for(maps, MirrorAt(handle, 0, 0, gen), lambda: None)
 
         def blocks(step: int) -> list[dict[str, np.ndarray]]:
             rng = np.random.default_rng(step)
@@ -559,7 +560,7 @@ def test_a_server_updates_the_blocks_sums_part_by_part_and_takes_a_step_back_who
             step_whole(step, gs)
             assert values(hosts) == values(whole)
             assert version == step + 1
-            mirrors.wait_for(maps, MirrorAt(handle, version, 0), lambda: None)
+            mirrors.wait_for(maps, MirrorAt(handle, version, 0, gen), lambda: None)
             mirrored = maps.views(MirrorAt(handle, version, 0).handle)
             assert b"".join(mirrored[x.name].tobytes() for x in hosts.slices) == values(hosts)
 
@@ -593,7 +594,7 @@ def test_a_server_updates_the_blocks_sums_part_by_part_and_takes_a_step_back_who
         # the mirror of the values before holds them still; the other, which step 3's parts
         # crossed into, names no version
         kept, other = handle[before[2] % 2], handle[(before[2] + 1) % 2]
-        assert int(maps.views(kept)[SEQ][0]) == before[2]
+        assert int(maps.views(kept)[SEQ][0]) == mirror_seq(gen, before[2])
         assert b"".join(maps.views(kept)[x.name].tobytes() for x in hosts.slices) == before[0]
         assert int(maps.views(other)[SEQ][0]) == -1
 
@@ -603,7 +604,7 @@ def test_a_server_updates_the_blocks_sums_part_by_part_and_takes_a_step_back_who
         version, _, _ = hosts.update(3, HostFrames(1, 2))
         step_whole(3, gs)
         assert version == 4 and values(hosts) == values(whole)
-        mirrors.wait_for(maps, MirrorAt(handle, 4, 0), lambda: None)
+        mirrors.wait_for(maps, MirrorAt(handle, 4, 0, gen), lambda: None)
     finally:
         box.close()
         maps.close()
