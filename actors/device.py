@@ -136,26 +136,38 @@ class ServerDevice(_Transfers):
         return out, self._copied
 
 
-def warm(worker: Any) -> float:
+def warm(worker: Any, parts: int = 1) -> float:
     """A GPU worker's spare: run one training step of the model's initial parameters on the
-    run's first batch (the group's whole batch), so that its kernels are compiled and loaded
-    and its memory pool grown before it takes over. Nothing of it stays: the state is put
-    back and the gradients are dropped, not written to the shared buffer. Returns the seconds
-    taken."""
+    run's first batch (the first of ``parts`` parts of the group's batch: the shape a worker
+    of the group computes), so that its kernels are compiled and loaded before it takes over.
+    Nothing of the step stays: the state is put back and the gradients are dropped.
+
+    Nor does its memory stay where no step will use it. With CUDA graphs the step runs as the
+    graph's first, uncaptured step (:class:`~raysinga.run.graph_step.WorkerGraphStep`), in the
+    pool the graph is then recorded in: the adopted spare's first real step of that shape is
+    the recording, with no second pool grown. Without graphs the blocks CuPy's pool cached
+    for the step are given back to the GPU the live roles share. Returns the seconds taken."""
     from raysinga.nn.layers import StepContext  # noqa: PLC0415
 
     t0 = time.perf_counter()
     kept = {k: v.copy() for k, v in worker.state.items()}
     params = worker.net.init_params(worker.seed)
-    x, y = worker.train.get(worker.plan.indices(worker.batch_index(0), 0, 1))
-    x = worker.net.prepare_input(x)
-    if worker.gpu is not None:
-        params = worker.gpu.upload(params)
-        x, y = worker.gpu.asarray(x), worker.gpu.asarray(y)
+    x, y = worker.train.get(worker.plan.indices(worker.batch_index(0), 0, max(parts, 1)))
     ctx = StepContext(train=True, seed=worker.seed, step=0, sample_offset=0)
-    worker.net.loss_and_grads(params, worker.state, x, y, ctx, worker.group_batch)
+    if worker.graphs is not None:
+        worker.graphs.step(0, ctx, x, y, params)  # into its own gradient buffer: unread
+    else:
+        x = worker.net.prepare_input(x)
+        if worker.gpu is not None:
+            params = worker.gpu.upload(params)
+            x, y = worker.gpu.asarray(x), worker.gpu.asarray(y)
+        worker.net.loss_and_grads(params, worker.state, x, y, ctx, worker.group_batch)
     for k, v in kept.items():
         worker.state[k][...] = v
     if worker.gpu is not None:
-        worker.gpu.cp.cuda.get_current_stream().synchronize()
+        cp = worker.gpu.cp
+        cp.cuda.get_current_stream().synchronize()
+        del x, y, params
+        if worker.graphs is None:
+            cp.get_default_memory_pool().free_all_blocks()
     return time.perf_counter() - t0

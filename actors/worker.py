@@ -199,9 +199,10 @@ class Worker(Abortable, Fence):
         }
 
     @reports_role
-    def warm(self) -> float:
-        """A GPU worker's spare: one training step run and dropped (:func:`.device.warm`)."""
-        return warm(self)
+    def warm(self, parts: int = 1) -> float:
+        """A GPU worker's spare: one training step of a worker's part of its group's batch
+        (one of ``parts``) run and dropped (:func:`.device.warm`)."""
+        return warm(self, parts)
 
     def batch_index(self, step: int) -> int:
         """Groups take turns through one data order, so no two groups train on one batch."""

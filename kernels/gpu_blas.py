@@ -71,6 +71,25 @@ class _Handle:
             self.stream = stream
 
 
+def usable_error() -> str | None:
+    """Why matrix products through this module cannot run on the current device, or None.
+    Beyond the bindings' import (:data:`import_error`): the handle is made, and one small
+    product computed and checked, since a missing or mismatched cuBLAS library first fails
+    there, not at import."""
+    error = import_error()
+    if error is not None:
+        return error
+    try:
+        a = cupy.arange(6, dtype=cupy.float64).reshape(2, 3)
+        got = cupy.asnumpy(matmul(a, a.T))
+    except Exception as e:  # noqa: BLE001 - whatever the library raised is the reason
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return f"cuBLAS through nvmath-python failed ({type(e).__name__}: {first})"
+    if not np.array_equal(got, [[5.0, 14.0], [14.0, 50.0]]):
+        return "a matrix product through cuBLAS came out wrong"
+    return None
+
+
 def _handle() -> _Handle:
     dev = cupy.cuda.runtime.getDevice()
     h = _handles.get(dev)
@@ -169,10 +188,15 @@ def _gemm_ex(h: _Handle, types, g, one: int, zero: int, pa: int, pb: int, pc: in
 def _bf16(x: cupy.ndarray) -> cupy.ndarray:
     """``x`` (float32) as bfloat16 words, rounded to nearest even: a weight's copy (the view of
     it that matches ``x``, :func:`precision.copy_of`) where it has one, else cast here into a new
-    C-contiguous array."""
+    array laid out as the copy's view would be: a transposed weight (Fortran order) as the
+    transpose of its cast, anything else C-contiguous. cuBLAS promises the same bits only for
+    the same call (shapes, transpositions, leading dimensions) on the same GPU and library, so
+    a product reads a weight's copy and a cast of it with one call."""
     words = precision.copy_of(x)
     if words is not None:
         return words
+    if x.ndim == 2 and x.flags.f_contiguous and not x.flags.c_contiguous:
+        return _bf16(x.T).T
     x = cupy.ascontiguousarray(x)
     words = cupy.empty(x.shape, cupy.uint16)
     precision.write_copy(x, words)

@@ -47,6 +47,11 @@ class StepValues:
     ``fn`` and writes its values for the current step, later calls return the same view.
     :meth:`refresh` computes every registered value for a new step and copies them all in one
     asynchronous copy on the current stream, ahead of the replay that reads them.
+
+    The buffers grow as keys are registered (an uncaptured step registers every key of its
+    step function: Adam takes 3 values per parameter, so a model of thousands of tensors needs
+    more than the first ``capacity``). Growing moves the values, so a key is never registered
+    under stream capture: a recording reads the addresses the step before it registered.
     """
 
     def __init__(self, capacity: int = 4096) -> None:
@@ -70,9 +75,14 @@ class StepValues:
         if got is None:
             if self.step is None:
                 raise RuntimeError("StepValues: refresh(step, ctx) before the step runs")
+            if cupy.cuda.get_current_stream().is_capturing():
+                raise RuntimeError(
+                    f"StepValues: {key!r} was first asked for while a step was being recorded; "
+                    "every value must be registered by the uncaptured step before it"
+                )
             start = self._used[kind]
             if start + n > self.capacity:
-                raise RuntimeError(f"StepValues: more than {self.capacity} values per step")
+                self._grow(start + n)
             self._used[kind] = start + n
             got = self._keys[key] = (kind, start, n, fn)
             self._wait()
@@ -89,6 +99,20 @@ class StepValues:
         self._wait()
         for kind, start, n, fn in self._keys.values():
             self._host[kind][start : start + n] = fn(step, ctx)
+        for kind, used in self._used.items():
+            if used:
+                self._copy(kind, 0, used)
+
+    def _grow(self, need: int) -> None:
+        """Room for ``need`` values of each kind: new buffers, the values so far copied over
+        (the device's from the host's, which hold the same: every write goes host first)."""
+        self._wait()  # the copies out of the old host buffers are done
+        cap = max(need, 2 * self.capacity)
+        for kind in list(self._host):
+            host = _pinned(cap, kind)
+            host[: self._used[kind]] = self._host[kind][: self._used[kind]]
+            self._host[kind], self._dev[kind] = host, cupy.zeros(cap, kind)
+        self.capacity = cap
         for kind, used in self._used.items():
             if used:
                 self._copy(kind, 0, used)
@@ -174,6 +198,17 @@ class Readback:
         return out
 
 
+def _device_memory(size: int) -> Any:
+    """``size`` bytes of device memory, allocated by CUDA (what CuPy's pools allocate with)."""
+    return cupy.cuda.MemoryPointer(cupy.cuda.Memory(size), 0)
+
+
+class RecordingOutOfMemory(MemoryError):
+    """The device had no memory for a block a step being recorded asked for. The recorder goes
+    on without graphs (:class:`~raysinga.run.graph_step.StepRecorder`): an uncaptured step may
+    free the pool's cached blocks, which nothing recorded reads."""
+
+
 class StepGraph:
     """One step function, recorded as a CUDA graph and replayed.
 
@@ -186,9 +221,24 @@ class StepGraph:
 
     def __init__(self) -> None:
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        self.pool = cupy.cuda.MemoryPool()
+        self.pool = cupy.cuda.MemoryPool(self._new_block)
         self.graph = None
         self.kept: Any = None  # what the recorded function returned: its outputs stay alive
+        self.recording = False
+
+    def _new_block(self, size: int) -> Any:
+        """The pool's allocator. Out of device memory while a step is recorded, it raises
+        :class:`RecordingOutOfMemory`, which the pool lets through: on CUDA's own error the
+        pool would free its cached blocks and try again, and the step recorded so far may
+        read and write those blocks at every replay."""
+        try:
+            return _device_memory(size)
+        except cupy.cuda.runtime.CUDARuntimeError as e:
+            if self.recording and e.status == cupy.cuda.runtime.errorMemoryAllocation:
+                raise RecordingOutOfMemory(
+                    f"out of device memory allocating {size:,} bytes while a step was recorded"
+                ) from e
+            raise
 
     def run(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` uncaptured, on the graph's stream and pool (a warm-up run: kernels are
@@ -202,6 +252,7 @@ class StepGraph:
         self.stream.synchronize()
         with self.stream, cupy.cuda.using_allocator(self.pool.malloc):
             self.stream.begin_capture()
+            self.recording = True
             try:
                 kept = fn()
             except BaseException:
@@ -211,6 +262,8 @@ class StepGraph:
                 with contextlib.suppress(Exception):
                     self.stream.end_capture()
                 raise
+            finally:
+                self.recording = False
             graph = self.stream.end_capture()
         self.graph, self.kept = graph, kept
 

@@ -25,7 +25,10 @@ BLAS multiplies them in float32. A bf16 product of two bf16 numbers is exact in 
 computes what the GPU computes up to the order of the float32 sums. It is slower than float32 on
 a CPU, and exists so that a job's numerics can be run and tested anywhere (a run says so in one
 line). Rounding is to nearest, ties to even for bf16 (as ``ml_dtypes.bfloat16`` rounds, which
-the tests check) and ties away from zero for TF32 (as the GPU's ``cvt.rna.tf32.f32``).
+the tests check) and ties away from zero for TF32 (as the GPU's ``cvt.rna.tf32.f32``). A GPU's
+bf16 products read words rounded alike (raysinga casts them); cuBLAS's TF32 mode converts the
+float32 operands itself, and does not say how (rounded or cut), so an emulated TF32 run
+follows a GPU's to the operands' conversion, not bit for bit.
 """
 
 from __future__ import annotations

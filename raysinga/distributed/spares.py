@@ -160,8 +160,8 @@ class Spares:
         described, warmed = actor.describe.remote(), None
         if gpus is not None and role == "server":
             warmed = actor.warm.remote(self.roles.plan.updater)
-        elif gpus is not None and role == "worker":
-            warmed = actor.warm.remote()
+        elif gpus is not None and role == "worker":  # on a part of its group's batch
+            warmed = actor.warm.remote(len(self.roles.worker_infos[args[0].group]))
         return Spare(actor, described, node, warmed)
 
     def drop_off(self, alive: set[str]) -> None:

@@ -152,6 +152,12 @@ class Optimizer(ServerUpdates):
             and self._fused(param, grad, slots, lr, t, on_device, copy)
         ):
             copy = None  # one fused kernel on the GPU, bit-identical to _apply, wrote it
+        elif (
+            on_device is not None
+            and not param.flags.c_contiguous
+            and self._fused_strided(param, grad, slots, lr, t, on_device, copy)
+        ):
+            copy = None
         elif on_device is not None:  # CuPy array operations with the rate as a device value
             if type(self)._step_values is not Optimizer._step_values:
                 raise RuntimeError(
@@ -177,6 +183,24 @@ class Optimizer(ServerUpdates):
     def _prepare_once(self, xp: Any, name: str, param: Any) -> None:
         if name not in self._ready:
             self._prepare(xp, name, param)
+
+    def _fused_strided(
+        self, param: Any, grad: Any, slots: dict, lr: float, t: int, on_device: Any, copy: Any
+    ) -> bool:
+        """The fused kernel of a step that a CUDA graph replays, for a parameter that is not
+        contiguous (a view): run on contiguous copies of it, its slots and its bfloat16 copy,
+        which are then written back (copies a graph replays too). False where this optimizer
+        has no fused kernel."""
+        xp = get_array_module(param)
+        p = xp.ascontiguousarray(param)
+        s = {k: xp.ascontiguousarray(v) for k, v in slots.items()}
+        c = None if copy is None else xp.ascontiguousarray(copy)
+        if not self._fused(p, xp.ascontiguousarray(grad), s, lr, t, on_device, c):
+            return False
+        for dst, src in [(param, p), (copy, c), *((slots[k], v) for k, v in s.items())]:
+            if dst is not None and src is not dst:
+                dst[...] = src
+        return True
 
     def update_all(
         self, step: int, params: dict, grads: dict, pool: Any = None, values: Any = None

@@ -68,7 +68,7 @@ class StepRecorder:
         if mode not in ("on", "strict", "uncaptured"):
             raise ValueError(f"StepRecorder: mode must be on, strict or uncaptured, got {mode!r}")
 
-        error = gpu_blas.import_error()
+        error = gpu_blas.usable_error()  # a missing cuBLAS fails here, not in the first step
         if error is not None:
             raise RuntimeError(f"gpu.graphs: {error}; pip install 'raysinga[gpu]'")
         gpu_blas.use(True)

@@ -1,19 +1,94 @@
 """A GPU worker's device side: uploads through the pinned staging buffer, gradients straight
-into the page-locked shared buffer (runs only where a GPU is usable)."""
+into the page-locked shared buffer (on a GPU); a spare's warm-up computes a worker's part of the
+group's batch and leaves neither state nor, on a GPU, CuPy's cached blocks behind."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from raysinga.actors.buffers import Layout, SharedBuffer
-from raysinga.actors.device import ServerDevice, WorkerDevice
+from raysinga.actors.device import ServerDevice, WorkerDevice, warm
+from raysinga.data import BatchPlan
+from raysinga.data.splits import open_splits
+from raysinga.nn.model import ModelSpec, Net
 
-pytestmark = pytest.mark.gpu
+MODEL = {
+    "input_shape": [64],
+    "loss": "softmax_cross_entropy",
+    "layers": [
+        {"kind": "dense", "name": "fc", "units": 32},
+        {"kind": "batchnorm", "name": "bn"},
+        {"kind": "dense", "name": "out", "units": 10},
+    ],
+}
 
 SHAPES = {"fc/W": (7, 5), "fc/b": (5,), "empty": (0,)}
 
 
+def _spare(gpu=None, graphs=None):
+    """What :func:`warm` reads of a worker: its net, state, data and batch plan."""
+    net = Net(ModelSpec.from_dict(MODEL), dtype="float32")
+    train = open_splits({"kind": "digits"}, None).train
+    state = net.init_state()
+    if gpu is not None:
+        state = {k: gpu.asarray(v) for k, v in state.items()}
+    seen = []
+    real = net.loss_and_grads
+
+    def loss_and_grads(params, state, x, y, ctx, *rest, **kw):
+        seen.append(x.shape)
+        return real(params, state, x, y, ctx, *rest, **kw)
+
+    net.loss_and_grads = loss_and_grads
+    spare = SimpleNamespace(
+        net=net,
+        state=state,
+        seed=0,
+        train=train,
+        plan=BatchPlan(len(train), 64, 0, True),
+        batch_index=lambda step: step,
+        group_batch=64,
+        gpu=gpu,
+        graphs=graphs,
+    )
+    return spare, seen
+
+
+def test_a_spares_warm_up_computes_a_workers_part_and_puts_its_state_back():
+    spare, seen = _spare()
+    before = {k: v.copy() for k, v in spare.state.items()}
+    warm(spare, 4)
+    assert seen == [(16, 64)]  # a quarter of the group's 64: what each of 4 workers computes
+    for k, v in before.items():  # the batch norm's running statistics, as they were
+        np.testing.assert_array_equal(spare.state[k], v)
+
+
+@pytest.mark.gpu
+def test_a_gpu_spares_warm_up_leaves_no_cached_blocks_in_cupys_pool():
+    """The live roles share the GPU: the warm-up's temporaries go back to it."""
+    import cupy
+
+    grads = SharedBuffer("device-warm-test", Layout.of({}))
+    shapes = Net(ModelSpec.from_dict(MODEL), dtype="float32").param_shapes()
+    dev = WorkerDevice(shapes, "float32", grads)
+    try:
+        pool = cupy.get_default_memory_pool()
+        pool.free_all_blocks()
+        spare, seen = _spare(gpu=dev)
+        held = pool.used_bytes()
+        warm(spare, 2)
+        assert seen == [(32, 64)]
+        assert pool.total_bytes() - pool.used_bytes() == 0  # nothing cached
+        assert pool.used_bytes() <= held + 1024  # nothing but the state's copies, if any
+    finally:
+        dev.close()
+        grads.close()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_upload_and_download_round_trip(dtype):
     grads = SharedBuffer("device-test", Layout.of({p: (s, dtype) for p, s in SHAPES.items()}))
@@ -35,6 +110,7 @@ def test_upload_and_download_round_trip(dtype):
         grads.close()
 
 
+@pytest.mark.gpu
 def test_server_device_updates_publish_and_snapshot_slots():
     import cupy
 

@@ -112,7 +112,10 @@ def test_step_values_staging_and_readback_carry_each_replays_own_values(cp):
 def test_bf16_products_read_the_weights_copies_with_the_same_bits(cp):
     """Under bf16 a product whose operand is (a view of) a weight with a copy reads the copy's
     view in place of casting it, and gives the bits of the cast; the fused optimizer kernels
-    write the copy as they update the weight."""
+    write the copy as they update the weight. Equal bits are what cuBLAS promises for the same
+    call on the same GPU and library, no more: the cast of a transposed weight is laid out as
+    the copy's transposed view, so that both make one call (a contiguous cast was another, with
+    no promise of the same sums)."""
     from raysinga.kernels import gpu_blas
     from raysinga.kernels import precision as P
     from raysinga.optim.optimizers import make_optimizer
@@ -136,3 +139,24 @@ def test_bf16_products_read_the_weights_copies_with_the_same_bits(cp):
         opt.update(0, "w", w, cp.asarray(rng.normal(size=(48, 32)).astype(np.float32)))
         want = P.bf16_bits(cp.asnumpy(w)).reshape(w.shape)
         assert np.array_equal(cp.asnumpy(copies.words["w"]), want), spec
+
+
+def test_tf32_products_agree_with_the_cpus_emulation_to_tf32s_rounding_only(cp):
+    """The CPU emulates TF32 by rounding the operands to nearest (ties away). cuBLAS does not
+    say how its TF32 mode converts them (rounded or cut) nor in what order it sums: a GPU
+    product is held to the emulation within the operands' conversion, not bit for bit."""
+    from raysinga.kernels import gpu_blas
+    from raysinga.kernels import precision as P
+
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(64, 256)).astype(np.float32)
+    w = rng.normal(size=(256, 48)).astype(np.float32)
+    with P.using("tf32"):
+        got = cp.asnumpy(gpu_blas.matmul(cp.asarray(x), cp.asarray(w))).astype(np.float64)
+    emulated = P.round_tf32(x).astype(np.float64) @ P.round_tf32(w).astype(np.float64)
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64)
+    # each operand within 2^-10 of itself (cut) and of its rounding, plus float32 sums
+    assert np.all(np.abs(got - emulated) <= scale * (4 * 2.0**-10 + 256 * 2.0**-23))
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    # TF32 it was: float32 operands would be off by some 2^-24 of the scale, not 2^-16
+    assert np.max(np.abs(got - exact) / scale) > 2.0**-16

@@ -225,3 +225,24 @@ def test_a_run_with_graphs_resumes_bit_exactly_after_a_sigkill(tmp_path, monkeyp
     got = Trainer(cfg, log=lambda line: None, resume=True).fit()
     for k in want.params:
         np.testing.assert_array_equal(want.params[k], got.params[k], err_msg=k)
+
+
+@pytest.mark.gpu
+def test_a_cublas_that_cannot_be_used_is_one_line_naming_the_install_before_any_step(monkeypatch):
+    """A missing or mismatched cuBLAS imports fine and first fails at the handle's creation:
+    inside the first step, before; now when the recorder is made."""
+    from nvmath.bindings import cublas
+
+    from raysinga.kernels import gpu_blas
+    from raysinga.run.graph_step import StepRecorder
+
+    def missing():
+        raise OSError("libcublas.so.12: cannot open shared object file\nmore")
+
+    monkeypatch.setattr(gpu_blas, "_handles", {})
+    monkeypatch.setattr(cublas, "create", missing)
+    with pytest.raises(RuntimeError) as caught:
+        StepRecorder(lambda line: None)
+    line = str(caught.value)
+    assert "\n" not in line and "libcublas.so.12" in line, line
+    assert line.endswith("pip install 'raysinga[gpu]'"), line
