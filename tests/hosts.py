@@ -290,6 +290,20 @@ class Host:
         self.run(args, env=env, timeout=180, check=True)
 
 
+# What picks the numeric libraries' kernels on this machine (OPENBLAS_CORETYPE: OpenBLAS's
+# kernels for another CPU than the one it detects; NPY_DISABLE_CPU_FEATURES: NumPy's). The hosts
+# are this machine's CPUs, and the tests hold their runs bit for bit to runs on this machine:
+# they must compute with the same kernels (OpenBLAS's Haswell and SkylakeX kernels sum a
+# product's terms in different orders).
+KERNEL_CHOICE = ("OPENBLAS_", "GOTO_", "MKL_", "NPY_")
+
+
+def kernel_choice() -> dict[str, str]:
+    """This machine's environment variables that choose its numeric kernels
+    (:data:`KERNEL_CHOICE`), for the hosts' environment."""
+    return {k: v for k, v in os.environ.items() if k.startswith(KERNEL_CHOICE)}
+
+
 class Lab:
     """Emulated hosts on one bridge, and what they share: removed whole by :meth:`close`."""
 
@@ -382,6 +396,7 @@ class Lab:
             "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_enable_metrics_collection": "0",
             "PYTHONDONTWRITEBYTECODE": "1",
+            **kernel_choice(),
         }
         h = Host(name, address, netns, port, init, ns, self, env, python or "")
         self.hosts.append(h)

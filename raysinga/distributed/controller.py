@@ -373,6 +373,8 @@ class Controller:
         self.roles.fence(self.epoch)
         self.watch.arm(self.roles.watched())
         self.watch.forget_gone(live_nodes())
+        # the checkpoints' calls to the roles wait listening to them too
+        self.roles.watch, self.roles.notice = self.watch, self.hub.notice
 
     def _resizing(self) -> State:
         """At a step boundary with a committed checkpoint of it: stop every role and place

@@ -4,6 +4,7 @@ and parameters a final result holds."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,18 @@ class RoleCheckpoints:
     servers: list[Any]
     workers: list[list[Any]]
     plan: Any
+    # the run's heartbeat to these roles (silence.Watch) once they train, and where what it
+    # hears is said: the checkpoints taken then wait listening to them
+    watch: Any = None
+    notice: Callable[[str], None] = print
+
+    def _get(self, refs: list[Any], role: str, group: int | None = None) -> list[Any]:
+        """:func:`~raysinga.actors.errors.get_all`, waiting as a chunk waits where the roles
+        are watched: a host lost while they are asked for a checkpoint is noticed by the run
+        itself (:class:`~.silence.Silent`), not after Ray's verdict, a minute later."""
+        if self.watch is not None:
+            self.watch.wait(refs, self.notice)
+        return get_all(refs, role, group)
 
     # ------------------------------------------------------------------ checkpoints in
     def verify(self, src: Source, ck: Checkpoint) -> None:
@@ -55,29 +68,29 @@ class RoleCheckpoints:
     def snapshot(self, tmp: Any, compression: str | None) -> tuple[list[dict], dict]:
         """Each server copies its shard at this step boundary and writes it in the background
         (their infos); each worker hands its non-trainable state ((group, index) -> arrays)."""
-        infos = get_all(
+        infos = self._get(
             [s.snapshot.remote(tmp, k, compression) for k, s in enumerate(self.servers)],
             "server",
         )
         states = {}
         for g, row in enumerate(self.workers):
-            for i, st in enumerate(get_all([w.get_state.remote() for w in row], "worker", g)):
+            for i, st in enumerate(self._get([w.get_state.remote() for w in row], "worker", g)):
                 states[(g, i)] = st
         return infos, states
 
     def snapshot_results(self, servers: list[int], wait: bool) -> list[dict[str, Any] | None]:
         """The shard records of those servers' background writes (None: still writing)."""
-        return get_all([self.servers[k].snapshot_result.remote(wait) for k in servers], "server")
+        return self._get([self.servers[k].snapshot_result.remote(wait) for k in servers], "server")
 
     def gather_state(self) -> dict[str, np.ndarray]:
         """The non-trainable state (batch norm's running statistics) of group 0's first
         worker: the one a checkpoint of a single-process run would hold."""
-        return get_all([self.workers[0][0].get_state.remote()], "worker", 0)[0]
+        return self._get([self.workers[0][0].get_state.remote()], "worker", 0)[0]
 
     def gather_params(self) -> dict[str, np.ndarray]:
         """Whole parameters assembled from the servers' slices (small models, tests)."""
         values: dict[str, np.ndarray] = {}
-        for vals in get_all([s.values.remote() for s in self.servers], "server"):
+        for vals in self._get([s.values.remote() for s in self.servers], "server"):
             values.update(vals)
         out = {}
         for p, shape in self.plan.shapes.items():

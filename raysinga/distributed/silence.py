@@ -23,6 +23,7 @@ reports.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import ray
@@ -144,6 +145,17 @@ class Watch:
                 f"{self.step_s * 1e3:.0f} ms) while its node answers; taken as lost",
             )
         return news
+
+    def wait(self, refs: list[Any], notice: Callable[[str], None]) -> None:
+        """Wait for calls to the roles made between chunks (a checkpoint's snapshots) as for a
+        chunk: listening to the roles, so that a host lost then raises :class:`Silent` here
+        too, not after Ray's verdict. Returns once every call has ended (well or not)."""
+        pending = list(dict.fromkeys(refs))
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
+            if pending:
+                for line in self.check():
+                    notice(line)
 
     def _answers(self) -> list[str]:
         refs = [ref for ref, _ in self.sent.values()]

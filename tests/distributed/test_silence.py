@@ -1,10 +1,12 @@
 """A role that stops answering without dying (its process stopped with SIGSTOP: a hung call,
 a machine cut off) is noticed by the run's heartbeat (raysinga/distributed/silence.py): taken
 as lost once silent for ``fault.silent_s`` on a node that answers, killed, replaced, and the
-run ends bit-identical to one never interrupted."""
+run ends bit-identical to one never interrupted; so too while the run takes a checkpoint
+(Ray would never give a stopped process up)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -16,6 +18,7 @@ from helpers import load_job, signal_worker_at
 
 from raysinga.distributed import DistributedTrainer
 from raysinga.distributed.silence import Silent, Watch
+from raysinga.obs.events import TrainStep
 
 JOB = """
 name: silence
@@ -63,6 +66,38 @@ def test_a_stopped_worker_is_taken_as_lost_and_replaced_bit_exact(ray_session, t
     assert not os.path.exists(f"/proc/{stopped[0]}"), "the silent worker was killed"
 
 
+@pytest.mark.slow
+def test_a_server_stopped_as_a_checkpoint_begins_is_taken_as_lost_and_rebuilt_bit_exact(
+    ray_session, tmp_path
+):
+    """The checkpoint's calls to the servers wait listening to the roles, as a chunk does:
+    they waited on the stopped server for ever."""
+    more = ("checkpoint_frequency=20", "fault.max_failures=3")
+    straight = DistributedTrainer(load_job(tmp_path / "a", JOB, *more), log=None).fit()
+    lines: list[str] = []
+    t = DistributedTrainer(load_job(tmp_path / "b", JOB, *more), log=lines.append)
+    stopped: list[int] = []
+
+    def stop_the_server(ev) -> None:  # before the checkpoint of step 20 asks the servers
+        if not stopped and isinstance(ev, TrainStep) and ev.step == 20:
+            stopped.append(ray.get(t.servers[0].pid.remote()))
+            os.kill(stopped[0], signal.SIGSTOP)
+
+    t.hub.subscribe(stop_the_server)
+    try:
+        res = t.fit()
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    text = "\n".join(lines)
+    assert stopped, text
+    assert "server 0 was lost: silent: no answer for 1.0 s" in text, text
+    assert "recovered in" in text and "restarting" not in text, text
+    for k, a in straight.params.items():
+        assert res.params[k].tobytes() == a.tobytes(), k
+
+
 def test_the_watch_takes_a_role_silent_only_past_both_limits(ray_session):
     @ray.remote(concurrency_groups={"control": 1}, max_concurrency=2)
     class Quiet:
@@ -106,3 +141,42 @@ def test_the_watch_takes_a_role_silent_only_past_both_limits(ray_session):
     assert 1.5 <= time.monotonic() - t0 < 10, time.monotonic() - t0
     assert "no answer for 2.0 s (10 steps of 200 ms)" in str(caught)
     ray.kill(q)
+
+
+def test_a_wait_between_chunks_raises_for_a_role_gone_silent_while_a_call_hangs(ray_session):
+    """:meth:`Watch.wait` (a checkpoint's calls): a role that stops answering raises
+    :class:`Silent` once past the limits; calls that end return."""
+
+    @ray.remote(concurrency_groups={"control": 1}, max_concurrency=2)
+    class Hung:
+        def __init__(self) -> None:
+            self.stall = threading.Event()
+
+        def alive(self) -> tuple[int, int]:
+            if self.stall.is_set():
+                time.sleep(30)
+            return 1, 0
+
+        def call(self, s: float) -> float:
+            time.sleep(s)
+            return s
+
+        def hush(self) -> None:
+            self.stall.set()
+
+    from types import SimpleNamespace
+
+    from raysinga.distributed.silence import Role
+
+    h = Hung.remote()
+    ray.get(h.alive.remote())
+    watch = Watch(SimpleNamespace(unreachable_s=0.2, silent_s=0.6, silent_steps=1))
+    watch.arm([Role(h, "server", 0, None, ray.get_runtime_context().get_node_id())])
+    heard: list[str] = []
+    watch.wait([h.call.remote(0.5)], heard.append)  # answered all along: it returns
+    ray.get(h.hush.remote())
+    t0 = time.monotonic()
+    with pytest.raises(Silent, match="no answer for 0.6 s"):
+        watch.wait([h.call.remote(30)], heard.append)
+    assert time.monotonic() - t0 < 10 and heard == []
+    ray.kill(h)
