@@ -315,6 +315,7 @@ class PartSender:
         self.sent, self.lost = [0] * len(to), set[int]()
         self.first: PeerLost | None = None
         self.next = [0] * len(to)  # each server's first part not sent yet
+        worker.block_sums.outbox.keep_only(self.to)  # servers replaced since: dropped
 
     def send_rounds(self, may: Callable[[int, int], bool] = lambda k, c: True) -> None:
         """Every part not sent yet that ``may(server, part)`` lets go, each server's in order:

@@ -97,6 +97,7 @@ class ValueReaders:
         to = [c for c in self.pushes if (c[0], c[1]) not in skip]
         if part == 0:
             self.pushing, self._whole = 0, {(c[0], c[1]) for c in to}
+            self.outbox.keep_only(self.pushes)  # readers replaced since: dropped
         on_base = [c for c in to if before is not None and self.based.get(tuple(c)) == version - 1]
         rest = [c for c in to if c not in on_base]
         parts = len(self.parts)

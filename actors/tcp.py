@@ -265,10 +265,6 @@ class Outbox:
         connection. Holding each frame back until the one before was delivered (one
         connection per link at a time) was slower on emulated hosts at 1 Gbit/s
         (``docs/concepts.md``)."""
-        keep = {(h, p) for h, p, _ in to}
-        with self._lock:
-            for where in [w for w in self._conns if w not in keep]:  # receivers replaced
-                _close(self._conns.pop(where))
         sent, lost = 0, []
         counts = [1] * len(to) if parts is None else parts
         for c, f, n in zip(to, frames, counts, strict=True):
@@ -280,6 +276,17 @@ class Outbox:
             lost[0].every = [e.where for e in lost]
             raise lost[0]
         return sent
+
+    def keep_only(self, to: Sequence[tuple[str, int, bytes]]) -> None:
+        """Close the connections to receivers not among ``to`` (every receiver the sender
+        sends to now: those replaced are dropped). A send to some of them closes none of the
+        others': a connection made anew costs a handshake, a reading thread at the receiver
+        and TCP's slow start (the Outbox of a block reconnected to its servers at every step,
+        its parts going to some of them at a time)."""
+        keep = {(h, p) for h, p, _ in to}
+        with self._lock:
+            for where in [w for w in self._conns if w not in keep]:
+                _close(self._conns.pop(where))
 
     def close(self) -> None:
         with self._lock:

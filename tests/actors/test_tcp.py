@@ -171,6 +171,31 @@ def test_one_send_reaches_several_inboxes_and_the_connections_are_kept():
             i.close()
 
 
+def test_a_send_to_some_receivers_keeps_the_others_connections_until_they_are_replaced():
+    """A block sends its parts to the servers some at a time: each send used to close the
+    connections to the others, and every step connected anew (a handshake, a reading thread
+    at the receiver, TCP's slow start)."""
+    inboxes = [Inbox("127.0.0.1") for _ in range(3)]
+    box = Outbox()
+    try:
+        contacts = [i.contact for i in inboxes]
+        box.send(contacts, 0, 1, 0, [frames(k) for k in range(3)], never)
+        kept = dict(box._conns)
+        for step in (2, 3):
+            for k, c in enumerate(contacts):  # one receiver at a time
+                box.send([c], 0, step, 0, [frames(k)], never)
+                assert (
+                    inboxes[k].take(0, step, 1, after(10))[0][0].tobytes() == frames(k)[0].tobytes()
+                )
+        assert box._conns == kept  # the same sockets: none closed, none made anew
+        box.keep_only(contacts[1:])  # the first receiver replaced
+        assert set(box._conns) == {i.address for i in inboxes[1:]}
+    finally:
+        box.close()
+        for i in inboxes:
+            i.close()
+
+
 def test_each_receiver_gets_its_frame_and_one_lost_stops_no_other():
     inboxes = [Inbox("127.0.0.1") for _ in range(3)]
     box = Outbox()
