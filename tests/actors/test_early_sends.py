@@ -32,6 +32,9 @@ class Recorder:
         self.sent += [(self.to.index(t), part) for t in to]
         return 0
 
+    def keep_only(self, to):
+        assert list(to) == self.to  # every server the block sends to: none dropped
+
 
 def sender(beside, monkeypatch):
     monkeypatch.setattr(wire, "PART_BYTES", 96)  # each server's 72 values in 3 parts
