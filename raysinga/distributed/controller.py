@@ -329,6 +329,11 @@ class Controller:
             rec["not_replaced"] = what
             self.hub.notice(f"raysinga: not replaced alone ({what}); restarting every role")
             return False
+        # The other groups ran on meanwhile; their steps under way end before the new epoch is
+        # told (a server would refuse an update their stub sent just before, as from a role
+        # replaced since)
+        if self.topo.n_groups > 1 and not steps.drain(REPLACE_S):
+            return False
         self.coordinator.drop_if_lost(roles, done.rebuilt)
         redone = 1 if steps.interrupted is not None else 0
         steps.interrupted = None
