@@ -281,6 +281,8 @@ class Controller:
         t0 = time.perf_counter()
         if self.steps is not None:
             self.progress = self.steps.progress
+        if self.roles is not None:  # the watch names the roles as they were: lost ones too
+            self.roles.watch = None  # (until the roles are fenced again)
         if isinstance(self.lost, Silent):
             line = self.watch.taken_lost(self.lost)
             if line:

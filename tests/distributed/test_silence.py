@@ -98,25 +98,36 @@ def test_a_server_stopped_as_a_checkpoint_begins_is_taken_as_lost_and_rebuilt_bi
         assert res.params[k].tobytes() == a.tobytes(), k
 
 
+class Quiet:
+    """A role that answers the heartbeat until hushed (then never in time), with a call of a
+    given length."""
+
+    def __init__(self) -> None:
+        self.stall = threading.Event()
+
+    def alive(self) -> tuple[int, int]:
+        if self.stall.is_set():
+            time.sleep(30)
+        return 1, 0
+
+    def call(self, s: float) -> float:
+        time.sleep(s)
+        return s
+
+    def hush(self) -> None:
+        self.stall.set()
+
+
+def quiet():
+    return ray.remote(concurrency_groups={"control": 1}, max_concurrency=2)(Quiet).remote()
+
+
 def test_the_watch_takes_a_role_silent_only_past_both_limits(ray_session):
-    @ray.remote(concurrency_groups={"control": 1}, max_concurrency=2)
-    class Quiet:
-        def __init__(self) -> None:
-            self.stall = threading.Event()
-
-        def alive(self) -> tuple[int, int]:
-            if self.stall.is_set():
-                time.sleep(30)
-            return 1, 0
-
-        def hush(self) -> None:
-            self.stall.set()
-
     from types import SimpleNamespace
 
     from raysinga.distributed.silence import Role
 
-    q = Quiet.remote()
+    q = quiet()
     ray.get(q.alive.remote())  # up
     fault = SimpleNamespace(unreachable_s=0.2, silent_s=1.0, silent_steps=10)
     watch = Watch(fault)
@@ -147,28 +158,11 @@ def test_a_wait_between_chunks_raises_for_a_role_gone_silent_while_a_call_hangs(
     """:meth:`Watch.wait` (a checkpoint's calls): a role that stops answering raises
     :class:`Silent` once past the limits; calls that end return."""
 
-    @ray.remote(concurrency_groups={"control": 1}, max_concurrency=2)
-    class Hung:
-        def __init__(self) -> None:
-            self.stall = threading.Event()
-
-        def alive(self) -> tuple[int, int]:
-            if self.stall.is_set():
-                time.sleep(30)
-            return 1, 0
-
-        def call(self, s: float) -> float:
-            time.sleep(s)
-            return s
-
-        def hush(self) -> None:
-            self.stall.set()
-
     from types import SimpleNamespace
 
     from raysinga.distributed.silence import Role
 
-    h = Hung.remote()
+    h = quiet()
     ray.get(h.alive.remote())
     watch = Watch(SimpleNamespace(unreachable_s=0.2, silent_s=0.6, silent_steps=1))
     watch.arm([Role(h, "server", 0, None, ray.get_runtime_context().get_node_id())])
