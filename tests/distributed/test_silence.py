@@ -98,28 +98,29 @@ def test_a_server_stopped_as_a_checkpoint_begins_is_taken_as_lost_and_rebuilt_bi
         assert res.params[k].tobytes() == a.tobytes(), k
 
 
-class Quiet:
-    """A role that answers the heartbeat until hushed (then never in time), with a call of a
-    given length."""
-
-    def __init__(self) -> None:
-        self.stall = threading.Event()
-
-    def alive(self) -> tuple[int, int]:
-        if self.stall.is_set():
-            time.sleep(30)
-        return 1, 0
-
-    def call(self, s: float) -> float:
-        time.sleep(s)
-        return s
-
-    def hush(self) -> None:
-        self.stall.set()
-
-
 def quiet():
-    return ray.remote(concurrency_groups={"control": 1}, max_concurrency=2)(Quiet).remote()
+    """A role that answers the heartbeat until hushed (then never in time), with a call of a
+    given length. (Defined here: Ray's workers cannot import the test module, and take the
+    class by value.)"""
+
+    @ray.remote(concurrency_groups={"control": 1}, max_concurrency=2)
+    class Quiet:
+        def __init__(self) -> None:
+            self.stall = threading.Event()
+
+        def alive(self) -> tuple[int, int]:
+            if self.stall.is_set():
+                time.sleep(30)
+            return 1, 0
+
+        def call(self, s: float) -> float:
+            time.sleep(s)
+            return s
+
+        def hush(self) -> None:
+            self.stall.set()
+
+    return Quiet.remote()
 
 
 def test_the_watch_takes_a_role_silent_only_past_both_limits(ray_session):
