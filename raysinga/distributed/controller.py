@@ -336,13 +336,7 @@ class Controller:
         # replaced since)
         if self.topo.n_groups > 1 and not steps.drain(REPLACE_S):
             return False
-        self.coordinator.drop_if_lost(roles, done.rebuilt)
-        redone = 1 if steps.interrupted is not None else 0
-        steps.interrupted = None
-        steps.done[g] = done.at
-        self.progress = steps.progress
-        self._fence()
-        self.book.replaced(rec, t0, lost, done, redone, self.topo)
+        self._go_on(rec, t0, lost, done, {g: done.at})
         return True
 
     def _rebuild_async(self, rec: dict[str, Any], t0: float) -> bool:
@@ -361,15 +355,25 @@ class Controller:
             done = None
         if done is None or done.positions is None:
             return False
+        self._go_on(rec, t0, lost, done, done.positions)
+        return True
+
+    def _go_on(
+        self, rec: dict[str, Any], t0: float, lost: list, done: Any, at: dict[int, int]
+    ) -> None:
+        """After a role replaced alone (``done``): a checkpoint its lost server never wrote
+        is dropped, each group goes on from its step in ``at`` (the interrupted one again),
+        the roles learn the new epoch, and the replacement is booked."""
+        roles, steps = self.roles, self.steps
+        assert roles is not None and steps is not None
         self.coordinator.drop_if_lost(roles, done.rebuilt)
         redone = 1 if steps.interrupted is not None else 0
         steps.interrupted = None
-        for g, at in done.positions.items():
-            steps.done[g] = at
+        for g, step in at.items():
+            steps.done[g] = step
         self.progress = steps.progress
         self._fence()
         self.book.replaced(rec, t0, lost, done, redone, self.topo)
-        return True
 
     def _fence(self) -> None:
         """A new epoch, told to every role before training goes on (a role replaced while cut
