@@ -59,7 +59,12 @@ def block_steps(stub: Stub, start: int, stop: int) -> list[StepStats]:
     same values as when it waits: a server changes its values only once every worker of the
     next step is done with them (its update waits for every block's sum). A chunk's first
     step is taken alone: the versions the servers hold are read off its answers (a chunk may
-    follow a reload or a recovery)."""
+    follow a reload or a recovery).
+
+    Where every block is one worker, the rest of the chunk goes out as one call per role
+    (:func:`_at_once`): each worker loops over the steps, reading each step's values once
+    they are in, and each server over its updates, taking each step's sums in from its
+    inbox. The steps then cost no call each, on any core."""
     first = _dispatch(stub, start)
     records = [_collect(stub, first)]
     at = [v for v, _, _ in first.results]  # what the servers hold: what the next step reads
@@ -68,6 +73,8 @@ def block_steps(stub: Stub, start: int, stop: int) -> list[StepStats]:
         for i in range(len(stub.workers))
         for k in range(len(stub.servers))
     )
+    if ahead and stop > start + 1 and all(len(m) == 1 for m in stub.blocks):
+        return records + _at_once(stub, start + 1, stop, at)
     inflight: list[_Step] = []  # sent, not yet heard back: at most two steps
     try:
         for step in range(start + 1, stop):
@@ -98,6 +105,64 @@ class _Step:
         return [c[0] for c in self.computes] + self.sums + self.ups
 
 
+def _at_once(stub: Stub, start: int, stop: int, at: list[int]) -> list[StepStats]:
+    """Steps ``start .. stop-1`` of a group whose blocks are one worker each, the servers
+    holding the values after ``at`` updates: one call per worker
+    (:meth:`~.worker.Worker.compute_steps`) and per server
+    (:meth:`~.server.ParamServer.update_steps`), all sent at once. Each step reads the values
+    the step before left; a server changes its values only once every block's sum of the step
+    is in, so every worker of a step reads the same ones. Where a call fails the others are
+    cancelled and the failure raised, as for a step's calls (a server waiting for a lost
+    block's sums is aborted by the recovery, and puts back what it had updated)."""
+    t0 = max(time.time(), stub.heard)
+    n = len(stub.workers)
+    sends = _alone(stub)
+    computes = [
+        w.compute_steps.remote(
+            start, stop, i, n, *_sources(stub, i, at), epoch=stub.epoch, send=sends[i]
+        )
+        for i, w in enumerate(stub.workers)
+    ]
+    frames = HostFrames(stub.epoch, len(stub.blocks))
+    ups = [s.update_steps.remote(start, stop, frames, stub.group, stub.epoch) for s in stub.servers]
+    with stub._server_snapshots(), cancelled_on_failure(computes + ups):
+        by_worker = get_all(computes, "worker", stub.group)
+        by_server = get_all(ups, "server")
+    nodes = [s["node"] for s in stub.server_infos]
+    records = []
+    for j, step in enumerate(range(start, stop)):
+        stats = [w[j] for w in by_worker]
+        done = [s[j] for s in by_server]
+        versions = [v for v, _, _, _ in done]
+        if versions != [v + j + 1 for v in at]:
+            raise RuntimeError(
+                f"step {step} read the servers' values after {[v + j for v in at]} updates "
+                f"and left them after {versions}: the steps after it read the wrong ones"
+            )
+        published = stub._published_bytes()  # the values this step's workers read
+        stub.refs = [ref for _, ref, _, _ in done]
+        out = [stats[m[0]].pop("sent") for m in stub.blocks]
+        traffic = block_step_bytes(stub.worker_nodes, stub.blocks, [0] * n, nodes, out, published)
+        t1 = max(st["end"] for st in stats)
+        t3 = max(t1, *(t for _, _, _, t in done))
+        seconds = [sec for _, _, sec, _ in done]
+        records.append(step_record(step, stats, t0, t1, t1, t3, seconds, None, traffic))
+        t0 = t3
+    stub.heard = time.time()
+    return records
+
+
+def _alone(stub: Stub) -> dict[int, BlockSend]:
+    """What each worker that is a block of its own sends its gradient to as it computes it
+    (:class:`EarlySends`), by worker."""
+    to = tuple(s["inbox"] for s in stub.server_infos)
+    return {
+        m[0]: BlockSend(to, b, tuple(h is not None for h in stub.local_src[m[0]]))
+        for b, m in enumerate(stub.blocks)
+        if len(m) == 1
+    }
+
+
 def _dispatch(stub: Stub, step: int, at: list[int] | None = None) -> _Step:
     """Every call of ``step``: the workers' computes (reading the servers' values after
     ``at`` updates, where given; else as they are now), the leaders' sums, the servers'
@@ -105,11 +170,7 @@ def _dispatch(stub: Stub, step: int, at: list[int] | None = None) -> _Step:
     t0 = time.time()
     n = len(stub.workers)  # (one synchronous group: the servers' refs are this stub's)
     to = tuple(s["inbox"] for s in stub.server_infos)
-    alone = {
-        m[0]: BlockSend(to, b, tuple(h is not None for h in stub.local_src[m[0]]))
-        for b, m in enumerate(stub.blocks)
-        if len(m) == 1
-    }
+    alone = _alone(stub)
     computes = [
         w.compute.options(num_returns=2).remote(
             step,

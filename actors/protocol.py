@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -151,6 +151,14 @@ class ServerAt:
     handle: Any  # the server's ShmHandle
     version: int
     server: int
+
+
+def updates_later(source: MirrorAt | ServerAt, n: int) -> MirrorAt | ServerAt:
+    """``source`` read ``n`` updates later: the values a step ``n`` steps after the one it
+    was made for reads (:meth:`~actors.worker.Worker.compute_steps`)."""
+    if not isinstance(source, (MirrorAt, ServerAt)):
+        raise TypeError(f"a step ahead reads a server's values at a version, not {source!r}")
+    return replace(source, version=source.version + n)
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,9 @@ class ParamServer(Abortable, Fence):
         self._attached = Attachments()
         self.sums = SumViews()  # where it sums the workers' gradients itself
         self.wire = spec.wire
-        self.host_sum: np.ndarray | None = None  # the blocks' sum (reduce: hosts), reused
+        # the blocks' sum (reduce: hosts) by slice name, reused (views made once: per part, a
+        # layout's views cost more than the part's sum)
+        self.host_sum: dict[str, np.ndarray] | None = None
         # reduce: hosts: the blocks' leaders send their sums of its slices here (actors.tcp)
         self.inbox = Inbox(node_ip()) if spec.inbox else None
         self.gpu: ServerDevice | None = None  # device "gpu": the optimizer runs on a GPU
@@ -174,6 +176,20 @@ class ParamServer(Abortable, Fence):
 
         failed = ServerDone(self.index, -1, 1, 0.0)  # wakes the stub at once
         return Steps(wiring, ServerDone, self.check_abort).run(start, stop, step_fn, failed)
+
+    @reports_role
+    def update_steps(
+        self, start: int, stop: int, frames: HostFrames, group: int = 0, epoch: int = 0
+    ) -> list[tuple[int, Any, float, float]]:
+        """Group ``group``'s updates of steps ``start .. stop-1`` summed by hosts, each as
+        :meth:`update` applies it, in one call (:func:`.host_sums.block_steps`): each step's
+        blocks' sums are taken in from this server's inbox as they come. Returns, for each
+        step, what :meth:`update` returns and when (wall clock) it was done."""
+        out = []
+        for step in range(start, stop):
+            version, ref, seconds = self.update(step, frames, group, epoch)
+            out.append((version, ref, seconds, time.time()))
+        return out
 
     @reports_role
     def update(

@@ -28,8 +28,8 @@ def take_part(server: ParamServer, step: int, frames: HostFrames, c: int) -> lis
     got = [decode(f) for f in taken]
     part = server.parts[c]
     if server.host_sum is None:
-        server.host_sum = np.zeros(server.layout.nbytes, np.uint8)
-    for j, dst in enumerate(cut(server.layout.views(server.host_sum), part)):
+        server.host_sum = server.layout.views(np.zeros(server.layout.nbytes, np.uint8))
+    for j, dst in enumerate(cut(server.host_sum, part)):
         sum_into(dst, [g[j].reshape(-1) for g in got])
     return part
 
@@ -40,7 +40,7 @@ def blocks_sum(server: ParamServer, step: int, frames: HostFrames) -> dict[str, 
     for c in range(len(server.parts)):
         take_part(server, step, frames, c)
     assert server.host_sum is not None
-    return server.layout.views(server.host_sum)
+    return server.host_sum
 
 
 def update_by_parts(server: ParamServer, step: int, frames: HostFrames) -> Callable[[], Any]:
@@ -67,8 +67,8 @@ def update_by_parts(server: ParamServer, step: int, frames: HostFrames) -> Calla
                 guard.__enter__()
             before = [a.copy() for a in cut(values, part)] if deltas else None
             with server.snaps.updating():  # a checkpoint's write in the background pauses
-                grads = server.layout.views(server.host_sum)
-                opt.update_spans(step, values, grads, part, server.pool, kept)
+                assert server.host_sum is not None
+                opt.update_spans(step, values, server.host_sum, part, server.pool, kept)
             server.readers.push_part(
                 cut(values, part), version + 1, c, skip, server.check_abort, before
             )

@@ -45,6 +45,7 @@ from .protocol import (
     node_id,
     read_state_copy,
     server_layouts,
+    updates_later,
     visible_gpus,
     worker_buffer_layout,
     write_state_copy,
@@ -258,6 +259,30 @@ class Worker(Abortable, Fence):
             stats["sent"] = early.finish()
         self.computed = (epoch, step)  # what a sum of its block may take from its buffer
         return stats, (self.grads.snapshot() if snapshot else None)
+
+    @reports_role
+    def compute_steps(
+        self,
+        start: int,
+        stop: int,
+        part: int,
+        parts: int,
+        *sources: MirrorAt | ServerAt,
+        epoch: int = 0,
+        send: BlockSend | None = None,
+    ) -> list[dict[str, Any]]:
+        """Steps ``start .. stop-1`` of a group summed by hosts (``topology.reduce: hosts``),
+        each as :meth:`compute` computes it, in one call (:func:`.host_sums.block_steps`):
+        ``sources`` are the servers' values step ``start`` reads, and each step after reads
+        those after one more update of every server. A step waits for its values asleep, so
+        the loop keeps pace with the servers without a call per step. Returns each step's
+        timings, in order."""
+        out = []
+        for j, step in enumerate(range(start, stop)):
+            later = tuple(updates_later(s, j) for s in sources)
+            stats, _ = self.compute(step, part, parts, False, *later, epoch=epoch, send=send)
+            out.append(stats)
+        return out
 
     @reports_role
     def serve(

@@ -12,7 +12,7 @@ import pytest
 import actors.mirrors as mirrors
 from actors.buffers import SEQ, Attachments, Layout, SharedBuffer, UpdateGuard, with_seq
 from actors.errors import ActorLost
-from actors.protocol import MirrorAt, ServerAt, mirror_seq
+from actors.protocol import MirrorAt, Published, ServerAt, mirror_seq, updates_later
 from actors.tcp import Outbox
 from actors.wire import encode, rounded
 
@@ -67,6 +67,18 @@ def test_a_reader_waits_for_the_version_it_was_named(node, monkeypatch):
         mirrors.wait_for(maps, MirrorAt(handles[0], 4, 0), never)
     assert (e.value.role, e.value.index) == ("server", 0)
     assert "did not reach this node" in str(e.value)
+
+
+def test_a_step_ahead_reads_each_server_as_many_updates_later_and_from_the_other_mirror():
+    """What a chunk's later steps read (``Worker.compute_steps``): the first step's sources,
+    each that many updates later; a mirror's two buffers are taken in turn."""
+    at = MirrorAt(("a", "b"), 3, 1, 7)
+    assert updates_later(at, 0) == at
+    assert updates_later(at, 2) == MirrorAt(("a", "b"), 5, 1, 7)
+    assert (at.handle, updates_later(at, 1).handle) == ("b", "a")
+    assert updates_later(ServerAt("h", 4, 0), 3) == ServerAt("h", 7, 0)
+    with pytest.raises(TypeError, match="at a version"):
+        updates_later(Published("ref"), 1)  # values as published: no version to count from
 
 
 def test_a_reader_of_a_server_beside_it_waits_for_its_update_to_end(monkeypatch):

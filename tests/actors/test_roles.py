@@ -611,3 +611,50 @@ def test_a_server_updates_the_blocks_sums_part_by_part_and_takes_a_step_back_who
         node.close()
         hosts.shutdown()
         whole.shutdown()
+
+
+def test_a_chunks_updates_in_one_call_are_the_steps_applied_one_by_one(monkeypatch):
+    """``update_steps`` (the steps of a chunk whose blocks are one worker each, in one call):
+    each step's sums taken in from the inbox as they come, the next step's already waiting
+    there; the same bits and versions as one ``update`` per step, and when each was done."""
+    from raysinga.actors import wire
+    from raysinga.actors.protocol import HostFrames
+    from raysinga.actors.tcp import Outbox
+    from raysinga.optim.grads import sum_into
+
+    monkeypatch.setattr(wire, "PART_BYTES", 512)
+    monkeypatch.setattr(server_module, "node_id", lambda: "this-node")
+    monkeypatch.setattr(server_module, "node_ip", lambda: "127.0.0.1")
+    tag = fresh_tag()
+    hosts = ParamServer(ServerSpec(0, MODEL, "float32", 0, SLICES, ADAM, tag + "h", inbox=True))
+    whole = ParamServer(ServerSpec(0, MODEL, "float32", 0, SLICES, ADAM, tag + "w"))
+    box = Outbox()
+    try:
+        parts, to = hosts.parts, [hosts.inbox.contact]
+        sums = []
+        for step in range(3):
+            rng = np.random.default_rng(step)
+            gs = [
+                {e.name: rng.standard_normal(e.shape).astype(np.float32) for e in lay}
+                for lay in (hosts.layout.entries,) * 2
+            ]
+            for b, g in enumerate(gs):
+                for c in range(len(parts)):
+                    box.send(to, 0, step, b, [wire.cut(g, parts[c])], lambda: None, c, [len(parts)])
+            buf = np.zeros(whole.layout.nbytes, np.uint8)
+            for name, view in whole.layout.views(buf).items():
+                sum_into(view, [g[name] for g in gs])
+            sums.append(buf)
+        t0 = time.time()
+        done = hosts.update_steps(0, 3, HostFrames(0, 2))
+        assert [v for v, _, _, _ in done] == [1, 2, 3]
+        assert t0 <= done[0][3] <= done[1][3] <= done[2][3] <= time.time()
+        for step, buf in enumerate(sums):
+            whole.update(step, buf)
+        for x in hosts.slices:
+            assert hosts.buf.arrays[x.name].tobytes() == whole.buf.arrays[x.name].tobytes()
+        assert hosts.update_steps(1, 3, HostFrames(0, 2))[-1][0] == 3  # applied: skipped
+    finally:
+        box.close()
+        hosts.shutdown()
+        whole.shutdown()
