@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from actors.tcp import (
-    ARRAY,
+    ENTRY,
     HEAD,
     HELLO,
-    LENGTH,
     MAGIC,
+    MAX_DIMS,
     SQUEEZED,
     Inbox,
     Outbox,
@@ -78,6 +78,41 @@ def test_frames_are_taken_in_sender_order_with_their_bits_and_shapes(inbox):
         assert [a.shape for a in arrays] == [a.shape for a in sent[b]]
         assert all(x.tobytes() == y.tobytes() for x, y in zip(arrays, sent[b], strict=True))
     assert inbox.received == sum(a.nbytes for f in sent.values() for a in f)
+
+
+def test_a_frame_larger_than_the_kernels_buffers_crosses_whole_in_one_pieces_order(inbox):
+    """A frame goes to the kernel in one call where it fits: one larger than the sockets'
+    buffers goes in several, some ending inside an array; the arrays arrive whole, in order."""
+    rng = np.random.default_rng(1)
+    big = [rng.standard_normal(n).astype(np.float32) for n in (1_500_001, 3, 2_000_000)]
+    box = Outbox()
+    try:
+        sender = threading.Thread(target=box.send, args=([inbox.contact], 0, 1, 0, [big], never))
+        sender.start()
+        (got,) = inbox.take(0, 1, 1, after(20))
+        sender.join(20)
+    finally:
+        box.close()
+    assert [a.tobytes() for a in got] == [a.tobytes() for a in big]
+
+
+@pytest.mark.parametrize("bad", ["dims past its dimensions", "length not its shape's"])
+def test_a_frame_whose_table_does_not_describe_its_arrays_is_dropped_with_its_connection(
+    inbox, bad
+):
+    dims = [5, 0, 0, 0, 0, 0, 0, 0]
+    length = 20
+    if bad == "dims past its dimensions":
+        dims[3] = 2
+    else:
+        length = 24
+    with socket.create_connection(inbox.address) as c:
+        c.sendall(HELLO.pack(MAGIC, inbox.token) + HEAD.pack(MAGIC, 0, 1, 0, 1, 0, 1))
+        c.sendall(ENTRY.pack(0, 1, *dims, length) + b"\0" * length)
+        deadline = time.monotonic() + 10
+        while inbox._conns and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert not inbox._conns and inbox.received == 0
 
 
 def test_arrays_are_received_where_the_inbox_places_them_and_elsewhere_where_they_do_not_fit():
@@ -145,8 +180,7 @@ def test_a_squeezed_array_that_does_not_decompress_is_dropped_with_its_connectio
     with socket.create_connection(inbox.address) as c:
         c.sendall(HELLO.pack(MAGIC, inbox.token) + HEAD.pack(MAGIC, 0, 1, 0, 1, 0, 1))
         junk = b"not zstd at all" * 10
-        c.sendall(ARRAY.pack(0 | SQUEEZED, 1) + np.uint64(1000).tobytes())
-        c.sendall(LENGTH.pack(len(junk)) + junk)
+        c.sendall(ENTRY.pack(0 | SQUEEZED, 1, 1000, *(0,) * (MAX_DIMS - 1), len(junk)) + junk)
         deadline = time.monotonic() + 10
         while inbox._conns and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -315,3 +349,33 @@ def test_an_unknown_dtype_is_refused_before_anything_is_sent(inbox):
             box.send([inbox.contact], 0, 1, 0, [[np.zeros(3, np.float64)]], never)
     finally:
         box.close()
+
+
+def test_a_reading_thread_runs_below_its_roles_other_threads():
+    """Where a role's compute and its reading threads want the same core, the compute goes
+    first: each connection's reading thread runs at a nice value READER_NICE above the
+    process's (Linux)."""
+    import os
+
+    from actors.tcp import READER_NICE
+
+    def nices() -> list[int]:
+        out = []
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                out.append(int(f.read().rsplit(")", 1)[1].split()[16]))
+        return out
+
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("no per-thread nice values to read here")
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    before = nices()
+    inbox, box = Inbox("127.0.0.1"), Outbox()
+    try:
+        box.send([inbox.contact], 0, 1, 0, [frames(0)], never)
+        inbox.take(0, 1, 1, after(10))  # its reading thread is running
+        lowered = [n for n in nices() if n == min(19, base + READER_NICE)]
+    finally:
+        box.close()
+        inbox.close()
+    assert len(lowered) == 1 + before.count(min(19, base + READER_NICE))
