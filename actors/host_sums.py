@@ -1,5 +1,5 @@
 """A synchronous group summed by hosts (``topology.reduce: hosts``, :mod:`.wire`): the
-stub's step, and a block leader's sum.
+stub's side of its steps (a block's sum on its way to the servers is :mod:`.block_sends`).
 
 Each worker computes its gradient into its shared-memory buffer. Each block's leader, once its
 members are done, sums their buffers in worker order and sends each server its slices of the
@@ -11,16 +11,10 @@ the calls: no gradient passes through it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from raysinga.optim.grads import sum_into
-
 from .bells import step_record
-from .buffers import Attachments, Layout, ShmHandle
-from .errors import ActorLost, cancel, cancelled_on_failure, get_all
+from .errors import cancel, cancelled_on_failure, get_all
 from .protocol import (
     BlockSend,
     HostFrames,
@@ -31,15 +25,10 @@ from .protocol import (
     StepStats,
     worker_buffer_layout,
 )
-from .server_grads import own_slices
-from .tcp import Outbox, PeerLost, payload_bytes
 from .traffic import block_step_bytes
-from .wire import Span, cut, frame, parts_of
 
 if TYPE_CHECKING:
-    from .slicing import Slice
     from .stub import Stub
-    from .worker import Worker
 
 
 def block_steps(stub: Stub, start: int, stop: int) -> list[StepStats]:
@@ -47,10 +36,10 @@ def block_steps(stub: Stub, start: int, stop: int) -> list[StepStats]:
     each worker computes; each block's leader, once its members are done, sums them and cuts
     the sum into the servers' slices and sends each its own (:mod:`.tcp`); each server takes
     its slices of every block in and sums them in block order. A block of one worker sends
-    its gradient as it computes it, the last layers' first (:class:`EarlySends`), and needs no
-    sum. A step's computes, sums and updates go out at once (a leader sums once its members
-    are done, a server updates each part once every block's sum of it is in); this stub never
-    touches a gradient.
+    its gradient as it computes it, the last layers' first
+    (:class:`~.block_sends.EarlySends`), and needs no sum. A step's computes, sums and updates
+    go out at once (a leader sums once its members are done, a server updates each part once
+    every block's sum of it is in); this stub never touches a gradient.
 
     From a chunk's second step on, a step's calls go out before the step before is heard
     back: each worker reads the values it needs once they are in (:class:`~.protocol.MirrorAt`,
@@ -154,7 +143,7 @@ def _at_once(stub: Stub, start: int, stop: int, at: list[int]) -> list[StepStats
 
 def _alone(stub: Stub) -> dict[int, BlockSend]:
     """What each worker that is a block of its own sends its gradient to as it computes it
-    (:class:`EarlySends`), by worker."""
+    (:class:`~.block_sends.EarlySends`), by worker."""
     to = tuple(s["inbox"] for s in stub.server_infos)
     return {
         m[0]: BlockSend(to, b, tuple(h is not None for h in stub.local_src[m[0]]))
@@ -270,205 +259,3 @@ def _collect(stub: Stub, sent: _Step) -> StepStats:
     t0 = max(sent.t0, stub.heard)
     stub.heard = t3 = time.time()
     return step_record(sent.step, stats, t0, t1, t2, t3, seconds, None, traffic)
-
-
-class BlockSums:
-    """A block leader's own: the block's buffers on its node, mapped from one step to the
-    next, the block's sum, reused, its connections to the servers, and how the servers'
-    slices cross in parts (worked out once)."""
-
-    def __init__(self) -> None:
-        self.maps = Attachments()
-        self.sum: dict[str, np.ndarray] = {}
-        self.outbox = Outbox()
-        self._plans: list[list[list[Span]]] | None = None
-        self._needs: list[list[set[str]]] | None = None
-
-    def plans_of(self, layouts: Sequence[Layout]) -> list[list[list[Span]]]:
-        """Each server's parts (:func:`.wire.parts_of` of its ``layouts``)."""
-        if self._plans is None:
-            self._plans = [parts_of(lay) for lay in layouts]
-        return self._plans
-
-    def needs_of(
-        self, slices: Sequence[Slice], plans: list[list[list[Span]]]
-    ) -> list[list[set[str]]]:
-        """The parameters each server's each part holds slices of."""
-        if self._needs is None:
-            param = {s.name: s.param for s in slices}
-            self._needs = [[{param[name] for name, _, _ in part} for part in p] for p in plans]
-        return self._needs
-
-    def close(self) -> None:
-        self.maps.close()
-        self.outbox.close()
-
-
-def summed_members(
-    worker: Worker, step: int, epoch: int, members: tuple[Any, ...], done: tuple[Any, ...]
-) -> tuple[Any, ...]:
-    """What the leader ``worker`` sums of ``step``: ``members`` with those elsewhere fetched.
-    Its own compute of the step came before (one caller's calls run in order) and must have
-    ended well; the other members' results (``done``: refs, handed inside a tuple so that
-    Ray sends the call at once) are waited for, abortably (a member's loss raises its error)."""
-    if worker.computed != (epoch, step):
-        raise RuntimeError(
-            f"worker {worker.index} cannot sum step {step} of its block: its own compute of "
-            "that step did not end well"
-        )
-    if done:
-        worker.fetch(list(done))
-    return worker.fetched(members)
-
-
-def block_sum(
-    worker: Worker,
-    members: tuple[Any, ...],
-    to: Sequence[tuple[str, int, bytes]],
-    step: int,
-    block: int,
-    epoch: int,
-) -> tuple[float, list[int]]:
-    """The sum of a block's gradients of one step as its leader ``worker`` makes it:
-    ``members`` in worker order, each the buffer of a member on this node or the snapshot
-    of one elsewhere, sent to the servers (:class:`PartSender`). Returns the seconds it took
-    and the bytes sent to each server."""
-    t0 = time.perf_counter()
-    mine, reader = worker.block_sums, worker.reader
-    mine.maps.keep_only({m.path for m in members if isinstance(m, ShmHandle)})
-    layout = worker.grads.layout
-    views = [mine.maps.views(m) if isinstance(m, ShmHandle) else layout.views(m) for m in members]
-    if len(views) == 1:
-        own = own_slices(views[0], list(worker.slices))
-    else:
-        if not mine.sum:
-            mine.sum = {p: np.empty(s, reader.dtype) for p, s in reader.shapes.items()}
-        for p, out in mine.sum.items():
-            sum_into(out, [v[p] for v in views])
-        own = own_slices(mine.sum, list(worker.slices))
-    sender = PartSender(worker, own, to, step, block, epoch)
-    sender.send_rounds()
-    return time.perf_counter() - t0, sender.result()
-
-
-class PartSender:
-    """A block's sum of one step (``own``: by slice name) on its way to the servers' inboxes
-    (``to``, in server order): each server's slices of it (in its order, as they cross:
-    :func:`.wire.encode`) in parts (:func:`.wire.parts_of`), each server's in order. Parts
-    that go together go as a round, handed over from the server after this block on
-    (:meth:`.tcp.Outbox.send`), so that one block goes into a server at once. A server that
-    cannot be reached gets no more parts and is reported lost once the others have theirs
-    (:meth:`result`)."""
-
-    def __init__(
-        self,
-        worker: Worker,
-        own: dict[str, np.ndarray],
-        to: Sequence[tuple[str, int, bytes]],
-        step: int,
-        block: int,
-        epoch: int,
-    ) -> None:
-        self.worker, self.own, self.to = worker, own, list(to)
-        self.step, self.block, self.epoch = step, block, epoch
-        self.plans = worker.block_sums.plans_of(worker.reader.layouts)
-        self.turn = [(block + 1 + j) % len(to) for j in range(len(to))]
-        self.sent, self.lost = [0] * len(to), set[int]()
-        self.first: PeerLost | None = None
-        self.next = [0] * len(to)  # each server's first part not sent yet
-        worker.block_sums.outbox.keep_only(self.to)  # servers replaced since: dropped
-
-    def send_rounds(self, may: Callable[[int, int], bool] = lambda k, c: True) -> None:
-        """Every part not sent yet that ``may(server, part)`` lets go, each server's in order:
-        the servers whose next part is the same go together, the lowest part first."""
-        moved = True
-        while moved:
-            moved = False
-            live = [k for k in self.turn if k not in self.lost]
-            for c in sorted({self.next[k] for k in live if self.next[k] < len(self.plans[k])}):
-                ks = [k for k in live if self.next[k] == c and may(k, c)]
-                if ks:
-                    self._send_round(c, ks)
-                    for k in ks:
-                        self.next[k] += 1
-                    moved = True
-
-    def _send_round(self, c: int, ks: list[int]) -> None:
-        """Part ``c`` of servers ``ks``' slices (each can take the first parts of every block
-        in and update them while the later ones cross)."""
-        worker, plans = self.worker, self.plans
-        frames = [frame(cut(self.own, plans[k][c]), worker.wire) for k in ks]
-        try:
-            worker.block_sums.outbox.send(
-                [self.to[k] for k in ks],
-                self.epoch,
-                self.step,
-                self.block,
-                frames,
-                worker.check_abort,
-                part=c,
-                parts=[len(plans[k]) for k in ks],
-            )
-        except PeerLost as e:  # the others had theirs; these get no more
-            self.lost |= {k for k, t in enumerate(self.to) if (t[0], t[1]) in e.every}
-            self.first = self.first or e
-        for k, f in zip(ks, frames, strict=True):
-            if k not in self.lost:
-                self.sent[k] += payload_bytes(f)
-
-    def result(self) -> list[int]:
-        """The bytes sent to each server (what crossed: compressed under ``wire: *+zstd``);
-        raises :class:`.errors.ActorLost` for the first server that could not be reached (its
-        connection broke, its process or host is gone)."""
-        if self.first is not None:
-            where = self.first.where
-            k = next(k for k, t in enumerate(self.to) if (t[0], t[1]) == where)
-            raise ActorLost("server", k, None, f"its inbox: {self.first}") from None
-        return self.sent
-
-
-class EarlySends(PartSender):
-    """A block of one worker's gradient of one step (``send``: :class:`.protocol.BlockSend`),
-    sent as the worker computes it. The worker's backward pass reports each layer's gradients
-    final (:meth:`ready`: a dense layer's before it computes its dx, which still reads its
-    weights) and each layer done (:meth:`done`), the last layers first
-    (:meth:`~raysinga.nn.model.Model.backward`). A server's part goes as soon as every
-    parameter it holds a slice of is:
-
-    - done, for a server on this worker's node (a worker there reads its values in place,
-      and the server updates a part in place once every block's is in);
-    - final, for a server on another node, a GEMM earlier: a worker there reads the server's
-      values from a mirror, and the values after the update cross into the node's other
-      mirror (:mod:`.mirrors`).
-
-    The parts run from the last layers to the first (:func:`.wire.parts_of`), so the first
-    parts cross the links while the first layers' gradients are still being computed. What
-    is sent is what the whole buffer would send after the step: the same bytes."""
-
-    def __init__(self, worker: Worker, send: BlockSend, step: int, epoch: int) -> None:
-        own = own_slices(worker.grads.arrays, list(worker.slices))
-        super().__init__(worker, own, send.to, step, send.block, epoch)
-        self.needs = worker.block_sums.needs_of(worker.slices, self.plans)
-        self.beside = send.beside or (True,) * len(send.to)  # (unknown: held as if beside)
-        self.final: set[str] = set()  # the parameters whose gradients are final
-        self.finished: set[str] = set()  # and those whose layers are done
-
-    def ready(self, params: Iterable[str]) -> None:
-        """``params``' gradients are final in the worker's buffer (their layer's dx may still
-        read their values): send every part now free to go."""
-        self.final.update(params)
-        self.send_rounds(self._may)
-
-    def done(self, params: Iterable[str]) -> None:
-        """``params``' layer is done, dx included: send every part now free to go."""
-        self.final.update(params)
-        self.finished.update(params)
-        self.send_rounds(self._may)
-
-    def _may(self, k: int, c: int) -> bool:
-        return self.needs[k][c] <= (self.finished if self.beside[k] else self.final)
-
-    def finish(self) -> list[int]:
-        """The step's compute is done: the parts left go out; :meth:`result`."""
-        self.send_rounds()
-        return self.result()

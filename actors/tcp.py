@@ -14,9 +14,8 @@ one fixed-size entry per array (:data:`ENTRY`: its dtype code, its dimensions, i
 its length on the wire), then the arrays' bytes. A sender hands the kernel a frame in one
 call, and a receiver takes the header and the table in two, then each array's bytes straight
 into where they go: a frame of a few arrays costs a few system calls, not three per array. An
-array sent :class:`Squeezed` (``wire: f32+zstd``, ``bf16+zstd``) has :data:`SQUEEZED` in its
-code: its bytes regrouped by significance (every element's first byte, then every second
-byte, ...), compressed with Zstandard, lossless. A connection opens
+array sent compressed (``wire: f32+zstd``, ``bf16+zstd``: :mod:`.squeeze`) has
+:data:`SQUEEZED` in its code. A connection opens
 with the receiving role's token (:data:`HELLO`), which only Ray's calls hand out: a connection
 without it is closed unread. Frames of an earlier epoch (a sender replaced since, or one cut
 off from the run) are dropped, never summed.
@@ -34,10 +33,11 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from .squeeze import Squeezed, unsqueeze
 
 MAGIC = b"RSB2"
 HELLO = struct.Struct("<4s16s")  # magic, the inbox's token
@@ -50,7 +50,6 @@ MAX_ARRAYS = 1 << 16  # the most arrays a frame may carry (a table larger is not
 DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.uint16)}  # float32, bfloat16 words
 CODES = {v: k for k, v in DTYPES.items()}
 SQUEEZED = 0x80  # in an array's code: compressed
-ZSTD_LEVEL = 1  # the fastest level: on a link slow enough to want it, the link waits, not this
 POLL_S = 0.05  # how often a wait or a blocked send looks for an abort
 CONNECT_S = 10.0
 BUFFER_BYTES = 4 << 20  # the sockets' kernel buffers asked for (the kernel may cap them)
@@ -59,54 +58,6 @@ IOV_MAX = 1024  # the most buffers one sendmsg takes (Linux's UIO_MAXIOV)
 
 Address = tuple[str, int]
 Check = Callable[[], None]
-
-
-@dataclass(frozen=True)
-class Squeezed:
-    """An array as it crosses compressed (:func:`squeeze`): its dtype, its shape and the
-    compressed bytes."""
-
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    payload: np.ndarray  # uint8
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes it takes on the wire."""
-        return self.payload.nbytes
-
-
-def _codec() -> Any:
-    import pyarrow as pa  # noqa: PLC0415 - only where a wire is compressed
-
-    return pa.Codec("zstd", compression_level=ZSTD_LEVEL)
-
-
-def squeeze(a: np.ndarray) -> Squeezed:
-    """``a`` (float32 or bfloat16 words) compressed without loss to cross as it is: its bytes
-    grouped by significance first, so that the sign and exponent bytes, which vary little from
-    one element to the next, lie together."""
-    a = np.ascontiguousarray(a)
-    if a.dtype not in CODES or a.ndim > MAX_DIMS:
-        raise ValueError(f"a frame carries float32 or bfloat16 words, not {a.dtype}")
-    planes = np.ascontiguousarray(a.reshape(-1).view(np.uint8).reshape(-1, a.itemsize).T)
-    # np.frombuffer: a memoryview of the pyarrow Buffer itself can claim more bytes than it has
-    return Squeezed(a.dtype, a.shape, np.frombuffer(_codec().compress(planes), np.uint8))
-
-
-def unsqueeze(payload: Any, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-    """The array that :func:`squeeze` made ``payload`` of; ValueError where it is not one."""
-    out = np.empty(shape, dtype)
-    try:
-        planes = _codec().decompress(payload, decompressed_size=out.nbytes)
-    except Exception as e:  # pyarrow's ArrowIOError, or the wrong size
-        raise ValueError(f"a compressed array that does not decompress: {e}") from None
-    grouped = np.frombuffer(planes, np.uint8)
-    if grouped.size != out.nbytes:
-        raise ValueError("a compressed array of another size than its shape")
-    grouped = grouped.reshape(dtype.itemsize, -1)
-    out.reshape(-1).view(np.uint8).reshape(-1, dtype.itemsize)[...] = grouped.T
-    return out
 
 
 def payload_bytes(arrays: Sequence[np.ndarray | Squeezed]) -> int:

@@ -11,7 +11,7 @@ nearest, ties to even) before they leave their role, and a reader on the same no
 server rounds the values it reads alike: the bits do not depend on which reads crossed a link.
 The servers keep float32 values and optimizer state, and sum the blocks in float32.
 
-``wire: f32+zstd`` and ``bf16+zstd`` send the same words compressed (:func:`.tcp.squeeze`):
+``wire: f32+zstd`` and ``bf16+zstd`` send the same words compressed (:func:`.squeeze.squeeze`):
 lossless, so every bit is as under ``f32`` or ``bf16``, in fewer bytes on a slow link, for the
 time it takes both ends to compress and decompress them.
 
@@ -33,7 +33,7 @@ import numpy as np
 from raysinga.kernels.precision import bf16_bits, from_bf16_bits, round_bf16
 
 from .buffers import Layout
-from .tcp import Squeezed, squeeze
+from .squeeze import Squeezed, squeeze
 
 PART_BYTES = 256 << 10  # float32 bytes of a server's slices in one part, at most
 
@@ -46,7 +46,7 @@ def parts_of(layout: Layout, part_bytes: int | None = None) -> list[list[Span]]:
     bytes each; each part lists its flat ranges of the arrays, in order. The parts run from
     the layout's end to its start: a server's slices follow the model's parameters, whose
     last layer's gradients a backward pass finishes first, so a worker can send the first
-    parts while it computes the rest (:class:`.host_sums.EarlySends`). A pure function of
+    parts while it computes the rest (:class:`.block_sends.EarlySends`). A pure function of
     its inputs: a server and the nodes it sends to agree on it without a word."""
     part_bytes = PART_BYTES if part_bytes is None else part_bytes
     sizes = [(e.name, math.prod(e.shape)) for e in layout.entries]
@@ -97,7 +97,7 @@ def encode(arrays: Sequence[np.ndarray], wire: str) -> list[np.ndarray]:
 
 def frame(arrays: Sequence[np.ndarray], wire: str) -> list[np.ndarray | Squeezed]:
     """Float32 ``arrays`` as a TCP frame carries them under ``wire``: :func:`encode`'s words,
-    compressed where ``wire`` says (:func:`.tcp.squeeze`)."""
+    compressed where ``wire`` says (:func:`.squeeze.squeeze`)."""
     out = encode(arrays, wire)
     return [squeeze(a) for a in out] if squeezed(wire) else out
 

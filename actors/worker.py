@@ -26,13 +26,14 @@ from raysinga.obs.raymetrics import Recorder
 from raysinga.run.evaluate import evaluate_splits
 from raysinga.run.graph_step import WorkerGraphStep
 
-from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, stable_copy
+from .block_sends import BlockSums, EarlySends, block_sum, summed_members
+from .buffers import SharedBuffer, ShmHandle
 from .device import WorkerDevice, warm
 from .doorbell import Abortable, Steps
 from .errors import reports_role
 from .fence import Fence
-from .host_sums import BlockSums, EarlySends, block_sum, summed_members
-from .mirrors import Mirrors, wait_for
+from .mirrors import Mirrors
+from .param_reader import ParamReader
 from .protocol import (
     STATE_TAGS,
     BlockSend,
@@ -44,82 +45,11 @@ from .protocol import (
     WorkerSpec,
     node_id,
     read_state_copy,
-    server_layouts,
     updates_later,
     visible_gpus,
     worker_buffer_layout,
     write_state_copy,
 )
-from .slicing import Slice
-from .wire import decode, rounded
-
-
-class ParamReader:
-    """Whole parameters from per-server sources (a shared-memory handle or a snapshot array).
-
-    ``consistent``: values in shared memory are copied under the server's sequence lock first
-    (asynchronous groups: another group's update may land while this one computes); otherwise
-    they are read in place (one synchronous group: the servers update only between steps)."""
-
-    def __init__(
-        self,
-        shapes: dict[str, tuple[int, ...]],
-        slices: Sequence[Slice],
-        n_servers: int,
-        dtype: str,
-        consistent: bool = False,
-        wire: str = "f32",
-        check: Callable[[], None] = lambda: None,
-    ) -> None:
-        self.shapes, self.dtype, self.wire, self.check = shapes, dtype, wire, check
-        self.layouts = server_layouts(slices, n_servers, dtype)
-        self._private = (
-            [np.empty(lay.nbytes, np.uint8) for lay in self.layouts] if consistent else []
-        )
-        self.pieces = {
-            p: sorted((s for s in slices if s.param == p), key=lambda s: s.start) for p in shapes
-        }
-        self._att = Attachments()
-        # Parameters cut over several servers are gathered here; whole ones are read in place.
-        self._joined = {
-            p: np.empty(shape, dtype) for p, shape in shapes.items() if len(self.pieces[p]) > 1
-        }
-
-    def read(self, sources: tuple[ShmHandle | np.ndarray, ...]) -> dict[str, np.ndarray]:
-        views = [
-            self._view(k, src, lay)
-            for k, (src, lay) in enumerate(zip(sources, self.layouts, strict=True))
-        ]
-        out = {}
-        for p, shape in self.shapes.items():
-            ps = self.pieces[p]
-            if len(ps) == 1:
-                out[p] = views[ps[0].server][ps[0].name].reshape(shape)
-            else:
-                flat = self._joined[p].reshape(-1)
-                for s in ps:
-                    flat[s.start : s.stop] = views[s.server][s.name]
-                out[p] = self._joined[p]
-        return out
-
-    def _view(self, k: int, src: ShmHandle | np.ndarray, lay: Layout) -> dict[str, np.ndarray]:
-        """Server ``k``'s values as this worker computes with them: under ``wire: bf16``
-        rounded alike whether they crossed a link (published as bfloat16) or not."""
-        if isinstance(src, MirrorAt):  # as they crossed (rounded already), once they are in
-            wait_for(self._att, src, self.check)
-            return self._att.views(src.handle)
-        if isinstance(src, ServerAt):  # a server beside it, once its update is done
-            wait_for(self._att, src, self.check)
-            src = src.handle
-        if isinstance(src, list):  # published by slices (actors.wire): consistent copies
-            return dict(zip((e.name for e in lay.entries), decode(src), strict=True))
-        if not isinstance(src, ShmHandle):  # a snapshot: a consistent copy already
-            return lay.views(src)
-        if not self._private:
-            return rounded(self._att.views(src), self.wire)
-        flat = self._att.flat(src)[: lay.nbytes]
-        stable_copy(flat, self._att.views(src)[SEQ], self._private[k])
-        return rounded(lay.views(self._private[k]), self.wire)
 
 
 class Worker(Abortable, Fence):
@@ -248,7 +178,7 @@ class Worker(Abortable, Fence):
         of its workers' gradients. Returns timings and, when the stub is on another node, a
         snapshot of the gradient buffer. ``send`` (a block of one worker, ``topology.reduce:
         hosts``): the gradient goes to the servers as the backward pass makes it
-        (:class:`.host_sums.EarlySends`); the timings then carry the bytes sent to each
+        (:class:`.block_sends.EarlySends`); the timings then carry the bytes sent to each
         server (``"sent"``).
         """
         self.admit(epoch, f"compute step {step} (worker {self.index} of group {self.group})")
@@ -321,7 +251,7 @@ class Worker(Abortable, Fence):
         """As the leader of block ``block`` (``topology.reduce: hosts``): the sum of the
         block's workers' gradients of ``step`` (``members``, in worker order: the buffer of
         one on this node, the published snapshot of one elsewhere; ``done``: the others'
-        results, :func:`.host_sums.summed_members`), added in that order, cut into each
+        results, :func:`.block_sends.summed_members`), added in that order, cut into each
         server's slices, laid out as they cross (:mod:`.wire`) and sent to each server's
         inbox (``to``, in server order)."""
         self.admit(epoch, f"sum step {step} of its block (worker {self.index})")
@@ -451,7 +381,7 @@ def _into_buffer(
 ) -> Callable[[dict[str, Any]], None]:
     """What a CPU worker's backward pass hands each layer's gradients to: each put into the
     worker's shared ``buffer`` (those the layer did not write there), then ``then`` told
-    their names (:meth:`.host_sums.EarlySends.ready`, :meth:`~.host_sums.EarlySends.done`)."""
+    their names (:meth:`.block_sends.EarlySends.ready`, :meth:`~.block_sends.EarlySends.done`)."""
 
     def tell(grads: dict[str, Any]) -> None:
         for k, g in grads.items():

@@ -43,6 +43,15 @@ REVIEWED = {
         "part it composes (buffers, device, copies, snapshots, shard) lives in its own module "
         "and every method here is the role's entry point for one of them"
     ),
+    "actors/server.py": (
+        "ParamServer (listed) with its imports: the module is the server role and nothing else"
+    ),
+    "actors/worker.py:Worker": (
+        "the worker role's whole remote interface (a step's compute, a chunk of steps, a "
+        "block's sum, serving, evaluation, its state for a replacement); the pieces it composes "
+        "(device, block sends, mirrors, doorbells, graph steps) live in their own modules and "
+        "every method here is the role's entry point for one of them"
+    ),
     "actors/stub.py:Stub": (
         "the stub role's whole remote interface (a group's steps, wiring, the copies it keeps "
         "and the log a rebuild replays, the lost roles' state); the pieces it composes (bells, "

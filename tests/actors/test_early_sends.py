@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import actors.wire as wire
-from actors.host_sums import BlockSums, EarlySends
+from actors.block_sends import BlockSums, EarlySends
 from actors.protocol import BlockSend, server_layouts
 from actors.slicing import plan_slices
 

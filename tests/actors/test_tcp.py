@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from actors.squeeze import squeeze, unsqueeze
 from actors.tcp import (
     ENTRY,
     HEAD,
@@ -22,8 +23,6 @@ from actors.tcp import (
     Outbox,
     PeerLost,
     payload_bytes,
-    squeeze,
-    unsqueeze,
 )
 
 

@@ -1,0 +1,83 @@
+"""What a worker computes with: the servers' values, read from where they are on its node
+(a server's own buffer beside it, a mirror of a server elsewhere, a snapshot) and joined into
+whole parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from .buffers import SEQ, Attachments, Layout, ShmHandle, stable_copy
+from .mirrors import wait_for
+from .protocol import MirrorAt, ServerAt, server_layouts
+from .slicing import Slice
+from .wire import decode, rounded
+
+
+class ParamReader:
+    """Whole parameters from per-server sources (a shared-memory handle or a snapshot array).
+
+    ``consistent``: values in shared memory are copied under the server's sequence lock first
+    (asynchronous groups: another group's update may land while this one computes); otherwise
+    they are read in place (one synchronous group: the servers update only between steps)."""
+
+    def __init__(
+        self,
+        shapes: dict[str, tuple[int, ...]],
+        slices: Sequence[Slice],
+        n_servers: int,
+        dtype: str,
+        consistent: bool = False,
+        wire: str = "f32",
+        check: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.shapes, self.dtype, self.wire, self.check = shapes, dtype, wire, check
+        self.layouts = server_layouts(slices, n_servers, dtype)
+        self._private = (
+            [np.empty(lay.nbytes, np.uint8) for lay in self.layouts] if consistent else []
+        )
+        self.pieces = {
+            p: sorted((s for s in slices if s.param == p), key=lambda s: s.start) for p in shapes
+        }
+        self._att = Attachments()
+        # Parameters cut over several servers are gathered here; whole ones are read in place.
+        self._joined = {
+            p: np.empty(shape, dtype) for p, shape in shapes.items() if len(self.pieces[p]) > 1
+        }
+
+    def read(self, sources: tuple[ShmHandle | np.ndarray, ...]) -> dict[str, np.ndarray]:
+        views = [
+            self._view(k, src, lay)
+            for k, (src, lay) in enumerate(zip(sources, self.layouts, strict=True))
+        ]
+        out = {}
+        for p, shape in self.shapes.items():
+            ps = self.pieces[p]
+            if len(ps) == 1:
+                out[p] = views[ps[0].server][ps[0].name].reshape(shape)
+            else:
+                flat = self._joined[p].reshape(-1)
+                for s in ps:
+                    flat[s.start : s.stop] = views[s.server][s.name]
+                out[p] = self._joined[p]
+        return out
+
+    def _view(self, k: int, src: ShmHandle | np.ndarray, lay: Layout) -> dict[str, np.ndarray]:
+        """Server ``k``'s values as this worker computes with them: under ``wire: bf16``
+        rounded alike whether they crossed a link (published as bfloat16) or not."""
+        if isinstance(src, MirrorAt):  # as they crossed (rounded already), once they are in
+            wait_for(self._att, src, self.check)
+            return self._att.views(src.handle)
+        if isinstance(src, ServerAt):  # a server beside it, once its update is done
+            wait_for(self._att, src, self.check)
+            src = src.handle
+        if isinstance(src, list):  # published by slices (actors.wire): consistent copies
+            return dict(zip((e.name for e in lay.entries), decode(src), strict=True))
+        if not isinstance(src, ShmHandle):  # a snapshot: a consistent copy already
+            return lay.views(src)
+        if not self._private:
+            return rounded(self._att.views(src), self.wire)
+        flat = self._att.flat(src)[: lay.nbytes]
+        stable_copy(flat, self._att.views(src)[SEQ], self._private[k])
+        return rounded(lay.views(self._private[k]), self.wire)
