@@ -45,22 +45,29 @@ class ParamReader:
         self._joined = {
             p: np.empty(shape, dtype) for p, shape in shapes.items() if len(self.pieces[p]) > 1
         }
+        # each server's slices of the parameters joined here (by server)
+        self._joins = [
+            [s for p in self._joined for s in self.pieces[p] if s.server == k]
+            for k in range(n_servers)
+        ]
 
     def read(self, sources: tuple[ShmHandle | np.ndarray, ...]) -> dict[str, np.ndarray]:
-        views = [
-            self._view(k, src, lay)
-            for k, (src, lay) in enumerate(zip(sources, self.layouts, strict=True))
-        ]
+        """The parameters, from each server's ``sources`` (in server order). Each server's
+        slices of a parameter cut over several are joined as soon as that server's values are
+        in, while the later servers' still cross (a worker ahead of its values waits for them
+        server by server): the copying is done by the time the last values land, save the
+        last server's."""
+        views = []
+        for k, (src, lay) in enumerate(zip(sources, self.layouts, strict=True)):
+            views.append(self._view(k, src, lay))
+            for s in self._joins[k]:
+                self._joined[s.param].reshape(-1)[s.start : s.stop] = views[k][s.name]
         out = {}
         for p, shape in self.shapes.items():
             ps = self.pieces[p]
-            if len(ps) == 1:
-                out[p] = views[ps[0].server][ps[0].name].reshape(shape)
-            else:
-                flat = self._joined[p].reshape(-1)
-                for s in ps:
-                    flat[s.start : s.stop] = views[s.server][s.name]
-                out[p] = self._joined[p]
+            out[p] = (
+                self._joined[p] if len(ps) > 1 else views[ps[0].server][ps[0].name].reshape(shape)
+            )
         return out
 
     def _view(self, k: int, src: ShmHandle | np.ndarray, lay: Layout) -> dict[str, np.ndarray]:
