@@ -122,12 +122,7 @@ def _at_once(stub: Stub, start: int, stop: int, at: list[int]) -> list[StepStats
     for j, step in enumerate(range(start, stop)):
         stats = [w[j] for w in by_worker]
         done = [s[j] for s in by_server]
-        versions = [v for v, _, _, _ in done]
-        if versions != [v + j + 1 for v in at]:
-            raise RuntimeError(
-                f"step {step} read the servers' values after {[v + j for v in at]} updates "
-                f"and left them after {versions}: the steps after it read the wrong ones"
-            )
+        _one_update_on(step, [v + j for v in at], [v for v, _, _, _ in done])
         published = stub._published_bytes()  # the values this step's workers read
         stub.refs = [ref for _, ref, _, _ in done]
         out = [stats[m[0]].pop("sent") for m in stub.blocks]
@@ -214,13 +209,20 @@ def _heard(stub: Stub, sent: _Step) -> StepStats:
     hold one more each now (else the step after it, sent already, waits for values that
     never come: the step fails instead)."""
     record = _collect(stub, sent)
-    after = [v for v, _, _ in sent.results]
-    if sent.at is not None and after != [v + 1 for v in sent.at]:
-        raise RuntimeError(
-            f"step {sent.step} read the servers' values after {sent.at} updates and left them "
-            f"after {after}: a step sent ahead would read the wrong ones"
-        )
+    if sent.at is not None:
+        _one_update_on(sent.step, sent.at, [v for v, _, _ in sent.results])
     return record
+
+
+def _one_update_on(step: int, read: list[int], after: list[int]) -> None:
+    """``step`` read the servers' values after ``read`` updates; they must stand one update
+    further each (``after``), else a step sent ahead waits for values that never come or
+    reads the wrong ones: the step fails instead."""
+    if after != [v + 1 for v in read]:
+        raise RuntimeError(
+            f"step {step} read the servers' values after {read} updates and left them after "
+            f"{after}: a step sent ahead would read the wrong ones"
+        )
 
 
 def _collect(stub: Stub, sent: _Step) -> StepStats:
