@@ -138,8 +138,14 @@ class StepRunner:
         self.chunks[roles.stubs[g].run.remote(s, e)] = (g, s, e)
 
     def _chunk_end(self, s: int) -> int:
+        """Where a chunk from step ``s`` ends: at the first boundary ahead (the run's end, a
+        report, an evaluation, a checkpoint, the staleness bound of asynchronous groups), or
+        after :attr:`max_chunk` steps where that boundary is further than half as many again.
+        A boundary a little past :attr:`max_chunk` is taken whole rather than reached in a
+        full chunk and a sliver: each chunk costs its group a round trip through this driver
+        and one step taken alone (:func:`raysinga.actors.host_sums.block_steps`)."""
         cfg = self.cfg
-        ends = [cfg.train_steps, (s // cfg.disp_freq + 1) * cfg.disp_freq, s + self.max_chunk]
+        ends = [cfg.train_steps, (s // cfg.disp_freq + 1) * cfg.disp_freq]
         if cfg.test_freq:
             ends.append((s // cfg.test_freq + 1) * cfg.test_freq)
         nxt = cfg.next_checkpoint(s)
@@ -147,11 +153,13 @@ class StepRunner:
             ends.append(nxt)
         if self.topo.staleness is not None and self.topo.n_groups > 1:
             ends.append(s + max(1, self.topo.staleness))
-        return min(ends)
+        bound, most = min(ends), self.max_chunk
+        return bound if bound - s <= most + most // 2 else s + most
 
     def _tune_chunks(self) -> None:
-        """Keep chunks (steps run between two visits of this loop) near a second, so that a
-        stop signal or a time-based checkpoint is acted on soon."""
+        """Keep chunks (steps run between two visits of this loop) near a second, and under
+        one and a half (:meth:`_chunk_end`), so that a stop signal or a time-based checkpoint
+        is acted on soon."""
         if self.window:
             per_step = max(sum(r.total for r in self.window) / len(self.window), 1e-4)
             self.max_chunk = max(1, int(1.0 / per_step))
