@@ -36,6 +36,7 @@ from .buffers import Layout
 from .squeeze import Squeezed, squeeze
 
 PART_BYTES = 256 << 10  # float32 bytes of a server's slices in one part, at most
+TAIL_BYTES = 32 << 10  # the smallest part the last one sent is halved down to (float32 bytes)
 
 Span = tuple[str, int, int]  # an entry's name and a flat range [start, stop) of it
 
@@ -47,12 +48,22 @@ def parts_of(layout: Layout, part_bytes: int | None = None) -> list[list[Span]]:
     the layout's end to its start: a server's slices follow the model's parameters, whose
     last layer's gradients a backward pass finishes first, so a worker can send the first
     parts while it computes the rest (:class:`.block_sends.EarlySends`). A pure function of
-    its inputs: a server and the nodes it sends to agree on it without a word."""
+    its inputs: a server and the nodes it sends to agree on it without a word.
+
+    The part sent last is halved, and its second half again, down to parts of
+    :data:`TAIL_BYTES`: a server updates a part and sends its values back once every block's
+    is in, so what is left to cross after the last gradients is the last part's values. A
+    link busy to the end of a step then carries one small part's values after its last
+    gradients, not a whole part's."""
     part_bytes = PART_BYTES if part_bytes is None else part_bytes
     sizes = [(e.name, math.prod(e.shape)) for e in layout.entries]
     total = sum(n for _, n in sizes)
     count = max(1, -(-total * 4 // part_bytes))
     bounds = [total * i // count for i in range(count + 1)]
+    n = bounds[1]  # the layout's first part, sent last: halved from its start
+    while n * 4 // 2 >= TAIL_BYTES:
+        n //= 2
+        bounds.insert(1, n)
     parts: list[list[Span]] = []
     for lo, hi in zip(bounds, bounds[1:], strict=False):
         spans, off = [], 0

@@ -6,7 +6,16 @@ from __future__ import annotations
 import numpy as np
 
 from raysinga.actors.buffers import Layout
-from raysinga.actors.wire import blocks, cut, decode, encode, parts_of, rounded, wire_bytes
+from raysinga.actors.wire import (
+    TAIL_BYTES,
+    blocks,
+    cut,
+    decode,
+    encode,
+    parts_of,
+    rounded,
+    wire_bytes,
+)
 from raysinga.kernels.precision import round_bf16
 
 
@@ -49,6 +58,17 @@ def test_bytes_on_the_wire_and_blocks():
     assert wire_bytes(lay, "f32") == 52 and wire_bytes(lay, "bf16") == 26
     assert blocks(4, 2) == [[0, 1], [2, 3]]
     assert blocks(3, 1) == [[0], [1], [2]]
+
+
+def test_the_part_sent_last_is_halved_down_to_the_tail_size():
+    lay = Layout.of({"a": ((130_000,), "float32"), "b": ((30_000,), "float32")})
+    parts = parts_of(lay, 160_000)  # 640,000 bytes: 4 parts of 160,000 before the halving
+    sizes = [4 * sum(b - a for _, a, b in part) for part in parts]
+    assert sizes == [160_000] * 3 + [80_000, 40_000, 40_000]  # in the order they are sent
+    assert min(sizes) >= TAIL_BYTES
+    flat = [(name, i) for part in parts[::-1] for name, a, b in part for i in range(a, b)]
+    assert flat == [(e.name, i) for e in lay.entries for i in range(int(np.prod(e.shape)))]
+    assert parts[-1] == [("a", 0, 10_000)]  # the layout's start, sent last
 
 
 def test_parts_cut_a_servers_slices_into_equal_parts_from_the_last_array_on():
