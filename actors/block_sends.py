@@ -38,6 +38,7 @@ class BlockSums:
         self.outbox = Outbox()
         self._plans: list[list[list[Span]]] | None = None
         self._needs: list[list[set[str]]] | None = None
+        self._ranges: list[list[list[tuple[str, int, int]]]] | None = None
 
     def plans_of(self, layouts: Sequence[Layout]) -> list[list[list[Span]]]:
         """Each server's parts (:func:`.wire.parts_of` of its ``layouts``)."""
@@ -53,6 +54,19 @@ class BlockSums:
             param = {s.name: s.param for s in slices}
             self._needs = [[{param[name] for name, _, _ in part} for part in p] for p in plans]
         return self._needs
+
+    def ranges_of(
+        self, slices: Sequence[Slice], plans: list[list[list[Span]]]
+    ) -> list[list[list[tuple[str, int, int]]]]:
+        """The flat ranges of the parameters each server's each part holds: ``(param, start,
+        stop)``."""
+        if self._ranges is None:
+            at = {s.name: (s.param, s.start) for s in slices}
+            self._ranges = [
+                [[(at[n][0], at[n][1] + a, at[n][1] + b) for n, a, b in part] for part in p]
+                for p in plans
+            ]
+        return self._ranges
 
     def close(self) -> None:
         self.maps.close()
@@ -196,6 +210,13 @@ class EarlySends(PartSender):
       values from a mirror, and the values after the update cross into the node's other
       mirror (:mod:`.mirrors`).
 
+    A dense layer's weight gradient is computed by blocks of rows
+    (:data:`raysinga.nn.layers.DW_ROW_BLOCKS`), and each block told final (:meth:`rows_final`,
+    as a :class:`~raysinga.nn.layers.RowsHook`): a part for a server on another node goes once
+    every range it holds is, without waiting for the rest of the GEMM. Each worker computes
+    first the block that holds the slice of the server it sends to first (:meth:`first_block`), so
+    that the blocks' first parts go to different servers, not all to one.
+
     The parts run from the last layers to the first (:func:`.wire.parts_of`), so the first
     parts cross the links while the first layers' gradients are still being computed. What
     is sent is what the whole buffer would send after the step: the same bytes."""
@@ -204,9 +225,28 @@ class EarlySends(PartSender):
         own = own_slices(worker.grads.arrays, list(worker.slices))
         super().__init__(worker, own, send.to, step, send.block, epoch)
         self.needs = worker.block_sums.needs_of(worker.slices, self.plans)
+        self.ranges = worker.block_sums.ranges_of(worker.slices, self.plans)
+        self.starts = {(s.param, s.server): s.start for s in worker.slices}
         self.beside = send.beside or (True,) * len(send.to)  # (unknown: held as if beside)
         self.final: set[str] = set()  # the parameters whose gradients are final
         self.finished: set[str] = set()  # and those whose layers are done
+        self.rows: dict[str, list[tuple[int, int]]] = {}  # final ranges of the others
+
+    def first_block(self, key: str, bounds: Sequence[int]) -> int:
+        """The block of ``key``'s gradient (cut at ``bounds``) to compute first: the one that
+        holds the start of the slice of the first server, in this block's order of sending,
+        that holds one on another node."""
+        for k in self.turn:
+            start = self.starts.get((key, k))
+            if start is not None and not self.beside[k]:
+                return max(i for i in range(len(bounds) - 1) if bounds[i] <= start)
+        return 0
+
+    def rows_final(self, key: str, start: int, stop: int) -> None:
+        """Elements ``[start, stop)`` of parameter ``key``'s gradient are final in the
+        worker's buffer: send every part now free to go."""
+        self.rows.setdefault(key, []).append((start, stop))
+        self.send_rounds(self._may)
 
     def ready(self, params: Iterable[str]) -> None:
         """``params``' gradients are final in the worker's buffer (their layer's dx may still
@@ -221,7 +261,20 @@ class EarlySends(PartSender):
         self.send_rounds(self._may)
 
     def _may(self, k: int, c: int) -> bool:
-        return self.needs[k][c] <= (self.finished if self.beside[k] else self.final)
+        if self.beside[k]:
+            return self.needs[k][c] <= self.finished
+        return all(p in self.final or self._rows_in(p, a, b) for p, a, b in self.ranges[k][c])
+
+    def _rows_in(self, param: str, start: int, stop: int) -> bool:
+        """Whether elements ``[start, stop)`` of ``param``'s gradient are told final (by
+        blocks, each a range of its own: a part's range may span two)."""
+        at = start
+        for a, b in sorted(self.rows.get(param, ())):
+            if a <= at < b:
+                at = b
+            if at >= stop:
+                return True
+        return at >= stop
 
     def finish(self) -> list[int]:
         """The step's compute is done: the parts left go out; :meth:`result`."""

@@ -341,6 +341,7 @@ class Worker(Abortable, Fence):
             hooks["on_grads"] = _into_buffer(into, early and early.done)
         if into is not None and early is not None:
             hooks["on_ready"] = _into_buffer(into, early.ready)
+            hooks["on_rows"] = early
         with precision.copies_in_use(self._weight_copies(params)):
             loss, grads, _ = self.net.loss_and_grads(
                 params, self.state, x, y, ctx, self.group_batch, into, **hooks

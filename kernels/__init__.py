@@ -22,7 +22,7 @@ from .backend import (
     to_numpy,
     xp_for,
 )
-from .common import ACTIVATIONS, dropout_key
+from .common import ACTIVATIONS, dropout_key, row_bounds
 from .user import elementwise as elementwise_kernel
 from .user import raw as raw_kernel
 
@@ -137,6 +137,7 @@ __all__ = [
     "gpu_fallback_note",
     "gpu_unavailable_reason",
     "raw_kernel",
+    "row_bounds",
     "to_device",
     "to_numpy",
     "xp_for",

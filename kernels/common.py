@@ -206,3 +206,10 @@ def adam_step_values(
     arguments before they are rounded to the parameters' dtype."""
     beta1, beta2 = betas
     return 1 - lr * weight_decay, -(lr / (1 - beta1**t)), (1 - beta2**t) ** 0.5
+
+
+def row_bounds(rows: int, blocks: int) -> list[int]:
+    """The bounds of ``blocks`` blocks of ``rows`` rows (at most one per row), as even as can
+    be: ``[0, ..., rows]`` (a dense layer's weight gradient by blocks: ``cpu.dense_backward``)."""
+    k = max(1, min(blocks, rows))
+    return [rows * i // k for i in range(k + 1)]

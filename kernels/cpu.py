@@ -103,16 +103,51 @@ def dense_backward(
     need_dx: bool = True,
     dw_out: np.ndarray | None = None,
     grads_ready: Callable[[np.ndarray, np.ndarray], None] | None = None,
+    row_blocks: int = 1,
+    first_block: int = 0,
+    rows_ready: Callable[[int, int], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dx, dw, db)`` for ``y = act(x @ w + b)``; ``dx`` is None unless ``need_dx`` (a net's
     first layer skips a whole GEMM that way). ``dw`` is written into ``dw_out`` where given
     (the same product, so the same bits). ``grads_ready(dw, db)`` is called once they are
-    final, before ``dx`` is computed (which still reads ``w``)."""
+    final, before ``dx`` is computed (which still reads ``w``).
+
+    ``row_blocks``: ``dw`` computed as that many blocks of its rows, each a GEMM of its own
+    (:func:`.common.row_bounds`; the bits depend on the blocks, not on their order), from block
+    ``first_block`` on, round; ``rows_ready(a, b)`` is told as rows ``[a, b)`` of ``dw`` are
+    final (what a worker sends on while it computes the rest)."""
     dz, db = _bias_act_grads(dy, y, act)
-    dw = matmul(x.T, dz, dw_out)
+    if row_blocks <= 1:
+        dw = matmul(x.T, dz, dw_out)
+    else:
+        dw = _dw_by_rows(x, dz, dw_out, row_blocks, first_block, rows_ready)
     if grads_ready is not None:
         grads_ready(dw, db)
     return (matmul(dz, w.T) if need_dx else None), dw, db
+
+
+def _dw_by_rows(
+    x: np.ndarray,
+    dz: np.ndarray,
+    out: np.ndarray | None,
+    blocks: int,
+    first: int,
+    rows_ready: Callable[[int, int], None] | None,
+) -> np.ndarray:
+    """``x.T @ dz`` by blocks of rows (:func:`dense_backward`)."""
+    bounds = common.row_bounds(x.shape[1], blocks)
+    k = len(bounds) - 1
+    for j in range(k):
+        i = (first + j) % k
+        a, b = bounds[i], bounds[i + 1]
+        block = matmul(x[:, a:b].T, dz, None if out is None else out[a:b])
+        if out is None:
+            out = np.empty((x.shape[1], block.shape[1]), block.dtype)
+            out[a:b] = block
+        if rows_ready is not None:
+            rows_ready(a, b)
+    assert out is not None
+    return out
 
 
 # ---------------------------------------------------------------- losses

@@ -147,10 +147,16 @@ def dense_backward(
     need_dx: bool = True,
     dw_out: cupy.ndarray | None = None,
     grads_ready: Callable[[cupy.ndarray, cupy.ndarray], None] | None = None,
+    row_blocks: int = 1,
+    first_block: int = 0,
+    rows_ready: Callable[[int, int], None] | None = None,
 ) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
     """``(dx, dw, db)`` for ``y = act(x @ w + b)``; ``dx`` is None unless ``need_dx`` (a net's
     first layer skips a whole GEMM that way). ``dw`` is written into ``dw_out`` where given.
-    ``grads_ready(dw, db)`` is called once they are launched, before ``dx`` is."""
+    ``grads_ready(dw, db)`` is called once they are launched, before ``dx`` is. ``dw`` is one
+    GEMM whatever ``row_blocks`` (the CPU twin's blocks let a worker send rows of it as they
+    are done; a GPU worker's gradients leave the device whole), and ``rows_ready`` is not
+    called."""
     dz, db = bias_act_backward(dy, y, act)
     dw = matmul(x.T, dz, dw_out)
     if grads_ready is not None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -62,6 +62,9 @@ class Layer:
         # as they are final: a layer that can hands its parameters' gradients (local name ->
         # array) over before it computes its dx, which may still read its parameters.
         self.grads_ready: Callable[[dict[str, Any]], None] | None = None
+        # Set likewise where the caller wants a parameter's gradient by blocks of rows as each
+        # is final (a dense layer's weight, written in place into ``grads_into``).
+        self.rows_hook: RowsHook | None = None
         self._cache: tuple = ()
 
     # -- shapes and initial values
@@ -129,6 +132,26 @@ def _check_positive_int(layer: Layer, **vals: Any) -> None:
             raise layer._fail(f"{k} must be a positive integer, got {v!r}")
 
 
+# A dense layer's weight gradient is computed on a CPU as this many GEMMs, each over a block of
+# its rows (the same bits on every path: the single process, any worker): a worker of a group
+# summed by hosts sends each block's rows to their servers while it computes the next
+# (actors.block_sends.EarlySends), instead of waiting for the whole GEMM.
+DW_ROW_BLOCKS = 4
+
+
+class RowsHook(Protocol):
+    """Told of a parameter's gradient final by blocks of flat elements as a layer computes it
+    (:class:`actors.block_sends.EarlySends`)."""
+
+    def first_block(self, key: str, bounds: Sequence[int]) -> int:
+        """Which block (of those ``bounds`` cut parameter ``key`` into) to compute first."""
+        ...
+
+    def rows_final(self, key: str, start: int, stop: int) -> None:
+        """Elements ``[start, stop)`` of ``key``'s gradient are final."""
+        ...
+
+
 class Dense(Layer):
     kind = "dense"
     options = {"units": ..., "activation": "linear"}
@@ -159,6 +182,13 @@ class Dense(Layer):
 
     def backward(self, dy):
         x_shape, rows, w, y = self._cache
+        out, hook = self.grads_into.get("W"), self.rows_hook
+        first, told = 0, None
+        if hook is not None and out is not None:  # rows told final where they are written
+            key, units = self.key("W"), w.shape[1]
+            bounds = [r * units for r in K.row_bounds(w.shape[0], DW_ROW_BLOCKS)]
+            first = hook.first_block(key, bounds)
+            told = lambda a, b: hook.rows_final(key, a * units, b * units)  # noqa: E731
         dx, dw, db = K.dense_backward(
             rows,
             w,
@@ -166,8 +196,11 @@ class Dense(Layer):
             dy.reshape(y.shape),
             self.opts["activation"],
             self.need_dx,
-            dw_out=self.grads_into.get("W"),
+            dw_out=out,
             grads_ready=None if self.grads_ready is None else self._ready,
+            row_blocks=DW_ROW_BLOCKS,
+            first_block=first,
+            rows_ready=told,
         )
         return (None if dx is None else dx.reshape(x_shape)), {"W": dw, "b": db}
 

@@ -20,7 +20,7 @@ from raysinga import kernels as K
 
 from . import usercode
 from .checks import check_declared
-from .layers import Layer, StepContext, param_rng
+from .layers import Layer, RowsHook, StepContext, param_rng
 from .losses import CLASSIFYING, accuracy
 from .registry import KindError, is_own, is_own_loss, layer_class, loss_function
 
@@ -292,6 +292,7 @@ class Net:
         into: dict[str, Any] | None = None,
         on_grads: Callable[[dict[str, Any]], None] | None = None,
         on_ready: Callable[[dict[str, Any]], None] | None = None,
+        on_rows: RowsHook | None = None,
     ) -> dict[str, Any]:
         """The parameters' gradients. ``into`` (parameter name -> an array of its shape and
         dtype): where layers that can write their gradients do so (a worker's shared buffer);
@@ -301,7 +302,10 @@ class Net:
         server may then update those parameters in place, which no layer before reads).
         ``on_ready``: called before that, with the gradients of a layer that can hand them
         over final before it computes its dx (a dense layer), which still reads the layer's
-        parameters: what may go where no reader of those parameters is disturbed."""
+        parameters: what may go where no reader of those parameters is disturbed.
+        ``on_rows``: told, where a layer writes into ``into`` a gradient it computes by blocks
+        of rows (a dense layer's weight), of each block as it is final; and asked which block
+        to compute first."""
         grads: dict[str, Any] = {}
         # the gradient with respect to each layer's output, summed over where it went
         pending: dict[str, Any] = {self.layers[-1].name: dout}
@@ -311,10 +315,11 @@ class Net:
                 ly.grads_into = {k: into[ly.key(k)] for k in ly.param_shapes()}
             if on_ready is not None:
                 ly.grads_ready = _keyed(ly, on_ready)
+            ly.rows_hook = on_rows if into else None
             try:
                 dx, g = ly.backward(pending.pop(ly.name))
             finally:
-                ly.grads_into, ly.grads_ready = {}, None
+                ly.grads_into, ly.grads_ready, ly.rows_hook = {}, None, None
             mine = {ly.key(k): v for k, v in g.items()}
             grads.update(mine)
             if on_grads is not None and mine:
@@ -337,16 +342,17 @@ class Net:
         on_device: bool = False,
         on_grads: Callable[[dict[str, Any]], None] | None = None,
         on_ready: Callable[[dict[str, Any]], None] | None = None,
+        on_rows: RowsHook | None = None,
     ) -> tuple[Any, dict[str, Any], Any]:
         """``(loss, grads, output)``; the loss is summed over the batch and divided by ``denom``
         (default: the batch size). A worker of a group passes the group's batch size, so that the
-        group's gradient is the plain sum of its workers' gradients. ``into``, ``on_grads`` and
-        ``on_ready``: see :meth:`backward`. The loss is a float, or with ``on_device`` the 0-d
-        array where it was computed (nothing waits for the GPU: a step recorded as a CUDA graph
-        needs that)."""
+        group's gradient is the plain sum of its workers' gradients. ``into``, ``on_grads``,
+        ``on_ready`` and ``on_rows``: see :meth:`backward`. The loss is a float, or with
+        ``on_device`` the 0-d array where it was computed (nothing waits for the GPU: a step
+        recorded as a CUDA graph needs that)."""
         out = self.forward(params, state, x, ctx)
         loss, dout = self.loss_fn(out, y, len(x) if denom is None else denom)
-        grads = self.backward(dout, into, on_grads, on_ready)
+        grads = self.backward(dout, into, on_grads, on_ready, on_rows)
         return (loss if on_device else float(loss)), grads, out
 
     def evaluate(self, params: dict, state: dict, x: Any, y: Any) -> tuple[float, float | None]:

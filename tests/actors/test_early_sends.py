@@ -36,9 +36,9 @@ class Recorder:
         assert list(to) == self.to  # every server the block sends to: none dropped
 
 
-def sender(beside, monkeypatch):
+def sender(beside, monkeypatch, slice_bytes=16):
     monkeypatch.setattr(wire, "PART_BYTES", 96)  # each server's 72 values in 3 parts
-    slices = plan_slices(SHAPES, 4, 2, 16)
+    slices = plan_slices(SHAPES, 4, 2, slice_bytes)
     to = (("10.0.0.1", 1, b"a"), ("10.0.0.2", 2, b"b"))
     sums = BlockSums()
     sums.outbox = Recorder(to)
@@ -97,3 +97,40 @@ def test_the_same_parts_go_whatever_goes_early(monkeypatch, beside):
         early.done(names)
     early.finish()
     assert sorted(box.sent) == [(k, c) for k in range(2) for c in range(3)]
+
+
+def test_rows_told_final_let_a_part_of_them_go_before_the_rest_of_the_gemm(monkeypatch):
+    """A dense weight's gradient told final by blocks of rows: a part of a server on another
+    node goes once every range it holds is (a part holding any other parameter waits for it);
+    each server's parts still in order. The block to compute first is the one holding the
+    slice of the first server this block sends to."""
+    early, box = sender((False, False), monkeypatch, slice_bytes=64)  # the biases whole
+    key = "fc2/W"  # cut over both servers
+    pieces = {s.server: (s.start, s.stop) for s in early.worker.slices if s.param == key}
+    assert len(pieces) == 2
+    bounds = [0, 16, 32, 48, 64]
+    assert bounds[early.first_block(key, bounds)] == pieces[early.turn[0]][0]
+
+    def free(k, a, b):  # how many of server k's first parts hold only fc2/W[a:b]
+        n = 0
+        for ranges in early.ranges[k]:
+            if not all(p == key and a <= lo and hi <= b for p, lo, hi in ranges):
+                break
+            n += 1
+        return n
+
+    # the server whose last slices are of fc2/W alone (the other holds fc2/b whole)
+    (k,) = [k for k in range(2) if free(k, *pieces[k])]
+    a, b = pieces[k]
+    early.rows_final(key, a, (a + b) // 2)
+    assert box.sent == [(k, c) for c in range(free(k, a, (a + b) // 2))]
+    early.rows_final(key, (a + b) // 2, b)
+    assert box.sent == [(k, c) for c in range(free(k, a, b))]  # in order, that server alone
+    assert len(box.sent) > free(k, a, (a + b) // 2), "the second half let more go"
+    for names in LAYERS:
+        early.ready(names)
+        early.done(names)
+    early.finish()
+    assert sorted(box.sent) == [(k, c) for k in range(2) for c in range(3)]
+    for k in range(2):
+        assert [c for kk, c in box.sent if kk == k] == [0, 1, 2]

@@ -28,10 +28,15 @@ train_steps: 40
 disp_freq: 10
 """
 
+# The hosts of the live keepers (the last line); before it, every keeper actor Ray knows of,
+# alive or not, with why one died (what a failure shows).
 KEEPERS = """
 import json, ray
+from ray.util.state import list_actors
 ray.init(address="{address}", log_to_driver=False)
 ips = {{n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}}
+every = [a for a in list_actors(limit=1000, detail=True) if (a.name or "").startswith("{prefix}")]
+print(json.dumps([[ips.get(a.node_id, "?"), a.state, str(a.death_cause)[:400]] for a in every]))
 names = ray.util.list_named_actors(all_namespaces=True)
 print(json.dumps(sorted(ips.get(a["name"][len("{prefix}"):], "?") for a in names
                         if a["name"].startswith("{prefix}"))))
@@ -68,7 +73,8 @@ def test_a_pbt_search_over_two_hosts_exploits_across_them_and_replays_bit_for_bi
     keepers = head.python(KEEPERS.format(address=address, prefix=KEEPER_PREFIX))
     assert keepers.returncode == 0, keepers.stdout
     held = hosts.last_json(keepers.stdout)
-    assert held == sorted(h.address for h in nodes), held  # trials ran on both hosts
+    # trials ran on both hosts, each host's keeper alive
+    assert held == sorted(h.address for h in nodes), (held, keepers.stdout[-4000:], run.stdout)
 
     trial = max(lineage, key=lineage.get)
     (trial_dir,) = head.path("/mnt/shared/tune/hosts").glob(f"*_{trial}_*")

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from raysinga import ModelSpec, Net, StepContext
+from raysinga.nn.layers import DW_ROW_BLOCKS
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -230,6 +231,49 @@ def test_a_dense_layers_gradients_are_handed_over_final_before_its_dx(spec_dict)
     for k, v in ready:
         np.testing.assert_array_equal(v, plain[k], err_msg=k)
     assert all(ly.grads_ready is None for ly in net.layers)  # held for one call only
+
+
+@pytest.mark.parametrize("start", [0, 2])
+def test_a_dense_weights_gradient_is_told_final_by_blocks_of_rows_from_the_block_asked(start):
+    """A dense layer's weight gradient is computed by blocks of rows, written into the buffer:
+    each block told final (the bits the pass ends with, the rest not written yet), from the
+    block the hook asks for first, round; the same bits as with no hook, or no buffer."""
+    net, params, state, x, y, ctx = _one_batch(MLP)
+    _, plain, _ = net.loss_and_grads(params, state, x, y, ctx)
+    into = {k: np.full_like(v, np.nan) for k, v in params.items()}
+    told: list[tuple[str, int, int]] = []
+
+    class Hook:
+        bounds: dict[str, list[int]] = {}
+
+        def first_block(self, key, bounds):
+            assert bounds[0] == 0 and bounds[-1] == into[key].size
+            assert len(bounds) == min(DW_ROW_BLOCKS, into[key].shape[0]) + 1
+            self.bounds[key] = list(bounds)
+            return start % (len(bounds) - 1)
+
+        def rows_final(self, key, a, b):
+            flat = into[key].reshape(-1)
+            np.testing.assert_array_equal(flat[a:b], plain[key].reshape(-1)[a:b], err_msg=key)
+            done = sum(bb - aa for k, aa, bb in told if k == key)
+            assert np.isnan(flat).sum() == flat.size - done - (b - a)  # the others still to come
+            told.append((key, a, b))
+
+    hook = Hook()
+    _, grads, _ = net.loss_and_grads(params, state, x, y, ctx, into=into, on_rows=hook)
+    weights = [ly.key("W") for ly in net.layers if ly.kind == "dense"]
+    assert sorted({k for k, _, _ in told}) == sorted(weights)
+    for key in weights:
+        ranges = [(a, b) for k, a, b in told if k == key]
+        bounds = hook.bounds[key]
+        blocks = list(zip(bounds, bounds[1:], strict=False))
+        assert sorted(ranges) == blocks  # every block once
+        first = start % len(blocks)
+        assert ranges == blocks[first:] + blocks[:first]  # from the block asked for, round
+        np.testing.assert_array_equal(into[key], plain[key], err_msg=key)
+    for k in plain:
+        np.testing.assert_array_equal(grads[k], plain[k], err_msg=k)
+    assert all(ly.rows_hook is None for ly in net.layers)  # held for one call only
 
 
 def test_batchnorm_running_statistics_match_pytorch():
