@@ -132,11 +132,14 @@ def _check_positive_int(layer: Layer, **vals: Any) -> None:
             raise layer._fail(f"{k} must be a positive integer, got {v!r}")
 
 
-# A dense layer's weight gradient is computed on a CPU as this many GEMMs, each over a block of
-# its rows (the same bits on every path: the single process, any worker): a worker of a group
-# summed by hosts sends each block's rows to their servers while it computes the next
-# (actors.block_sends.EarlySends), instead of waiting for the whole GEMM.
+# A dense layer's weight gradient of at least DW_BLOCKED_ELEMENTS elements is computed on a
+# CPU as DW_ROW_BLOCKS GEMMs, each over a block of its rows (the same bits on every path: the
+# single process, any worker): a worker of a group summed by hosts sends each block's rows to
+# their servers while it computes the next (actors.block_sends.EarlySends), instead of waiting
+# for the whole GEMM. A smaller weight is one part's worth (actors.wire.PART_BYTES) or less:
+# its blocks would let nothing go sooner, and each costs a call (about 5 us).
 DW_ROW_BLOCKS = 4
+DW_BLOCKED_ELEMENTS = 1 << 16
 
 
 class RowsHook(Protocol):
@@ -183,10 +186,11 @@ class Dense(Layer):
     def backward(self, dy):
         x_shape, rows, w, y = self._cache
         out, hook = self.grads_into.get("W"), self.rows_hook
+        blocks = DW_ROW_BLOCKS if w.size >= DW_BLOCKED_ELEMENTS else 1
         first, told = 0, None
-        if hook is not None and out is not None:  # rows told final where they are written
+        if hook is not None and out is not None and blocks > 1:  # told where they are written
             key, units = self.key("W"), w.shape[1]
-            bounds = [r * units for r in K.row_bounds(w.shape[0], DW_ROW_BLOCKS)]
+            bounds = [r * units for r in K.row_bounds(w.shape[0], blocks)]
             first = hook.first_block(key, bounds)
             told = lambda a, b: hook.rows_final(key, a * units, b * units)  # noqa: E731
         dx, dw, db = K.dense_backward(
@@ -198,7 +202,7 @@ class Dense(Layer):
             self.need_dx,
             dw_out=out,
             grads_ready=None if self.grads_ready is None else self._ready,
-            row_blocks=DW_ROW_BLOCKS,
+            row_blocks=blocks,
             first_block=first,
             rows_ready=told,
         )

@@ -358,11 +358,14 @@ def test_a_reading_thread_runs_below_its_roles_other_threads():
 
     from actors.tcp import READER_NICE
 
-    def nices() -> list[int]:
-        out = []
+    def nices() -> dict[str, int]:  # by thread id
+        out = {}
         for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                out.append(int(f.read().rsplit(")", 1)[1].split()[16]))
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    out[tid] = int(f.read().rsplit(")", 1)[1].split()[16])
+            except FileNotFoundError:  # a thread (another test's, Ray's) ended meanwhile
+                continue
         return out
 
     if not os.path.isdir("/proc/self/task"):
@@ -373,8 +376,12 @@ def test_a_reading_thread_runs_below_its_roles_other_threads():
     try:
         box.send([inbox.contact], 0, 1, 0, [frames(0)], never)
         inbox.take(0, 1, 1, after(10))  # its reading thread is running
-        lowered = [n for n in nices() if n == min(19, base + READER_NICE)]
+        started = {t: n for t, n in nices().items() if t not in before}
     finally:
         box.close()
         inbox.close()
-    assert len(lowered) == 1 + before.count(min(19, base + READER_NICE))
+    # the connection's reading thread below, the inbox's accepting thread (if new) not
+    assert sorted(started.values()) in (
+        [min(19, base + READER_NICE)],
+        [base, min(19, base + READER_NICE)],
+    )

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from raysinga import ModelSpec, Net, StepContext
+from raysinga.nn import layers
 from raysinga.nn.layers import DW_ROW_BLOCKS
 
 torch = pytest.importorskip("torch")
@@ -234,10 +235,13 @@ def test_a_dense_layers_gradients_are_handed_over_final_before_its_dx(spec_dict)
 
 
 @pytest.mark.parametrize("start", [0, 2])
-def test_a_dense_weights_gradient_is_told_final_by_blocks_of_rows_from_the_block_asked(start):
+def test_a_dense_weights_gradient_is_told_final_by_blocks_of_rows_from_the_block_asked(
+    start, monkeypatch
+):
     """A dense layer's weight gradient is computed by blocks of rows, written into the buffer:
     each block told final (the bits the pass ends with, the rest not written yet), from the
     block the hook asks for first, round; the same bits as with no hook, or no buffer."""
+    monkeypatch.setattr(layers, "DW_BLOCKED_ELEMENTS", 1)  # this MLP's weights are small
     net, params, state, x, y, ctx = _one_batch(MLP)
     _, plain, _ = net.loss_and_grads(params, state, x, y, ctx)
     into = {k: np.full_like(v, np.nan) for k, v in params.items()}
@@ -274,6 +278,20 @@ def test_a_dense_weights_gradient_is_told_final_by_blocks_of_rows_from_the_block
     for k in plain:
         np.testing.assert_array_equal(grads[k], plain[k], err_msg=k)
     assert all(ly.rows_hook is None for ly in net.layers)  # held for one call only
+
+
+def test_a_dense_weight_under_a_parts_worth_is_one_gemm_and_told_of_no_rows():
+    net, params, state, x, y, ctx = _one_batch(MLP)
+    assert all(v.size < layers.DW_BLOCKED_ELEMENTS for v in params.values())
+    into = {k: np.zeros_like(v) for k, v in params.items()}
+
+    class Hook:
+        def first_block(self, key, bounds):
+            raise AssertionError(key)
+
+        rows_final = first_block
+
+    net.loss_and_grads(params, state, x, y, ctx, into=into, on_rows=Hook())
 
 
 def test_batchnorm_running_statistics_match_pytorch():
