@@ -49,10 +49,10 @@ class BlockSums:
     def needs_of(
         self, slices: Sequence[Slice], plans: list[list[list[Span]]]
     ) -> list[list[set[str]]]:
-        """The parameters each server's each part holds slices of."""
+        """The parameters each server's each part holds slices of (:meth:`ranges_of`'s)."""
         if self._needs is None:
-            param = {s.name: s.param for s in slices}
-            self._needs = [[{param[name] for name, _, _ in part} for part in p] for p in plans]
+            ranges = self.ranges_of(slices, plans)
+            self._needs = [[{p for p, _, _ in part} for part in parts] for parts in ranges]
         return self._needs
 
     def ranges_of(
