@@ -12,7 +12,7 @@ import numpy as np
 from raysinga.optim.grads import sum_into
 
 from .protocol import HostFrames
-from .wire import Span, cut, decode, squeezed
+from .wire import Span, cut, decode, deltas
 
 if TYPE_CHECKING:
     from .server import ParamServer
@@ -56,7 +56,7 @@ def update_by_parts(server: ParamServer, step: int, frames: HostFrames) -> Calla
     guard, opt = server.guard, server.optimizer
     version, kept, skip = guard.version, [], set()
     values = {s.name: server.buf.arrays[s.name] for s in server.slices}
-    deltas = squeezed(server.wire) and bool(server.readers.based)  # readers to send differences
+    diffs = deltas(server.wire) and bool(server.readers.based)  # readers to send differences
     try:
         for c in range(len(server.parts)):
             part = take_part(server, step, frames, c)
@@ -65,7 +65,7 @@ def update_by_parts(server: ParamServer, step: int, frames: HostFrames) -> Calla
                 # no worker of the step is left to read the values, save one whose call went
                 # out early (actors.host_sums.block_steps), which waits for them even
                 guard.__enter__()
-            before = [a.copy() for a in cut(values, part)] if deltas else None
+            before = [a.copy() for a in cut(values, part)] if diffs else None
             with server.snaps.updating():  # a checkpoint's write in the background pauses
                 assert server.host_sum is not None
                 opt.update_spans(step, values, server.host_sum, part, server.pool, kept)

@@ -88,10 +88,10 @@ class ValueReaders:
         a mirror takes the version in once every part is in. A reader that cannot be reached
         is added to ``skip`` and gets no more parts of this update (as in :meth:`publish`).
 
-        ``before``: the same ranges after ``version - 1`` updates. Under a compressed wire, a
-        reader known to hold that version whole (:attr:`based`) is sent the difference of the
-        words (:func:`.wire.delta_frame`), which compresses to far fewer bytes; any other the
-        values themselves."""
+        ``before``: the same ranges after ``version - 1`` updates. Under ``wire: *+zstd`` or
+        ``*+delta``, a reader known to hold that version whole (:attr:`based`) is sent the
+        difference of the words (:func:`.wire.delta_frame`), which compresses to far fewer
+        bytes; any other the values themselves."""
         if not (self.remote and self.pushes):
             return
         to = [c for c in self.pushes if (c[0], c[1]) not in skip]

@@ -13,7 +13,12 @@ The servers keep float32 values and optimizer state, and sum the blocks in float
 
 ``wire: f32+zstd`` and ``bf16+zstd`` send the same words compressed (:func:`.squeeze.squeeze`):
 lossless, so every bit is as under ``f32`` or ``bf16``, in fewer bytes on a slow link, for the
-time it takes both ends to compress and decompress them.
+time it takes both ends to compress and decompress them. A server sends a reader that holds
+its values of one update earlier the difference of the words (:func:`delta_frame`), which is
+mostly zeros and compresses to about half its bytes, where a sum of gradients compresses to
+about 0.85. ``wire: f32+delta`` and ``bf16+delta`` compress only those differences and send
+the sums as they are: on a faster link, where compressing the sums costs the hosts' cores more
+time than it saves the link, the values still cross in about half their bytes.
 
 Both cross in parts (:func:`parts_of`, the last layers' first): a server sums, updates and
 pushes the values of each part as soon as every block's sum of it is in, while the next parts
@@ -87,8 +92,14 @@ def words(wire: str) -> str:
 
 
 def squeezed(wire: str) -> bool:
-    """Whether ``wire`` compresses what crosses TCP connections (``+zstd``)."""
+    """Whether ``wire`` compresses every array that crosses TCP connections (``+zstd``)."""
     return wire.endswith("+zstd")
+
+
+def deltas(wire: str) -> bool:
+    """Whether a server sends a reader that holds its previous values the difference from
+    them, compressed (:func:`delta_frame`): ``+zstd`` and ``+delta``."""
+    return wire.endswith(("+zstd", "+delta"))
 
 
 def wire_bytes(layout: Layout, wire: str) -> int:

@@ -13,8 +13,9 @@ same synthetic data (on a directory every host mounts) at the same global batch,
   ``allreduce`` (one server beside each worker, the stub summing every worker's gradient),
   ``hosts`` (the allreduce preset summed by hosts, ``topology.reduce: hosts``: per host a step
   moves what ring allreduce moves), ``hosts-bf16`` (the same with ``topology.wire: bf16``),
-  and ``hosts-zstd`` and ``hosts-bf16-zstd`` (``wire: f32+zstd``, ``bf16+zstd``: the same
-  words compressed without loss);
+  ``hosts-zstd`` and ``hosts-bf16-zstd`` (``wire: f32+zstd``, ``bf16+zstd``: the same
+  words compressed without loss), and ``hosts-delta`` and ``hosts-bf16-delta`` (``wire:
+  f32+delta``, ``bf16+delta``: only the values' differences from the last ones compressed);
 - DDP over gloo, float32; and DDP with its bf16 compression hook (``bf16_compress_hook``: the
   gradients cross as bfloat16).
 
@@ -47,7 +48,16 @@ from report import Figure, Report
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the emulated hosts are the suite's
 
-TOPOLOGIES = ("sandblaster", "allreduce", "hosts", "hosts-bf16", "hosts-zstd", "hosts-bf16-zstd")
+TOPOLOGIES = (
+    "sandblaster",
+    "allreduce",
+    "hosts",
+    "hosts-bf16",
+    "hosts-zstd",
+    "hosts-bf16-zstd",
+    "hosts-delta",
+    "hosts-bf16-delta",
+)
 _HOSTS = ["topology.preset=allreduce", "topology.reduce=hosts"]
 # the topology keys each side sets beyond the preset's
 SIDE_SETS = {
@@ -55,8 +65,10 @@ SIDE_SETS = {
     "hosts-bf16": [*_HOSTS, "topology.wire=bf16"],
     "hosts-zstd": [*_HOSTS, "topology.wire=f32+zstd"],
     "hosts-bf16-zstd": [*_HOSTS, "topology.wire=bf16+zstd"],
+    "hosts-delta": [*_HOSTS, "topology.wire=f32+delta"],
+    "hosts-bf16-delta": [*_HOSTS, "topology.wire=bf16+delta"],
 }
-BF16 = ("hosts-bf16", "hosts-bf16-zstd")  # the sides whose values cross rounded
+BF16 = ("hosts-bf16", "hosts-bf16-zstd", "hosts-bf16-delta")  # the sides whose values cross rounded
 GOAL_RING = 1.1  # hosts: the busiest host's bytes per step over ring allreduce's
 GOAL_BF16_BYTES = (0.475, 0.525)  # hosts-bf16's bytes over hosts'
 GOAL_BF16_VS_DDP = 1.6  # hosts-bf16 at the slowest rate, over DDP float32's samples/s
@@ -271,6 +283,10 @@ def write_report(runs, args, rates: list[float], sides: list[str]) -> None:
         "hosts-bf16": "raysinga allreduce summed by hosts, bf16 on the wire",
         "hosts-zstd": "raysinga allreduce summed by hosts, float32 compressed (zstd)",
         "hosts-bf16-zstd": "raysinga allreduce summed by hosts, bf16 compressed (zstd)",
+        "hosts-delta": "raysinga allreduce summed by hosts, float32, values' differences "
+        "compressed",
+        "hosts-bf16-delta": "raysinga allreduce summed by hosts, bf16, values' differences "
+        "compressed",
         "ddp": "Ray Train DDP (gloo)",
         "ddp-bf16": "Ray Train DDP (gloo, bf16 hook)",
     }

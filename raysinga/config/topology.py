@@ -20,7 +20,7 @@ from .section import Refusal, Section, explain, key
 
 PRESETS = ("sandblaster", "downpour", "hogwild", "allreduce")
 REDUCES = ("stub", "hosts")
-WIRES = ("f32", "bf16", "f32+zstd", "bf16+zstd")
+WIRES = ("f32", "bf16", "f32+zstd", "bf16+zstd", "f32+delta", "bf16+delta")
 HOSTS_SLICE_BYTES = 16 << 10  # reduce: hosts's default slice_bytes
 
 
@@ -119,7 +119,9 @@ class Topology(Section):
         "f32",
         description="`reduce: hosts`: what gradients and values cross between roles as: `f32`, "
         "or `bf16` (rounded to nearest even; the servers keep float32 values and state); "
-        "`f32+zstd` and `bf16+zstd` send the same compressed without loss, for slow links",
+        "`f32+zstd` and `bf16+zstd` send the same compressed without loss, for slow links; "
+        "`f32+delta` and `bf16+delta` compress only the values' differences from the last "
+        "ones sent, for links a little slower than the hosts' cores",
     )
     worker: Resources = key(
         Resources, description="Ray resources of each worker; must reserve some CPUs or GPUs"

@@ -222,13 +222,13 @@ def test_a_version_crosses_in_place_into_the_mirror_the_one_before_is_not_read_f
         m.close()
 
 
-@pytest.mark.parametrize("wire", ["f32+zstd", "bf16+zstd"])
+@pytest.mark.parametrize("wire", ["f32+zstd", "bf16+zstd", "f32+delta", "bf16+delta"])
 def test_a_compressed_push_sends_the_difference_to_a_mirror_that_holds_the_version_before(
     wire,
 ):
-    """Under ``wire: *+zstd`` a server sends a reader that it pushed the previous version
-    whole only the difference of the words: the mirror ends with every bit of the new
-    values (as they cross), in fewer bytes. A mirror that lacks the version before never
+    """Under ``wire: *+zstd`` and ``*+delta`` a server sends a reader that it pushed the
+    previous version whole only the difference of the words: the mirror ends with every bit
+    of the new values (as they cross), in fewer bytes. A mirror that lacks the version before never
     takes the difference in; after the values are reloaded, the next push is whole."""
     from actors.server_values import ValueReaders
     from actors.wire import parts_of

@@ -172,6 +172,20 @@ def test_squeezed_arrays_cross_bit_for_bit_in_fewer_bytes(inbox):
     assert inbox.received == payload_bytes(plain)  # the arrays as taken in
 
 
+def test_a_squeezed_array_groups_its_bytes_by_significance():
+    """What is compressed: every element's first byte, then every second byte, ... (the
+    sign and exponent bytes together), for float32 and bfloat16 words alike."""
+    import pyarrow as pa
+
+    w = weights(1001)
+    for a in (w, (w.view(np.uint32) >> 16).astype(np.uint16)):
+        s = squeeze(a)
+        raw = pa.Codec("zstd").decompress(s.payload, decompressed_size=a.nbytes)
+        planes = np.frombuffer(raw, np.uint8).reshape(a.itemsize, -1)
+        assert (planes == a.view(np.uint8).reshape(-1, a.itemsize).T).all()
+        assert unsqueeze(s.payload, a.dtype, a.shape).tobytes() == a.tobytes()
+
+
 def test_a_squeezed_array_that_does_not_decompress_is_dropped_with_its_connection(inbox):
     s = squeeze(weights(1000))
     with pytest.raises(ValueError, match="does not decompress|another size"):

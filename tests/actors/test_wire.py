@@ -6,14 +6,20 @@ from __future__ import annotations
 import numpy as np
 
 from raysinga.actors.buffers import Layout
+from raysinga.actors.squeeze import Squeezed, unsqueeze
 from raysinga.actors.wire import (
     TAIL_BYTES,
+    apply_delta,
     blocks,
     cut,
     decode,
+    delta_frame,
+    deltas,
     encode,
+    frame,
     parts_of,
     rounded,
+    squeezed,
     wire_bytes,
 )
 from raysinga.kernels.precision import round_bf16
@@ -88,3 +94,41 @@ def test_parts_cut_a_servers_slices_into_equal_parts_from_the_last_array_on():
     }
     got = np.concatenate([x for part in parts[::-1] for x in cut(arrays, part)])
     assert got.tobytes() == np.concatenate([v.reshape(-1) for v in arrays.values()]).tobytes()
+
+
+def test_which_wires_compress_the_sums_and_which_the_values_differences():
+    """``*+zstd`` compresses every array that crosses; ``*+delta`` only the values'
+    differences: its sums cross as the words they are."""
+    a = arrays()
+    for wire, sums, diffs in [
+        ("f32", False, False),
+        ("bf16", False, False),
+        ("f32+zstd", True, True),
+        ("bf16+zstd", True, True),
+        ("f32+delta", False, True),
+        ("bf16+delta", False, True),
+    ]:
+        assert (squeezed(wire), deltas(wire)) == (sums, diffs), wire
+        framed = frame(a, wire)
+        assert all(isinstance(f, Squeezed) == sums for f in framed), wire
+        if not sums:
+            words = encode(a, wire)
+            assert [f.tobytes() for f in framed] == [w.tobytes() for w in words], wire
+
+
+def test_a_values_difference_brings_a_reader_to_every_bit_of_the_new_values():
+    """A difference (exclusive or of the words) of values one SGD step apart compresses to
+    under 0.7 of their bytes, and the reader's old words with it make the new ones exactly."""
+    rng = np.random.default_rng(1)
+    old = (rng.standard_normal(1 << 16) * 0.05).astype(np.float32)
+    new = (old - np.float32(0.01) * rng.standard_normal(old.size).astype(np.float32) * 1e-2).astype(
+        np.float32
+    )
+    for wire in ("f32+delta", "bf16+delta"):
+        (d,) = delta_frame([new], [old], wire)
+        words = encode([new], wire)[0]
+        assert d.nbytes < 0.7 * words.nbytes, wire
+        dst = np.empty_like(old)
+        base = decode(encode([old], wire))[0]
+        apply_delta(dst, unsqueeze(d.payload, d.dtype, d.shape), base)
+        assert dst.tobytes() == decode([words])[0].tobytes(), wire

@@ -62,7 +62,7 @@ def counted(cluster):
 
     def run(topology: str) -> tuple[str, str]:
         if topology not in done:
-            run_dir = f"/mnt/shared/counted-{[STUB, HOSTS, ZSTD].index(topology)}"
+            run_dir = f"/mnt/shared/counted-{[STUB, HOSTS, ZSTD, DELTA].index(topology)}"
             r = hosts.drive(cluster, counted_run, f"{head.address}:6379", run_dir, topology)
             assert r.returncode == 0, r.stdout
             done[topology] = (run_dir, r.stdout)
@@ -122,10 +122,14 @@ STUB = "{preset: sandblaster, n_servers: 2, workers_per_group: 2, worker: {cpus:
 HOSTS = "{preset: allreduce, reduce: hosts, workers_per_group: 3, worker: {cpus: 2}}"
 # the same, compressed without loss on the wire
 ZSTD = HOSTS.replace("workers_per_group: 3,", "workers_per_group: 3, wire: f32+zstd,")
+# only the values' differences compressed, the sums as they are
+DELTA = HOSTS.replace("workers_per_group: 3,", "workers_per_group: 3, wire: f32+delta,")
 PARAMS = 4 * (64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10)  # the model's bytes
 
 
-@pytest.mark.parametrize("topology", [STUB, HOSTS, ZSTD], ids=["stub", "hosts", "zstd"])
+@pytest.mark.parametrize(
+    "topology", [STUB, HOSTS, ZSTD, DELTA], ids=["stub", "hosts", "zstd", "delta"]
+)
 def test_the_bytes_counted_per_host_are_what_the_interfaces_carried(counted, topology):
     """Summed by hosts, each host also carries at most 1.1x what ring allreduce moves,
     2 (W-1)/W of the parameters' bytes each way ([N2])."""
@@ -134,7 +138,7 @@ def test_the_bytes_counted_per_host_are_what_the_interfaces_carried(counted, top
     a, b = seen[str(FROM)]["counters"], seen[str(TO)]["counters"]
     # each report's: the mean of the steps since the report before
     nets = [v["net"] for k, v in seen.items() if int(k) > FROM]
-    if topology != ZSTD:  # a placement's steps all move the same
+    if topology in (STUB, HOSTS):  # a placement's steps all move the same
         assert all(n == seen[str(FROM)]["net"] for n in nets), stdout
     # compressed, each step moves its own count: the mean of the reports from FROM to TO
     net = {h: {k: sum(n[h][k] for n in nets) / len(nets) for k in ("in", "out")} for h in nets[-1]}
@@ -164,12 +168,13 @@ def test_the_bytes_counted_per_host_are_what_the_interfaces_carried(counted, top
             assert max(v["in"], v["out"]) <= bound * ring, f"{h}: {v} against {ring}\n{report}"
 
 
-@pytest.mark.parametrize("topology", [HOSTS, ZSTD], ids=["f32", "f32+zstd"])
+@pytest.mark.parametrize("topology", [HOSTS, ZSTD, DELTA], ids=["f32", "f32+zstd", "f32+delta"])
 def test_summed_by_hosts_over_the_network_ends_as_on_one_machine(cluster, counted, alone, topology):
     """Three hosts, the sums sent to the servers' inboxes and the values pushed to mirrors
     on each host (actors/tcp.py, actors/mirrors.py): every tensor of the final checkpoint
     the bits of the same job run on this machine alone, where every read is local; so too
-    with the wire compressed (``f32+zstd``: lossless). (The runs whose bytes are counted.)"""
+    with the wire compressed (``f32+zstd``, ``f32+delta``: lossless). (The runs whose bytes
+    are counted.)"""
     run, _ = counted(topology)
     theirs = checkpoint_tensors(cluster[0].path(f"{run}/checkpoints/step-{TO}"))
     ours = alone()

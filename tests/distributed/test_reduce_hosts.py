@@ -146,13 +146,15 @@ def test_clipping_is_refused_where_no_role_sees_the_whole_gradient(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_compressed_wire_changes_no_bit(blocks, tmp_path):
-    """``wire: f32+zstd`` sends the blocks' sums compressed without loss: the bits of ``f32``,
-    and the checkpoint records the setting."""
-    got = fit(tmp_path / "zstd", "topology.wire=f32+zstd")
+@pytest.mark.parametrize("wire", ["f32+zstd", "f32+delta"])
+def test_a_compressed_wire_changes_no_bit(blocks, tmp_path, wire):
+    """``wire: f32+zstd`` sends the blocks' sums and the values' differences compressed
+    without loss, ``f32+delta`` the differences alone: the bits of ``f32``, and the checkpoint
+    records the setting."""
+    got = fit(tmp_path / "run", f"topology.wire={wire}")
     assert same_bits(got.params, blocks.params)
-    ck = Checkpoint.open(tmp_path / "zstd" / "checkpoints" / "step-30")
-    assert ck.meta["run"]["topology"]["wire"] == "f32+zstd"
+    ck = Checkpoint.open(tmp_path / "run" / "checkpoints" / "step-30")
+    assert ck.meta["run"]["topology"]["wire"] == wire
 
 
 # ------------------------------------------------------------------ wire: bf16
