@@ -112,7 +112,7 @@ class Pushed:
     """A server's values as it pushed them to a worker's inbox on each node that reads them
     (``topology.reduce: hosts``, :mod:`actors.mirrors`): after ``version`` updates, of
     ``generation`` (:func:`mirror_seq`); ``nbytes``: what each reader node was sent of them
-    (compressed, under ``wire: *+zstd``)."""
+    (compressed, under ``wire: *+zstd`` and ``*+delta``)."""
 
     version: int
     nbytes: int = 0

@@ -1,8 +1,9 @@
-"""Words compressed without loss as they cross (``topology.wire: f32+zstd``, ``bf16+zstd``,
-:mod:`.wire`): an array's bytes regrouped by significance (every element's first byte, then
-every second byte, ...), so that the sign and exponent bytes, which vary little from one
-element to the next, lie together, then compressed with Zstandard (pyarrow's codec). A frame
-carries such an array marked as compressed (:mod:`.tcp`).
+"""Words compressed without loss as they cross (``topology.wire: f32+zstd``, ``bf16+zstd``;
+under ``f32+delta``, ``bf16+delta`` the values' differences alone, :mod:`.wire`): an array's
+bytes regrouped by significance (every element's first byte, then every second byte, ...), so
+that the sign and exponent bytes, which vary little from one element to the next, lie
+together, then compressed with Zstandard (pyarrow's codec). A frame carries such an array
+marked as compressed (:mod:`.tcp`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def squeeze(a: np.ndarray) -> Squeezed:
         raise ValueError(f"a frame carries float32 or bfloat16 words, not {a.dtype}")
     planes = np.empty((a.itemsize, a.size), np.uint8)
     for k, row in enumerate(_significance(a.reshape(-1).view(np.uint8), a.itemsize)):
-        planes[k] = row  # one strided copy per byte: twice as fast as a transposed copy
+        planes[k] = row  # one strided copy per byte of the word (as unsqueeze regroups)
     # np.frombuffer: a memoryview of the pyarrow Buffer itself can claim more bytes than it has
     return Squeezed(a.dtype, a.shape, np.frombuffer(_codec().compress(planes), np.uint8))
 
@@ -63,7 +64,7 @@ def unsqueeze(payload: Any, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarr
         raise ValueError("a compressed array of another size than its shape")
     grouped = grouped.reshape(dtype.itemsize, -1)
     for k, row in enumerate(_significance(out.reshape(-1).view(np.uint8), dtype.itemsize)):
-        row[...] = grouped[k]  # a third of the time of assigning the transpose
+        row[...] = grouped[k]  # a third of the time of assigning the transposed planes
     return out
 
 

@@ -14,7 +14,8 @@ one fixed-size entry per array (:data:`ENTRY`: its dtype code, its dimensions, i
 its length on the wire), then the arrays' bytes. A sender hands the kernel a frame in one
 call, and a receiver takes the header and the table in two, then each array's bytes straight
 into where they go: a frame of a few arrays costs a few system calls, not three per array. An
-array sent compressed (``wire: f32+zstd``, ``bf16+zstd``: :mod:`.squeeze`) has
+array sent compressed (``wire: *+zstd``, and the values' differences under ``*+delta``:
+:mod:`.squeeze`) has
 :data:`SQUEEZED` in its code. A connection opens
 with the receiving role's token (:data:`HELLO`), which only Ray's calls hand out: a connection
 without it is closed unread. Frames of an earlier epoch (a sender replaced since, or one cut

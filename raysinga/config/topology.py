@@ -121,7 +121,7 @@ class Topology(Section):
         "or `bf16` (rounded to nearest even; the servers keep float32 values and state); "
         "`f32+zstd` and `bf16+zstd` send the same compressed without loss, for slow links; "
         "`f32+delta` and `bf16+delta` compress only the values' differences from the last "
-        "ones sent, for links a little slower than the hosts' cores",
+        "ones sent, for links about as busy as the hosts' cores",
     )
     worker: Resources = key(
         Resources, description="Ray resources of each worker; must reserve some CPUs or GPUs"
