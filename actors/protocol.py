@@ -68,6 +68,7 @@ class WorkerSpec:
     wire: str = "f32"  # topology.wire: what gradients and values cross as (actors.wire)
     mirrors: bool = False  # topology.reduce hosts: it can take the servers' values in (.mirrors)
     metrics: str | None = None  # the run's name, where it records Ray metrics (obs.raymetrics)
+    dw_row_blocks: int = 1  # a dense weight's gradient in blocks of rows (nn.layers.dw_row_blocks)
 
 
 @dataclass(frozen=True)

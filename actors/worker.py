@@ -64,7 +64,8 @@ class Worker(Abortable, Fence):
         self.label = f"{spec.tag} g{spec.group}w{spec.index}"  # the run (name and id), the role
         self.n_groups, self.group_batch = spec.n_groups, spec.group_batch
         # the driver ran the user's own layers once as it read the job (nn.checks.probe)
-        self.net = Net(ModelSpec.from_dict(spec.model, probe=False), dtype=spec.dtype)
+        model = ModelSpec.from_dict(spec.model, probe=False)
+        self.net = Net(model, spec.dtype, spec.dw_row_blocks)
         self.state = self.net.init_state()
         self.cursor = DataCursor()  # a resumed run's, else from the start
         self.splits = open_splits(spec.data, spec.validation)

@@ -23,6 +23,7 @@ from raysinga.actors.errors import get_all
 from raysinga.actors.mirrors import first_on_each_node
 from raysinga.actors.protocol import ServerSpec, StubSpec, WorkerSpec
 from raysinga.kernels.cpu_threads import compute_threads
+from raysinga.nn.layers import dw_row_blocks
 from raysinga.run.graph_step import graphs_mode
 
 from .role_checkpoints import RoleCheckpoints
@@ -217,6 +218,7 @@ class RoleGroup(RoleCheckpoints):
             topo.wire,
             topo.reduce == "hosts",
             self.metrics,
+            dw_row_blocks(topo.reduce),
         )
 
     def describe(self) -> None:

@@ -65,6 +65,7 @@ class Layer:
         # Set likewise where the caller wants a parameter's gradient by blocks of rows as each
         # is final (a dense layer's weight, written in place into ``grads_into``).
         self.rows_hook: RowsHook | None = None
+        self.dw_row_blocks = 1  # a dense weight's gradient in blocks of rows (dw_row_blocks)
         self._cache: tuple = ()
 
     # -- shapes and initial values
@@ -132,14 +133,23 @@ def _check_positive_int(layer: Layer, **vals: Any) -> None:
             raise layer._fail(f"{k} must be a positive integer, got {v!r}")
 
 
-# A dense layer's weight gradient of at least DW_BLOCKED_ELEMENTS elements is computed on a
-# CPU as DW_ROW_BLOCKS GEMMs, each over a block of its rows (the same bits on every path: the
-# single process, any worker): a worker of a group summed by hosts sends each block's rows to
-# their servers while it computes the next (actors.block_sends.EarlySends), instead of waiting
-# for the whole GEMM. A smaller weight is one part's worth (actors.wire.PART_BYTES) or less:
-# its blocks would let nothing go sooner, and each costs a call (about 5 us).
+# In a job summed by hosts (topology.reduce: hosts), a dense layer's weight gradient of at
+# least DW_BLOCKED_ELEMENTS elements is computed on a CPU as DW_ROW_BLOCKS GEMMs, each over a
+# block of its rows: a worker sends each block's rows to their servers while it computes the
+# next (actors.block_sends.EarlySends), instead of waiting for the whole GEMM. Every path of
+# such a job computes it so (its workers, and the single process of --local: the same bits);
+# any other job keeps one GEMM (the blocks cost a single process with two BLAS threads about
+# 5% of a step of a 784-1024-1024-10 MLP). A smaller weight is one part's worth
+# (actors.wire.PART_BYTES) or less: its blocks would let nothing go sooner, and each costs a
+# call (about 5 us).
 DW_ROW_BLOCKS = 4
 DW_BLOCKED_ELEMENTS = 1 << 16
+
+
+def dw_row_blocks(reduce: str) -> int:
+    """The blocks of rows a dense weight's gradient is computed in, in a job whose
+    ``topology.reduce`` is ``reduce`` (every path of one job: the same)."""
+    return DW_ROW_BLOCKS if reduce == "hosts" else 1
 
 
 class RowsHook(Protocol):
@@ -186,7 +196,7 @@ class Dense(Layer):
     def backward(self, dy):
         x_shape, rows, w, y = self._cache
         out, hook = self.grads_into.get("W"), self.rows_hook
-        blocks = DW_ROW_BLOCKS if w.size >= DW_BLOCKED_ELEMENTS else 1
+        blocks = self.dw_row_blocks if w.size >= DW_BLOCKED_ELEMENTS else 1
         first, told = 0, None
         if hook is not None and out is not None and blocks > 1:  # told where they are written
             key, units = self.key("W"), w.shape[1]

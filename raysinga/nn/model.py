@@ -124,7 +124,9 @@ def recorded_spec(run: dict[str, Any], where: str) -> ModelSpec:
 class Net:
     """Layers built from a spec, with the loss at the end."""
 
-    def __init__(self, spec: ModelSpec, dtype: str = "float32") -> None:
+    def __init__(self, spec: ModelSpec, dtype: str = "float32", dw_row_blocks: int = 1) -> None:
+        """``dw_row_blocks``: the blocks of rows a large dense weight's gradient is computed in
+        (:func:`.layers.dw_row_blocks`: more than one in a job summed by hosts)."""
         if dtype not in K.common.FLOAT_DTYPES:
             raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
         try:
@@ -162,6 +164,7 @@ class Net:
                 raise ValueError(f"model.layers[{i}] ({ls.name}): {e}") from None
             except ValueError as e:
                 raise ValueError(f"model.layers[{i}]: {e}") from None
+            layer.dw_row_blocks = dw_row_blocks
             self.layers.append(layer)
             self.out_shapes.append(tuple(shape))
             self.sources.append(sources)

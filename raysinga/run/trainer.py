@@ -24,7 +24,7 @@ from raysinga.data.check import check_splits
 from raysinga.data.splits import Splits, open_splits
 from raysinga.kernels import precision
 from raysinga.kernels.cpu_threads import blas_threads, compute_threads
-from raysinga.nn.layers import StepContext
+from raysinga.nn.layers import StepContext, dw_row_blocks
 from raysinga.nn.losses import CLASSIFYING
 from raysinga.nn.model import Net
 from raysinga.obs.console import hub_for
@@ -77,7 +77,10 @@ class Trainer:
         self.hub = hub_for(log, on_event)
         self.device = _resolve_device(cfg.device, self.hub.notice)
         self.xp = K.xp_for(self.device)
-        self.net = Net(cfg.model, dtype=cfg.dtype)
+        # a job summed by hosts (its --local twin): dense weights' gradients by blocks, as its
+        # workers compute them
+        reduce = cfg.topology.reduce if cfg.topology is not None else "stub"
+        self.net = Net(cfg.model, cfg.dtype, dw_row_blocks(reduce))
         self.splits = open_data(cfg, self.net, self.hub.notice)
         self.train_data = self.splits.train
         self.plan = BatchPlan(len(self.train_data), cfg.data.batch_size, cfg.seed, cfg.data.shuffle)

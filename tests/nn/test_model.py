@@ -116,10 +116,10 @@ def test_gradients_match_pytorch_float32(spec_dict, batch):
         assert err <= 1e-5, f"{k}: relative error {err:.2e}"
 
 
-def _one_batch(spec_dict):
+def _one_batch(spec_dict, dw_row_blocks=1):
     """A net of ``spec_dict``, its parameters and state, and one training batch with its
     context: what the gradient tests take a backward pass of."""
-    net = Net(ModelSpec.from_dict(spec_dict))
+    net = Net(ModelSpec.from_dict(spec_dict), dw_row_blocks=dw_row_blocks)
     params, state = net.init_params(3), net.init_state()
     x = np.random.default_rng(4).standard_normal((9, *spec_dict["input_shape"]), np.float32)
     y = np.arange(9) % 7
@@ -242,7 +242,7 @@ def test_a_dense_weights_gradient_is_told_final_by_blocks_of_rows_from_the_block
     each block told final (the bits the pass ends with, the rest not written yet), from the
     block the hook asks for first, round; the same bits as with no hook, or no buffer."""
     monkeypatch.setattr(layers, "DW_BLOCKED_ELEMENTS", 1)  # this MLP's weights are small
-    net, params, state, x, y, ctx = _one_batch(MLP)
+    net, params, state, x, y, ctx = _one_batch(MLP, layers.dw_row_blocks("hosts"))
     _, plain, _ = net.loss_and_grads(params, state, x, y, ctx)
     into = {k: np.full_like(v, np.nan) for k, v in params.items()}
     told: list[tuple[str, int, int]] = []
@@ -280,8 +280,30 @@ def test_a_dense_weights_gradient_is_told_final_by_blocks_of_rows_from_the_block
     assert all(ly.rows_hook is None for ly in net.layers)  # held for one call only
 
 
+@pytest.mark.parametrize("reduce", ["stub", "hosts"])
+def test_a_dense_weight_is_one_gemm_outside_a_job_summed_by_hosts(reduce, monkeypatch):
+    """Only a job summed by hosts computes a large dense weight's gradient by blocks of rows
+    (its workers send them as they come); any other keeps one GEMM, and a net of the blocks
+    gives the same gradient to float rounding."""
+    monkeypatch.setattr(layers, "DW_BLOCKED_ELEMENTS", 1)
+    net, params, state, x, y, ctx = _one_batch(MLP, layers.dw_row_blocks(reduce))
+    seen, real = [], layers.K.dense_backward
+
+    def counted(*a, row_blocks, **k):
+        seen.append(row_blocks)
+        return real(*a, row_blocks=row_blocks, **k)
+
+    monkeypatch.setattr(layers.K, "dense_backward", counted)
+    _, grads, _ = net.loss_and_grads(params, state, x, y, ctx)
+    assert seen and set(seen) == {DW_ROW_BLOCKS if reduce == "hosts" else 1}
+    whole, *_ = _one_batch(MLP)
+    _, ref, _ = whole.loss_and_grads(params, state, x, y, ctx)
+    for k in ref:
+        np.testing.assert_allclose(grads[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
 def test_a_dense_weight_under_a_parts_worth_is_one_gemm_and_told_of_no_rows():
-    net, params, state, x, y, ctx = _one_batch(MLP)
+    net, params, state, x, y, ctx = _one_batch(MLP, layers.dw_row_blocks("hosts"))
     assert all(v.size < layers.DW_BLOCKED_ELEMENTS for v in params.values())
     into = {k: np.zeros_like(v) for k, v in params.items()}
 
