@@ -149,7 +149,10 @@ def test_a_lost_host_that_held_the_stub_restarts_from_the_newest_checkpoint(clus
     lose_at_step_150(run, head, nodes, lambda roles: "Stub" in roles)
     lines = head.path(f"{run_dir}/metrics.jsonl").read_text().splitlines()
     (ev,) = [r for r in map(json.loads, lines) if r["kind"] == "failure"]
-    assert ev["recovery"] == "restarted" and ev["restored_from"] == 100, ev
+    # the newest checkpoint before the loss: step 100, or 200 where the host went down only
+    # after the run had passed 200 (a machine under load: CI saw the failure at step 250)
+    assert ev["recovery"] == "restarted" and ev["restored_from"] in (100, 200), ev
+    assert 0 <= ev["step"] - ev["restored_from"] <= 100, ev
     assert "with the stub" in ev["not_replaced"], ev  # why, said
     assert ev["steps_redone"] == ev["step"] - ev["restored_from"], ev
     assert meta(lambda p: head.path(p).read_text(), f"{run_dir}/checkpoints", 400) == reference[400]
