@@ -1,6 +1,7 @@
-"""The compute precisions' rounding (kernels.precision: ml_dtypes' bfloat16 cast, round to
-nearest, ties to even) against references written from their definitions, over random values,
-exact ties, the largest finite values, subnormals, infinities and NaN."""
+"""The compute precisions' rounding (kernels.precision: bfloat16 round to nearest, ties to even;
+TF32 ties away) against references written from their definitions, over random values, exact
+ties, the largest finite values, subnormals, infinities and NaN; and the bfloat16 casts against
+``ml_dtypes``' over every upper half of a float32 word with each kind of lower half."""
 
 from __future__ import annotations
 
@@ -41,6 +42,28 @@ def test_bf16_rounding_is_to_nearest_even():
     back = P.from_bf16_bits(_bf16_reference(x)).view(np.uint32)
     assert np.array_equal(back, _bf16_reference(x).astype(np.uint32) << 16)  # exact
     assert np.array_equal(P.round_bf16(x)[~nan], P.from_bf16_bits(got)[~nan])
+
+
+def test_bf16_casts_give_the_bits_of_ml_dtypes_for_every_upper_half():
+    """Every 16-bit upper half (every sign, exponent and kept mantissa: NaN, infinities and
+    subnormals included) with the lower halves where rounding turns: 0, 1, just under, at and
+    just over the tie, and the largest; and every bfloat16 word back to float32."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    high = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
+    lows = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xC000, 0xFFFF], np.uint32)
+    words = (high[:, None] | lows[None, :]).reshape(-1)
+    x = words.view(np.float32)
+    with np.errstate(invalid="ignore"):
+        want = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    nan = np.isnan(x)  # ml_dtypes makes every NaN one word; the CUDA kernels keep its top
+    want[nan] = (words[nan] >> np.uint32(16) | np.uint32(0x40)).astype(np.uint16)
+    assert np.array_equal(P.bf16_bits(x), want)
+    assert np.array_equal(P.bf16_bits(x.reshape(-1, 7)), want.reshape(-1, 7))  # any shape
+    back = np.arange(1 << 16, dtype=np.uint16)
+    wanted = back.view(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(P.from_bf16_bits(back).view(np.uint32), wanted.view(np.uint32))
+    strided = np.arange(64, dtype=np.float32).reshape(8, 8)[:, ::2]  # not contiguous
+    assert np.array_equal(P.bf16_bits(strided), P.bf16_bits(strided.copy()))
 
 
 def test_tf32_rounding_keeps_ten_mantissa_bits_to_nearest_ties_away():
