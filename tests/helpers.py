@@ -283,11 +283,14 @@ def ray_start_cluster(nodes: list[tuple[str, int]], env: dict[str, str], head_cp
     assert not any(group_of(pid) for pid in started), "a node's processes outlived the stop"
 
 
-def node_env(where: Path, without: tuple[str, ...] = ()) -> str:
+def node_env(
+    where: Path, without: tuple[str, ...] = (), only: tuple[str, ...] | None = None
+) -> str:
     """A virtual environment in ``where`` whose Python imports what this one's site-packages
     hold, but not raysinga (its install's hook is a path file, which a directory reached
-    through another path file does not run) nor the top-level modules ``without``. Returns
-    its Python."""
+    through another path file does not run) nor the top-level modules ``without``; ``only``:
+    instead, nothing but the distributions named (``"ray[default]"`` with an extra) and what
+    they require, as ``pip install`` of them would bring. Returns its Python."""
     import sysconfig  # noqa: PLC0415
 
     subprocess.run([sys.executable, "-m", "venv", str(where / "venv")], check=True)
@@ -299,13 +302,15 @@ def node_env(where: Path, without: tuple[str, ...] = ()) -> str:
         check=True,
     ).stdout.strip()
     deps = Path(sysconfig.get_paths()["purelib"])
-    if without:  # a directory of links to every entry but those, in the environment
-        linked = where / "venv" / "deps"  # (which an emulated host sees: tests/hosts.py)
-        linked.mkdir()
+    if without or only is not None:  # a directory of links to the entries kept, in the
+        linked = where / "venv" / "deps"  # environment (which an emulated host sees:
+        linked.mkdir()  # tests/hosts.py)
+        kept = _entries_of(only) if only is not None else None
         for entry in deps.iterdir():
             top = entry.name.split("-")[0].split(".")[0].lower()
-            if top not in without:
-                (linked / entry.name).symlink_to(entry)
+            if top in without or (kept is not None and entry.name not in kept):
+                continue
+            (linked / entry.name).symlink_to(entry)
         deps = linked
     Path(site, "deps.pth").write_text(f"{deps}\n")
     lacks = ["raysinga", *without]
@@ -313,6 +318,39 @@ def node_env(where: Path, without: tuple[str, ...] = ()) -> str:
         found = subprocess.run([py, "-c", f"import {module}"], cwd=where, capture_output=True)
         assert (found.returncode == 0) == (module not in lacks), (module, found.stderr)
     return py
+
+
+def _entries_of(dists: tuple[str, ...]) -> set[str]:
+    """The names in site-packages (packages, modules, ``.libs`` and ``.dist-info``
+    directories) of the installed distributions ``dists`` and of every distribution they
+    require, extras followed, as pip resolves them; ``.pth`` files left out."""
+    import importlib.metadata as md  # noqa: PLC0415
+
+    from packaging.requirements import Requirement  # noqa: PLC0415
+
+    seen: set[str] = set()
+    entries: set[str] = set()
+    todo = [Requirement(d) for d in dists]
+    while todo:
+        req = todo.pop()
+        key = (req.name.lower().replace("_", "-"), frozenset(req.extras))
+        if str(key) in seen:
+            continue
+        seen.add(str(key))
+        try:
+            dist = md.distribution(req.name)
+        except md.PackageNotFoundError:
+            continue  # a requirement for another platform or Python
+        for f in dist.files or ():
+            top = f.parts[0]
+            if top != ".." and not top.endswith(".pth") and top != "__pycache__":
+                entries.add(top)
+        for r in dist.requires or ():
+            sub = Requirement(r)
+            extras = req.extras or {""}
+            if sub.marker is None or any(sub.marker.evaluate({"extra": e}) for e in extras):
+                todo.append(sub)
+    return entries
 
 
 # A character-level language model small enough to train in a second, for the tests of text

@@ -3,32 +3,51 @@ must not be what fails). Imports nothing of raysinga at module level."""
 
 from __future__ import annotations
 
-NEEDED = (
-    "numpy",
-    "msgpack",
-    "pyarrow",
-    "raysinga",
-    "raysinga.actors.worker",
-    "raysinga.actors.server",
-    "raysinga.actors.stub",
-)
+# What a node's Python needs beside Ray when the run ships raysinga: the packages of
+# raysinga's dependencies that its roles import (the others serve the driver: the job's
+# schema files, event files, tracking). Import name -> the name pip installs it by.
+# docs/cluster.md lists them; tests/cluster/test_node_packages.py trains on a node that has
+# only these and Ray.
+NODE_PACKAGES = {
+    "numpy": "numpy",
+    "msgpack": "msgpack",
+    "pyarrow": "pyarrow",
+    "yaml": "pyyaml",
+    "pydantic": "pydantic",
+    "xxhash": "xxhash",
+    "threadpoolctl": "threadpoolctl",
+}
+ROLE_MODULES = ("raysinga.actors.worker", "raysinga.actors.server", "raysinga.actors.stub")
+# the dependencies first, so that a missing one is named as itself
+NEEDED = (*NODE_PACKAGES, "raysinga", *ROLE_MODULES)
 
 
 def probe(modules: tuple[str, ...] = NEEDED) -> dict[str, str]:
     """The node's address, its Python, and the first module of ``modules`` that cannot be
-    imported there, with why (``module`` empty where every one imports)."""
+    imported there, with why (``module`` empty where every one imports) and, where a module it
+    imports is not there, that module's name (``missing``: ``ml_dtypes`` where importing
+    ``raysinga.actors.worker`` needed it)."""
     import importlib  # noqa: PLC0415
     import socket  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
     found = {"host": socket.gethostname(), "python": sys.executable, "module": "", "why": ""}
+    found["missing"] = ""
     for name in modules:
         try:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - reported by name, not raised on the node
             found.update(module=name, why=f"{type(e).__name__}: {e}")
+            if isinstance(e, ModuleNotFoundError) and e.name:
+                found["missing"] = e.name
             break
     return found
+
+
+def pip_name(module: str) -> str:
+    """The name pip installs the top-level package of ``module`` by."""
+    top = module.split(".")[0]
+    return NODE_PACKAGES.get(top, top)
 
 
 def look(expect: list[dict[str, object]]) -> dict[str, object]:

@@ -190,7 +190,7 @@ def check_nodes(
         if found["module"]:
             raise NodeSetupError(
                 f"{where} cannot import {found['module']} with {found['python']} "
-                f"({found['why']}): {_remedy(found['module'], own)}"
+                f"({found['why']}): {_remedy(found['module'], found.get('missing', ''), own)}"
             )
 
 
@@ -200,19 +200,24 @@ def _alive(node_id: str) -> bool:
     return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
 
 
-def _remedy(module: str, own: tuple[str, ...] = ()) -> str:
-    if module in own:
+def _remedy(module: str, missing: str = "", own: tuple[str, ...] = ()) -> str:
+    """What to do where ``module`` failed to import on a node, ``missing`` the module it
+    found missing (empty where it failed otherwise)."""
+    if module in own and missing.split(".")[0] in ("", module.split(".")[0]):
         return (
             "the job's `modules` names it, and a run ships it where it starts or joins Ray "
             "(unless --no-ship); where your own code started Ray, give ray.init "
             "runtime_env={'py_modules': [...]} with it, or install it in that node's Python"
         )
-    if module.split(".")[0] == "raysinga":
+    if (missing or module).split(".")[0] == "raysinga":
         return (
             "install raysinga on that node, or let the run ship its code there (the default "
             "when joining a cluster; --no-ship turns it off)"
         )
+    if not missing:  # it is there, and failed as it loaded: not a missing package
+        return "repair that package in that node's Python, then start the node again"
     return (
-        f"install it in that node's Python (pip install {module.split('.')[0]}), then start "
-        "the node again (ray start --address=...)"
+        f"{missing} is missing there: pip install {node_probe.pip_name(missing)} in that node's "
+        "Python, then start the node again (ray start --address=...); docs/cluster.md lists "
+        "what a node needs"
     )
