@@ -11,7 +11,10 @@ breakdown (fetch parameters, compute, gather, average, update) with the framewor
 step time minus the workers' compute. ``--rounds N`` (3) runs the three side by side N times:
 each figure is the median of its rounds, with their minimum and maximum. Goals: raysinga at
 0.85x or more of the single process, a framework overhead of at most 3 ms per step.
-``--json FILE`` writes every figure and round. raysinga runs with its default fault settings
+``--json FILE`` writes every figure and round. ``--no-peer`` leaves Ray Train out (raysinga
+against its single process only, as CI's guard runs it: ``benchmarks/ci_guard.py``);
+``--wire bf16`` sums raysinga's group by hosts (``reduce: hosts``) with gradients and values
+crossing as bfloat16. raysinga runs with its default fault settings
 and a display (which ends a chunk of steps) every 20 steps: its idle spare worker and stub
 (``fault.spares``) start after the first chunk and have loaded before the timed steps (a
 one-time cost at a run's start, as the start of Ray Train's workers is, which its timing
@@ -125,10 +128,11 @@ def bench_raysinga(
     disp: int | None = None,
     gpu: bool = False,
     more: dict | None = None,
+    topology: dict | None = None,
 ):
     from raysinga.distributed import DistributedTrainer
 
-    topo = GPU_TOPOLOGY if gpu else {"workers_per_group": 2, "n_servers": 1}
+    topo = GPU_TOPOLOGY if gpu else {"workers_per_group": 2, "n_servers": 1, **(topology or {})}
     cfg = job(xp, yp, steps, warmup, topo, fault, disp or 20, gpu, more)
     t = DistributedTrainer(cfg, log=lambda s: None)
     res = t.fit()
@@ -253,6 +257,17 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the three runs")
     ap.add_argument(
+        "--no-peer",
+        action="store_true",
+        help="leave Ray Train out: raysinga against its single process only (CI's guard)",
+    )
+    ap.add_argument(
+        "--wire",
+        default=None,
+        help="raysinga's group summed by hosts (`reduce: hosts`, one worker a block) with this "
+        "`topology.wire` (bf16: gradients and values cross as bfloat16)",
+    )
+    ap.add_argument(
         "--device",
         choices=("cpu", "gpu"),
         default="cpu",
@@ -316,27 +331,34 @@ def main() -> None:
             report.write(args.json)
             return
         runs: dict[str, list[dict]] = {"ours": [], "peer": [], "local": []}
+        if args.no_peer:
+            del runs["peer"]
+        topology = {"reduce": "hosts", "wire": args.wire} if args.wire else None
         for _ in range(args.rounds):  # the three side by side in each round
-            runs["ours"].append(bench_raysinga(*a))
-            runs["peer"].append(bench_ray_train(*a))
+            runs["ours"].append(bench_raysinga(*a, topology=topology))
+            if not args.no_peer:
+                runs["peer"].append(bench_ray_train(*a))
             runs["local"].append(bench_local(*a))
     print(
         f"MLP 784-1024-1024-10, global batch {BATCH}, 2 workers x 1 CPU, {args.steps} timed "
         f"steps after {args.warmup} warm-up, {args.rounds} rounds, {os.cpu_count()} cores"
     )
     sps = {k: [r["samples_per_s"] for r in v] for k, v in runs.items()}
+    wire = f", reduce: hosts, wire: {args.wire}" if args.wire else ""
     for key, label in (
-        ("ours", "raysinga (1 group x 2 workers x 1 server)"),
+        ("ours", f"raysinga (1 group x 2 workers x 1 server{wire})"),
         ("peer", "Ray Train TorchTrainer (DDP, gloo)"),
         ("local", "raysinga single process (no Ray)"),
     ):
-        report.add(Figure(f"{label}, samples/s", sps[key], better="higher"), ",.0f")
+        if key in sps:
+            report.add(Figure(f"{label}, samples/s", sps[key], better="higher"), ",.0f")
 
     def per_round(a: str, b: str) -> list[float]:
         return [x / y for x, y in zip(sps[a], sps[b], strict=True)]
 
-    vs_peer = per_round("ours", "peer")
-    report.add(Figure("ratio raysinga / Ray Train", vs_peer, "x", better="higher"))
+    if "peer" in sps:
+        vs_peer = per_round("ours", "peer")
+        report.add(Figure("ratio raysinga / Ray Train", vs_peer, "x", better="higher"))
     report.add(
         Figure(
             "ratio raysinga / single process",
