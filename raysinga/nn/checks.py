@@ -127,12 +127,17 @@ def _probe_layer(where: str, layer: Layer, in_shape: tuple, dtype: np.dtype, rng
 
 
 def _probe_loss(net: Any, rng: Any) -> None:
-    where = f"model.loss ({net.spec.loss})"
+    opts = net.spec.loss_options
+    where = f"model.loss ({net.spec.loss}{f', options {opts}' if opts else ''})"
     n = PROBE_BATCH
     out = rng.standard_normal((n, *net.output_shape)).astype(net.dtype)
+    labels = np.zeros(out.shape[:-1], np.int64)
     try:  # class labels first, then targets shaped as the outputs
-        loss, dout = net.loss_fn(out, np.zeros(out.shape[:-1], np.int64), n)
-    except Exception:
+        loss, dout = net.loss_fn(out, labels, n)
+    except Exception as e:
+        if net.classifies:  # it said it takes class labels: its own error is the one to show
+            why = error_line(e)
+            raise ValueError(f"{where}: failed on outputs {described(out)}: {why}") from None
         try:
             loss, dout = net.loss_fn(out, rng.standard_normal(out.shape).astype(net.dtype), n)
         except Exception as e:

@@ -7,6 +7,7 @@ stable hierarchical names (``fc1/W``, ``fc1/b``) and are passed in as a flat dic
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -21,8 +22,16 @@ from raysinga import kernels as K
 from . import usercode
 from .checks import check_declared
 from .layers import Layer, RowsHook, StepContext, param_rng
-from .losses import CLASSIFYING, accuracy
-from .registry import KindError, is_own, is_own_loss, layer_class, loss_function
+from .losses import accuracy
+from .registry import (
+    KindError,
+    check_loss_options,
+    classifies,
+    is_own,
+    is_own_loss,
+    layer_class,
+    loss_function,
+)
 
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 
@@ -42,6 +51,7 @@ class ModelSpec:
     input_shape: tuple[int, ...]
     layers: tuple[LayerSpec, ...]
     loss: str = "softmax_cross_entropy"
+    loss_options: dict[str, Any] = field(default_factory=dict)  # a user's loss's, from the job
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], probe: bool = True) -> ModelSpec:
@@ -74,7 +84,8 @@ class ModelSpec:
                 raise ValueError(f"model.layers[{i}]: expected a mapping with 'kind' and 'name'")
             opts = {k: v for k, v in ld.items() if k not in ("kind", "name")}
             layers.append(LayerSpec(ld["kind"], ld["name"], opts))
-        spec = cls(tuple(shape), tuple(layers), d.get("loss", "softmax_cross_entropy"))
+        loss, loss_options = _loss_of(d.get("loss", "softmax_cross_entropy"))
+        spec = cls(tuple(shape), tuple(layers), loss, loss_options)
         spec.validate(probe)
         return spec
 
@@ -82,7 +93,8 @@ class ModelSpec:
         return {
             "input_shape": list(self.input_shape),
             "layers": [ls.to_dict() for ls in self.layers],
-            "loss": self.loss,
+            # the plain name where there are no options: a spec's digest as it always was
+            "loss": {"kind": self.loss, **self.loss_options} if self.loss_options else self.loss,
         }
 
     def digest(self) -> str:
@@ -109,6 +121,18 @@ class ModelSpec:
         return list(dict.fromkeys(kinds))
 
 
+def _loss_of(given: Any) -> tuple[Any, dict[str, Any]]:
+    """A job's ``model.loss``, a name or ``{kind: name, option: value, ...}``: the name and the
+    options."""
+    if not isinstance(given, dict):
+        return given, {}
+    if "kind" not in given:
+        raise ValueError(
+            f"model.loss: a mapping names its loss as 'kind' beside its options, got {given!r}"
+        )
+    return given["kind"], {k: v for k, v in given.items() if k != "kind"}
+
+
 def recorded_spec(run: dict[str, Any], where: str) -> ModelSpec:
     """The model spec of a run's record (a checkpoint's ``run``: ``run["model"]["spec"]``),
     with the modules its job named (``modules``, :mod:`.usercode`) put on the path where they
@@ -130,9 +154,12 @@ class Net:
         if dtype not in K.common.FLOAT_DTYPES:
             raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
         try:
-            self.loss_fn = loss_function(spec.loss)
+            fn = loss_function(spec.loss)
+            check_loss_options(spec.loss, fn, spec.loss_options)
         except KindError as e:
             raise ValueError(f"model.loss: {e}") from None
+        self.loss_fn = functools.partial(fn, **spec.loss_options) if spec.loss_options else fn
+        self.classifies = classifies(spec.loss, fn)  # the run reports accuracy
         self.spec, self.dtype = spec, np.dtype(dtype)
         self.layers: list[Layer] = []
         self.out_shapes: list[tuple[int, ...]] = []  # per layer, one sample's
@@ -362,7 +389,7 @@ class Net:
         """``(mean loss, accuracy or None)`` on one batch in inference mode."""
         out = self.forward(params, state, x, StepContext(train=False))
         loss, _ = self.loss_fn(out, y, len(x))
-        acc = accuracy(out, y) if self.spec.loss in CLASSIFYING else None
+        acc = accuracy(out, y) if self.classifies else None
         return float(loss), acc
 
 

@@ -10,12 +10,13 @@ every node. A job ships its own modules to the nodes (the job's ``modules`` key,
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 from .kinds import LAYERS
 from .layers import Layer
-from .losses import LOSSES
+from .losses import CLASSIFYING, LOSSES
 
 LossFn = Callable[[Any, Any, float], tuple[Any, Any]]
 
@@ -80,6 +81,34 @@ def loss_function(name: str) -> LossFn:
     if not callable(fn) or isinstance(fn, type):
         raise KindError(f"loss {name!r} is {_qualname(fn)}, not a function")
     return fn
+
+
+def check_loss_options(name: str, fn: LossFn, given: dict[str, Any]) -> None:
+    """Check the options a job gives loss ``name`` (``loss: {kind: name, option: value}``)
+    against ``fn``'s signature, as a layer's are checked against its ``options``: they are the
+    parameters after ``(output, target, denom)``, each without a default required. Raises
+    KindError naming an unknown or missing option."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a callable Python cannot read the signature of
+        params = []
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return  # it takes any option; its own code checks them when the job is read
+    named = [p for p in params[3:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = sorted(set(given) - {p.name for p in named})
+    if unknown:
+        allowed = f"allowed: {sorted(p.name for p in named)}" if named else "it takes none"
+        raise KindError(f"loss {name!r}: unknown option(s) {unknown}; {allowed}")
+    missing = [p.name for p in named if p.default is p.empty and p.name not in given]
+    if missing:
+        raise KindError(f"loss {name!r}: missing option(s) {missing}")
+
+
+def classifies(name: str, fn: LossFn) -> bool:
+    """Whether loss ``name`` takes integer class labels and the argmax of the outputs' last
+    axis is a prediction: raysinga's classifying losses, and a user's whose function says so
+    (``fn.classifies = True``). Such a run reports accuracy."""
+    return name in CLASSIFYING or bool(getattr(fn, "classifies", False))
 
 
 def _lookup(name: Any, what: str, own: dict, registered: dict, path: str) -> Any:

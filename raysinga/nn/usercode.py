@@ -80,10 +80,18 @@ def inspect_line(run: dict[str, Any]) -> str:
 
     spec = (run.get("model") or {}).get("spec") or {}
     kinds = [ly.get("kind") for ly in spec.get("layers", []) if not is_own(ly.get("kind"))]
-    if spec.get("loss") and not is_own_loss(spec["loss"]):
-        kinds.append(spec["loss"])
+    loss = loss_kind(spec)
+    if loss and not is_own_loss(loss):
+        kinds.append(loss)
     if not kinds:
         return ""
     modules = (run.get("config") or {}).get("modules") or []
     named = ", ".join(dict.fromkeys(str(k) for k in kinds))
     return named + (f" (modules: {', '.join(map(str, modules))})" if modules else "")
+
+
+def loss_kind(spec: dict[str, Any]) -> Any:
+    """The loss a recorded model spec names: its ``loss``, or that mapping's ``kind`` where the
+    job gave the loss options."""
+    loss = spec.get("loss")
+    return loss.get("kind") if isinstance(loss, dict) else loss

@@ -11,7 +11,6 @@ import numpy as np
 
 from raysinga.data import Dataset
 from raysinga.data.splits import Splits
-from raysinga.nn.losses import CLASSIFYING
 from raysinga.nn.model import Net
 
 
@@ -34,7 +33,7 @@ def evaluate(
         total_loss += loss * len(idx)
         correct += (acc or 0.0) * len(idx)
     out = {f"{split}_loss": total_loss / n}
-    if net.spec.loss in CLASSIFYING:
+    if net.classifies:
         out[f"{split}_accuracy"] = correct / n
     if net.spec.loss == "sequence_cross_entropy":
         out[f"{split}_bits"] = out[f"{split}_loss"] / math.log(2)  # per token

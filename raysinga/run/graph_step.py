@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 
 from raysinga.kernels import precision
-from raysinga.nn.losses import CLASSIFYING
 from raysinga.optim.grads import clip_grad_norm_on_device
 
 ENV = "RAYSINGA_GPU_GRAPHS"
@@ -300,7 +299,7 @@ def checked_inputs(net: Any, x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
     y = np.ascontiguousarray(y)
     if net.takes_tokens:
         _check_ids(x, net.layers[0].opts["vocab"], "token id")
-    if net.spec.loss in CLASSIFYING:
+    if net.classifies:
         _check_ids(y, net.output_shape[-1], "label")
     return [x, y]
 

@@ -25,7 +25,6 @@ from raysinga.data.splits import Splits, open_splits
 from raysinga.kernels import precision
 from raysinga.kernels.cpu_threads import blas_threads, compute_threads
 from raysinga.nn.layers import StepContext, dw_row_blocks
-from raysinga.nn.losses import CLASSIFYING
 from raysinga.nn.model import Net
 from raysinga.obs.console import hub_for
 from raysinga.obs.events import Evaluated, RunStarted, Subscriber, TrainStep
@@ -349,7 +348,7 @@ def _check_best(cfg: JobConfig, net: Net, splits: Splits) -> None:
             f"(kind {cfg.data.source.get('kind')}) has none (give it a 'test' entry, or use "
             "data.validation and valid_" + metric + ")"
         )
-    measured = {"loss": True, "accuracy": net.spec.loss in CLASSIFYING}
+    measured = {"loss": True, "accuracy": net.classifies}
     measured["bits"] = net.spec.loss == "sequence_cross_entropy"
     if not measured[metric]:
         raise ValueError(
