@@ -1,7 +1,7 @@
 """Checks for a layer, the user's own or raysinga's: :func:`check_layer` runs it in float64
 against finite differences, and checks what raysinga's exact training relies on (shapes and
 dtypes as declared, inputs left alone, the same bits from the same step, state kept where a
-checkpoint sees it). Every layer of raysinga's own passes it (``tests/nn/test_check_layer.py``).
+checkpoint sees it). Every layer of raysinga's own passes it (``tests/nn/test_testing.py``).
 """
 
 from __future__ import annotations

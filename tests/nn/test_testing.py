@@ -3,6 +3,8 @@ layers of the user's own pass it; a layer with a deliberate error fails it, name
 
 from __future__ import annotations
 
+import ast
+import re
 import sys
 from pathlib import Path
 
@@ -118,3 +120,13 @@ def test_float64_inputs_of_the_users_choice():
     x = np.linspace(-1, 1, 12).reshape(3, 4)
     worst = check_layer(mylayers.RMSNorm("n"), (4,), x=x)
     assert set(worst) == {"gamma", "dx"}
+
+
+def test_what_check_layer_returns_on_success_is_what_the_docs_show():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "layers.md").read_text()
+    shown = re.search(r"for the\s+call above, `(\{[^`]*\})`", text)
+    assert shown, "docs/layers.md shows no return value of check_layer"
+    got = check_layer(mylayers.SwiGLU("ffn", hidden=16), (8, 32))  # the docs' call
+    want = ast.literal_eval(shown.group(1))
+    assert list(got) == list(want) and all(0 <= v <= 1.0 for v in got.values())
+    assert all(got[k] == pytest.approx(want[k], rel=0.01) for k in want), got

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from raysinga.nn import ModelSpec, Net
+from raysinga.nn import ModelSpec, Net, StepContext
 from raysinga.nn.losses import softmax_cross_entropy
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_layers"
@@ -117,3 +117,21 @@ def test_a_loss_that_says_it_classifies_has_an_accuracy(losses):
         target = y if classifies else np.zeros((3, 3), np.float32)
         _, acc = net.evaluate(params, {}, x, target)
         assert net.classifies is classifies and (acc is not None) is classifies, loss
+
+
+def test_a_loss_divided_by_denom_sums_over_a_groups_workers_and_a_batch_mean_does_not(losses):
+    """What docs/layers.md says of ``denom``: two workers of a group, each on its half of the
+    batch with the group's batch size as ``denom``, sum to the one process's gradient; a loss
+    that divides by its own batch instead gives twice it."""
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((8, 4)).astype(np.float32), rng.integers(0, 3, 8)
+    net = Net(ModelSpec.from_dict(spec("mylosses:smooth_ce")))
+    params = net.init_params(0)
+
+    def grads(x, y, denom):
+        return net.loss_and_grads(params, {}, x, y, StepContext(train=True), denom)[1]["fc/W"]
+
+    whole = grads(x, y, 8)
+    np.testing.assert_allclose(grads(x[:4], y[:4], 8) + grads(x[4:], y[4:], 8), whole, 1e-5)
+    own_mean = grads(x[:4], y[:4], 4) + grads(x[4:], y[4:], 4)  # each half's own mean
+    np.testing.assert_allclose(own_mean, 2 * whole, 1e-5)
