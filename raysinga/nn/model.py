@@ -20,13 +20,14 @@ import numpy as np
 from raysinga import kernels as K
 
 from . import usercode
-from .checks import check_declared
+from .checks import check_declared, described
 from .layers import Layer, RowsHook, StepContext, param_rng
 from .losses import accuracy
 from .registry import (
     KindError,
     check_loss_options,
     classifies,
+    error_line,
     is_own,
     is_own_loss,
     layer_class,
@@ -305,16 +306,58 @@ class Net:
     # -- compute
     def forward(self, params: dict, state: dict, x: Any, ctx: StepContext) -> Any:
         kept: dict[str, Any] = {}
-        for ly, sources in zip(self.layers, self.sources, strict=True):
-            if sources is not None:
-                x = kept[sources[0]]
-                for name in sources[1:]:
-                    x = x + kept[name]
-            local = {k: params[ly.key(k)] for k in ly.param_shapes()}
-            x = ly.forward(local, state, x, ctx)
+        n = len(x)
+        for i, (ly, sources) in enumerate(zip(self.layers, self.sources, strict=True)):
+            given = x  # the previous layer's output
+            try:
+                if sources is not None:
+                    x = kept[sources[0]]
+                    for name in sources[1:]:
+                        x = x + kept[name]
+                local = {k: params[ly.key(k)] for k in ly.param_shapes()}
+                x = ly.forward(local, state, x, ctx)
+            except Exception as e:
+                failed = self._forward_failed(i, n, given, kept, e)
+                if failed is None:
+                    raise
+                raise failed from e
             if ly.name in self.kept:
                 kept[ly.name] = x
         return x
+
+    def _forward_failed(
+        self, i: int, n: int, given: Any, kept: dict[str, Any], e: Exception
+    ) -> ValueError | None:
+        """The error of layer ``i`` that failed on a batch of ``n``, in one line naming it and
+        the layers its input came from, with what each gave against what it declares: a layer
+        that passed the job's check on two samples can break its shapes on a real batch, and
+        the layer it feeds is the one that fails. None where the error is not about the
+        input (raysinga's own layer, fed by raysinga's own, raising other than ValueError)."""
+        names = [ly.name for ly in self.layers]
+        feeding = [names.index(s) for s in self.sources[i]] if self.sources[i] else [i - 1]
+        feeding = [j for j in feeding if j >= 0]
+        ours = all(is_own(self.spec.layers[j].kind) for j in [i, *feeding])
+        if ours and not isinstance(e, ValueError):
+            return None
+        lines = str(e).strip().splitlines()
+        why = lines[0] if isinstance(e, ValueError) and lines else error_line(e)
+        came = []
+        for j in feeding:
+            out = kept.get(names[j], given) if self.sources[i] else given
+            declared = self.out_shapes[j]
+            mark = (
+                ""
+                if getattr(out, "shape", None) == (n, *declared)
+                else f" where it declares {declared} per sample"
+            )
+            came.append(f"{self._named(j)}, which gave {described(out)}{mark}")
+        source = " and ".join(came) if came else f"the batch, {described(given)}"
+        return ValueError(
+            f"{self._named(i)} failed on a batch of {n}: {why}; its input came from {source}"
+        )
+
+    def _named(self, i: int) -> str:
+        return f"model.layers[{i}] ({self.spec.layers[i].name}, {self.spec.layers[i].kind})"
 
     def backward(
         self,

@@ -158,3 +158,33 @@ def test_a_non_finite_state_is_never_checkpointed(tmp_path):
         with pytest.raises(NonFiniteState, match="out/b holds NaN or infinite values at step 5"):
             local_checkpoint.save(session, 5, t.net, t.optimizer, params, state, DataCursor(), [])
     assert not (tmp_path / "checkpoints").exists() or steps(tmp_path / "checkpoints") == []
+
+
+PAIRS_ONLY = """
+from raysinga.nn import Layer
+
+
+class PairsOnly(Layer):
+    # right on the job's check, a batch of two; wrong on any other
+    def forward(self, p, s, x, ctx):
+        return x.reshape(2, -1)
+
+    def backward(self, dy):
+        return dy.reshape(-1, *self.in_shape), {}
+"""
+
+
+def test_a_layer_that_breaks_on_the_real_batch_is_named_with_the_layer_before_it(tmp_path):
+    (tmp_path / "pairs_only.py").write_text(PAIRS_ONLY)
+    f = job_file(tmp_path, data(tmp_path))
+    text = f.read_text().replace(
+        "    - {kind: dense, name: out",
+        '    - {kind: "pairs_only:PairsOnly", name: pairs}\n    - {kind: dense, name: out',
+    )
+    f.write_text("modules: [pairs_only.py]\n" + text)
+    line = cli_error("train", str(f), "--set", f"run_dir={tmp_path}", "--local", status=2)
+    assert line == (
+        "raysinga: error: model.layers[2] (out, dense) failed on a batch of 16: dense: input "
+        "(2, 128) does not match weight (16, 3); its input came from model.layers[1] (pairs, "
+        "pairs_only:PairsOnly), which gave (2, 128) float32 where it declares (16,) per sample"
+    )

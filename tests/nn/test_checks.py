@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from raysinga.nn import Layer, ModelSpec, register_layer, registry
+from raysinga.nn import Layer, ModelSpec, Net, StepContext, register_layer, registry
 
 
 class Good(Layer):
@@ -69,6 +69,16 @@ class Raises(Good):
         raise KeyError("gamma")
 
 
+class PairsOnly(Good):
+    """Right on the check's batch of two, wrong on any other."""
+
+    def forward(self, p, s, x, ctx):
+        return super().forward(p, s, x, ctx).reshape(2, -1)
+
+    def backward(self, dy):
+        return super().backward(dy.reshape(-1, *self.in_shape))
+
+
 @pytest.fixture(autouse=True)
 def registered(monkeypatch):
     monkeypatch.setattr(registry, "_layers", {})
@@ -82,6 +92,7 @@ def registered(monkeypatch):
         BadDeclaredShape,
         WrongDx,
         Raises,
+        PairsOnly,
     ):
         register_layer(cls.__name__.lower(), cls)
 
@@ -151,3 +162,30 @@ def test_a_loss_of_the_users_own_is_run_once(monkeypatch):
         ValueError, match=r"^model.loss \(vector\): returned a loss of shape \(3,\), not a scalar$"
     ):
         ModelSpec.from_dict({**spec("good"), "loss": "vector"})
+
+
+@pytest.mark.parametrize(
+    ("after", "line"),
+    [
+        (
+            {"kind": "dense", "name": "out", "units": 2},
+            "model.layers[2] (out, dense) failed on a batch of 8: dense: input (2, 12) does not "
+            "match weight (3, 2); its input came from model.layers[1] (mine, pairsonly), which "
+            "gave (2, 12) float32 where it declares (3,) per sample",
+        ),
+        (
+            {"kind": "add", "name": "res", "from": ["fc", "mine"]},
+            "model.layers[2] (res, add) failed on a batch of 8: operands could not be "
+            "broadcast together with shapes (8,3) (2,12); its input came from "
+            "model.layers[0] (fc, dense), which gave (8, 3) float32 and model.layers[1] (mine, "
+            "pairsonly), which gave (2, 12) float32 where it declares (3,) per sample",
+        ),
+    ],
+)
+def test_a_layer_that_breaks_on_a_real_batch_is_named_with_the_layer_before_it(after, line):
+    layers = [*spec("pairsonly")["layers"], after]
+    net = Net(ModelSpec.from_dict({**spec("pairsonly"), "layers": layers}))
+    x = np.ones((8, 4), np.float32)
+    with pytest.raises(ValueError) as e:
+        net.forward(net.init_params(0), {}, x, StepContext(train=True))
+    assert str(e.value) == line
