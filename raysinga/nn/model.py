@@ -139,9 +139,12 @@ def recorded_spec(run: dict[str, Any], where: str) -> ModelSpec:
     with the modules its job named (``modules``, :mod:`.usercode`) put on the path where they
     are still there. A spec that cannot be built (a layer's module gone) raises ValueError in
     one line naming ``where`` (the checkpoint)."""
-    usercode.on_path(list((run.get("config") or {}).get("modules") or []))
+    modules = list((run.get("config") or {}).get("modules") or [])
+    usercode.on_path(modules)
+    spec = run["model"]["spec"]
     try:
-        return ModelSpec.from_dict(run["model"]["spec"])
+        usercode.check_recorded(modules, spec)
+        return ModelSpec.from_dict(spec)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 

@@ -53,6 +53,25 @@ def on_path(paths: list[str]) -> None:
             sys.path.insert(0, parent)
 
 
+def check_recorded(paths: list[str], spec: dict[str, Any]) -> None:
+    """Raise ValueError in one line where a layer kind or the loss of ``spec`` (a recorded
+    model spec) comes from a module of ``paths`` (the job's ``modules`` as recorded) whose file
+    is no longer there and that this process cannot import otherwise."""
+    named = [("layer kind", ly.get("kind")) for ly in spec.get("layers", [])]
+    named.append(("loss", loss_kind(spec)))
+    for p in paths:
+        name = module_name(p)
+        if Path(p).exists() or importlib.util.find_spec(name) is not None:
+            continue
+        for what, kind in named:
+            if isinstance(kind, str) and kind.partition(":")[0].split(".")[0] == name:
+                raise ValueError(
+                    f"{what} {kind!r} comes from module {name!r}, recorded at {p}, which no "
+                    "longer exists: put it back there, or where this process imports it from "
+                    "(PYTHONPATH)"
+                )
+
+
 def absolute(given: Any, base: Path) -> Any:
     """``given`` (the job's ``modules``) with each relative path made absolute from ``base``:
     the job as recorded then names the same files from any working directory."""

@@ -97,9 +97,9 @@ def test_a_recorded_module_that_is_gone_names_the_checkpoint_and_the_module(tmp_
     with pytest.raises(ValueError) as e:
         recorded_spec(run, "checkpoint runs/mine/checkpoints/step-2")
     assert str(e.value) == (
-        "checkpoint runs/mine/checkpoints/step-2: model.layers[1].kind: layer "
-        "'ucmod_gone:Twice': module 'ucmod_gone' cannot be imported here; name the file or "
-        "package in the job's `modules` (it is then on the path and shipped to every node)"
+        "checkpoint runs/mine/checkpoints/step-2: layer kind 'ucmod_gone:Twice' comes from "
+        f"module 'ucmod_gone', recorded at {d / 'code' / 'ucmod_gone.py'}, which no longer "
+        "exists: put it back there, or where this process imports it from (PYTHONPATH)"
     )
 
 
@@ -193,21 +193,9 @@ def test_a_layer_whose_parameters_changed_since_the_checkpoint_is_one_line(tmp_p
         in shown.stdout
     ), shown.stdout + shown.stderr
     out = tmp_path / "model.pt"
-    export = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "raysinga.cli",
-            "export",
-            str(ck),
-            "--format",
-            "torch",
-            "-o",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    command = [sys.executable, "-m", "raysinga.cli", "export", str(ck), "--format", "torch"]
+    command += ["-o", str(out)]
+    export = subprocess.run(command, capture_output=True, text=True)
     assert export.returncode == 2 and not out.exists()  # bad input
     assert export.stderr.strip().splitlines() == [
         "raysinga: error: layer 'tw' (ucmod_scale:Scale) does not say how its parameters map to "
@@ -226,3 +214,10 @@ def test_a_layer_whose_parameters_changed_since_the_checkpoint_is_one_line(tmp_p
         "does not fit this model (to start a new run from what matches, use --init-from instead "
         "of --resume)"
     )
+    (d / "ucmod_scale.py").unlink()
+    export = subprocess.run(command, capture_output=True, text=True)
+    assert export.stderr.strip().splitlines() == [
+        f"raysinga: error: checkpoint {ck}: layer kind 'ucmod_scale:Scale' comes from module "
+        f"'ucmod_scale', recorded at {d / 'ucmod_scale.py'}, which no longer exists: put it "
+        "back there, or where this process imports it from (PYTHONPATH)"
+    ], export.stderr
