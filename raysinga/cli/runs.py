@@ -108,9 +108,27 @@ def status(args: Any) -> int:
     if args.address:
         st = run_status.read_live(args.run, args.address)
     else:
-        where = Path(args.run)
-        if not where.is_dir() and "/" not in args.run and Path("runs", args.run).is_dir():
-            where = Path("runs", args.run)
-        st = run_status.read(where)
+        st = run_status.read(run_dir(args.run, run_status.FILE))
     print(json.dumps(st, indent=2) if args.json else run_status.render(st))
     return 0
+
+
+def run_dir(run: str, status_file: str) -> Path:
+    """The run directory ``raysinga status RUN`` reads: ``RUN`` itself or, for a bare name,
+    ``runs/RUN`` (where a run without ``run_dir`` writes); the first of them that holds
+    ``status_file``, else the first that is a directory. ValueError naming each place looked
+    at where none is."""
+    tried = [Path(run)] + ([Path("runs", run)] if "/" not in run else [])
+    for where in tried:
+        if (where / status_file).is_file():
+            return where
+    for where in tried:
+        if where.is_dir():
+            return where
+    if len(tried) == 1:
+        raise ValueError(f"{run}: no such run directory")
+    raise ValueError(
+        f"{run}: no run of that name: neither {tried[0]}/ nor {tried[1]}/ is a directory in "
+        f"{Path.cwd()} (a run's name stands for runs/NAME under the directory it was started "
+        "from; or give its run directory)"
+    )

@@ -1,18 +1,24 @@
 """``raysinga status`` against a live run (raysinga/distributed/status.py): while a lost worker
 is being recovered it shows that worker recovering, every other role stepping on its node, and
 the run recovering, from its run directory and (``--address``) from the cluster by the run's
-name; once the run is done, its state, its latest checkpoint and the recovery."""
+name; once the run is done, its state, its latest checkpoint and the recovery. A run's name looked
+for where it is said to be."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
-from helpers import load_job, signal_worker_at
+from helpers import cli_error, load_job, signal_worker_at
 
+from raysinga import cli
 from raysinga.distributed import DistributedTrainer
 from raysinga.distributed.status import read, render
 from raysinga.obs.events import CheckpointCommitted, RoleLost
@@ -111,3 +117,49 @@ def test_address_without_a_cluster_or_without_the_run_is_one_line(ray_session):
     address = ray_session.get_runtime_context().gcs_address
     r = status("never-ran", "--address", address)
     assert r.returncode == 2 and "no run named 'never-ran'" in r.stderr, r.stderr
+
+
+def write_status(run_dir: Path, **fields) -> dict:
+    """A status file as a driver writes it (``fields`` over a running run's), in ``run_dir``."""
+    st = {
+        "run": "watched",
+        "pid": 1,
+        "host": "another-machine",
+        "pid_started": None,
+        "state": "running",
+        "step": 30,
+        "total": 60,
+        "step_ms": 2.0,
+        "report_s": 0.5,
+        "samples_per_s": 1000.0,
+        "checkpoint": None,
+        "recoveries": [],
+        "recovering": [],
+        "roles": [],
+        "updated": time.time(),
+        **fields,
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "status.json").write_text(json.dumps(st))
+    return st
+
+
+def shown(*args) -> tuple[int, str]:
+    """``raysinga status ARGS`` run in this process (no interpreter to start): its exit status
+    and what it printed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli.main(["status", *map(str, args)])
+    return code, out.getvalue()
+
+
+def test_a_name_without_its_run_says_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = cli_error("status", "nosuch", named=["nosuch/", "runs/nosuch/", str(Path.cwd())])
+    assert "a run's name stands for runs/NAME" in line, line
+    cli_error("status", str(tmp_path / "gone"), named=f"{tmp_path / 'gone'}: no such run dir")
+    # a directory of that name without a status: the run's name still finds runs/NAME
+    (tmp_path / "there").mkdir()
+    write_status(tmp_path / "runs" / "there", run="there")
+    code, out = shown("there")
+    assert code == 0 and out.startswith("run there: running"), out
