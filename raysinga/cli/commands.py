@@ -7,7 +7,9 @@ exit with status 2; nothing else of the library imports this module.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import select
 import signal
 import sys
 import threading
@@ -337,49 +339,6 @@ def _graph(args: argparse.Namespace) -> int:
     return 0
 
 
-def _runs(args: argparse.Namespace) -> int:
-    import json  # noqa: PLC0415
-
-    if not args.registry:
-        if args.drop is not None or args.step is not None:
-            raise ValueError("--drop and --step go with --registry")
-        where = Path(args.dir)
-        if not where.is_dir():
-            raise ValueError(f"{where}: no such directory of runs")
-        rows = runs.local_runs(where)
-        if not rows and not args.json:
-            print(f"no runs with checkpoints under {where}")
-            return 0
-        cols = [("run", "run"), ("checkpoints", "checkpoints"), ("newest_valid", "newest valid")]
-        cols += [("bytes", "size"), ("set_aside", "set aside")]
-        print(json.dumps(rows, indent=2) if args.json else runs.table(rows, cols))
-        return 0
-    if args.step is not None and args.drop is None:
-        raise ValueError("--step goes with --drop")
-    from raysinga.cluster.connect import connect, joins_cluster  # noqa: PLC0415
-
-    if not joins_cluster(args.address):
-        raise ValueError(
-            "--registry: no Ray cluster to ask (give --address or RAY_ADDRESS, or run it where "
-            "`ray start` runs); an embedded Ray has no registry"
-        )
-    connect(args.address)
-    if args.drop is not None:
-        gone = runs.drop(args.drop, args.step)
-        if not gone:
-            raise ValueError(f"--drop {args.drop}: no such entry in the registry")
-        print(f"dropped {args.drop} step(s) {', '.join(map(str, gone))}")
-        return 0
-    rows = runs.registry_entries()
-    if not rows and not args.json:
-        print("the registry holds no checkpoints")
-        return 0
-    cols = [("run", "run key"), ("step", "step"), ("nbytes", "size"), ("in_memory", "in memory")]
-    cols += [("uri", "disk copy")]
-    print(json.dumps(rows, indent=2) if args.json else runs.table(rows, cols))
-    return 0
-
-
 def _tune(args: argparse.Namespace) -> int:
     from .tune import run  # noqa: PLC0415 - Ray Tune, only where needed
 
@@ -404,12 +363,16 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
         "plot": _plot,
         "generate": _generate,
         "graph": _graph,
-        "runs": _runs,
+        "runs": runs.listing,
         "status": runs.status,
         "tune": _tune,
     }
     try:
-        return commands[args.command](args)
+        status = commands[args.command](args)
+        sys.stdout.flush()  # a reader gone (`| head -1`) is met here, not at the exit
+        return status
+    except BrokenPipeError:  # stdout's reader gone, or a pipe of the code's own: a bug
+        return _reader_gone(own_process) if _stdout_closed() else _internal_error()
     except (config_mod.ConfigError, ValueError) as e:
         _error(e)
         return 2
@@ -429,15 +392,38 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
         print("raysinga: interrupted", file=sys.stderr)
         return 130
     except Exception:  # noqa: BLE001 - not the user's input: ours to fix
-        import traceback  # noqa: PLC0415
+        return _internal_error()
 
-        print(redact_text(traceback.format_exc()), end="", file=sys.stderr)
-        print(
-            "raysinga: internal error: the traceback above is a bug in raysinga, not a mistake "
-            "in your input; please report it with the command you ran",
-            file=sys.stderr,
-        )
-        return 70
+
+def _internal_error() -> int:
+    """The exception being handled, as a bug: its traceback and one line that says so."""
+    import traceback  # noqa: PLC0415
+
+    print(redact_text(traceback.format_exc()), end="", file=sys.stderr)
+    print(
+        "raysinga: internal error: the traceback above is a bug in raysinga, not a mistake "
+        "in your input; please report it with the command you ran",
+        file=sys.stderr,
+    )
+    return 70
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll reports an error on its end)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll, or a stdout without a descriptor
+        return False
+
+
+def _reader_gone(own_process: bool) -> int:
+    """A closed pipe on stdout (``raysinga status RUN | head -1``) ends the command quietly,
+    with the status of a Unix tool that SIGPIPE ended (128 + 13)."""
+    if own_process:  # what stdout still buffers would fail again at the exit, with a message
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 def _error(what: object) -> None:

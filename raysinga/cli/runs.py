@@ -1,5 +1,6 @@
 """``raysinga runs``: the runs under a directory (their checkpoints, newest step and size) and
-the entries of a cluster's object-store checkpoint registry, which it can also drop."""
+the entries of a cluster's object-store checkpoint registry, which it can also drop; and
+``raysinga status``: what a run's driver last wrote of it."""
 
 from __future__ import annotations
 
@@ -95,6 +96,52 @@ def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
     lines = ["  ".join(h.ljust(w) for (_, h), w in zip(columns, widths, strict=True))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)) for b in body]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def listing(args: Any) -> int:
+    """``raysinga runs``: the runs under ``args.dir`` (:func:`local_runs`), or with
+    ``--registry`` the cluster's registry entries (:func:`registry_entries`), which ``--drop``
+    removes."""
+    import json  # noqa: PLC0415
+
+    if not args.registry:
+        if args.drop is not None or args.step is not None:
+            raise ValueError("--drop and --step go with --registry")
+        where = Path(args.dir)
+        if not where.is_dir():
+            raise ValueError(f"{where}: no such directory of runs")
+        rows = local_runs(where)
+        if not rows and not args.json:
+            print(f"no runs with checkpoints under {where}")
+            return 0
+        cols = [("run", "run"), ("checkpoints", "checkpoints"), ("newest_valid", "newest valid")]
+        cols += [("bytes", "size"), ("set_aside", "set aside")]
+        print(json.dumps(rows, indent=2) if args.json else table(rows, cols))
+        return 0
+    if args.step is not None and args.drop is None:
+        raise ValueError("--step goes with --drop")
+    from raysinga.cluster.connect import connect, joins_cluster  # noqa: PLC0415
+
+    if not joins_cluster(args.address):
+        raise ValueError(
+            "--registry: no Ray cluster to ask (give --address or RAY_ADDRESS, or run it where "
+            "`ray start` runs); an embedded Ray has no registry"
+        )
+    connect(args.address)
+    if args.drop is not None:
+        gone = drop(args.drop, args.step)
+        if not gone:
+            raise ValueError(f"--drop {args.drop}: no such entry in the registry")
+        print(f"dropped {args.drop} step(s) {', '.join(map(str, gone))}")
+        return 0
+    rows = registry_entries()
+    if not rows and not args.json:
+        print("the registry holds no checkpoints")
+        return 0
+    cols = [("run", "run key"), ("step", "step"), ("nbytes", "size"), ("in_memory", "in memory")]
+    cols += [("uri", "disk copy")]
+    print(json.dumps(rows, indent=2) if args.json else table(rows, cols))
+    return 0
 
 
 def status(args: Any) -> int:

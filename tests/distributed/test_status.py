@@ -2,7 +2,7 @@
 is being recovered it shows that worker recovering, every other role stepping on its node, and
 the run recovering, from its run directory and (``--address``) from the cluster by the run's
 name; once the run is done, its state, its latest checkpoint and the recovery. A run's name looked
-for where it is said to be."""
+for where it is said to be; a reader that closes the pipe early."""
 
 from __future__ import annotations
 
@@ -163,3 +163,26 @@ def test_a_name_without_its_run_says_where_it_looked(tmp_path, monkeypatch):
     write_status(tmp_path / "runs" / "there", run="there")
     code, out = shown("there")
     assert code == 0 and out.startswith("run there: running"), out
+
+
+def test_a_reader_that_closes_the_pipe_ends_status_quietly(tmp_path):
+    """``raysinga status RUN | head -1``: more than a pipe holds, read one line and the pipe
+    closed; the command ends as a Unix tool does (status 128 + SIGPIPE), with nothing on
+    stderr, each of several times."""
+    roles = [
+        {"role": "worker", "index": i, "group": 0, "node": "192.0.2.1", "pid": 1000 + i}
+        | {"state": "stepping", "step_ms": 2.0}
+        for i in range(3000)  # some 200 KB of text, past a pipe's 64 KiB
+    ]
+    write_status(tmp_path, roles=roles)
+    cmd = [sys.executable, "-m", "raysinga.cli", "status", str(tmp_path)]
+    for more in ([], [], ["--json"]):
+        p = subprocess.Popen(
+            [*cmd, *more], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        first = p.stdout.readline()
+        p.stdout.close()
+        err = p.stderr.read()
+        p.wait(timeout=60)
+        assert first.startswith("{" if more else "run watched: running"), first
+        assert err == "" and p.returncode == 128 + signal.SIGPIPE, (p.returncode, err)
