@@ -12,6 +12,10 @@ A resumed run goes on in the same MLflow run. Its id is kept in the run director
 (``mlflow_run.json``, written once the MLflow run is made) and in the run's history (a record
 ``{"kind": "mlflow", "run_id": ...}``, which the checkpoints after it keep); a resume takes the
 history's, else the file's. A run started afresh (``--fresh``) starts a new MLflow run.
+
+MLflow cannot delete a metric's points, and a resume repeats the steps between its checkpoint and
+the end of the start before (with the same values: a resume is exact). So a resume reads the
+MLflow run's history once, and logs no point of a metric at a step the run already has.
 """
 
 from __future__ import annotations
@@ -91,6 +95,8 @@ class MlflowLog:
         if self.run_id is None and resumed and run_file is not None:
             self.run_id = _kept(run_file)
         self.resuming = False
+        # a resume: each metric's steps the MLflow run already has, which it does not log again
+        self.logged: dict[str, set[int]] = {}
         self.step = step
         self.dropped = 0
         self.warnings: list[str] = []
@@ -183,8 +189,13 @@ class MlflowLog:
                 elif item[0] == "metrics":
                     _, step, scalars, when = item
                     ms = int(when * 1000)
-                    metrics = [Metric(k, v, ms, step) for k, v in scalars.items()]
-                    client.log_batch(run_id, metrics=metrics)
+                    metrics = [
+                        Metric(k, v, ms, step)
+                        for k, v in scalars.items()
+                        if step not in self.logged.get(k, ())
+                    ]
+                    if metrics:
+                        client.log_batch(run_id, metrics=metrics)
                 elif item[0] == "tags":
                     for k, v in item[1].items():
                         client.set_tag(run_id, k, v)
@@ -200,12 +211,14 @@ class MlflowLog:
         self.resuming = False
         if self.run_id is not None:
             try:
-                client.get_run(self.run_id)
-                client.update_run(self.run_id, status="RUNNING")
-                self.resuming = True
-                return self.run_id
+                run = client.get_run(self.run_id)
             except Exception:  # noqa: BLE001 - gone from the store: a new one
                 self.announced = False
+            else:
+                client.update_run(self.run_id, status="RUNNING")
+                self.logged = logged_steps(client, self.run_id, run.data.metrics)
+                self.resuming = True
+                return self.run_id
         exp = client.get_experiment_by_name(self.experiment)
         eid = exp.experiment_id if exp else client.create_experiment(self.experiment)
         run = client.create_run(eid, run_name=self.run_name)
@@ -217,6 +230,11 @@ class MlflowLog:
     def _give_up(self, why: str) -> None:
         self.broken = True
         self.warnings.append(f"raysinga: warning: {why}; the run goes on without MLflow")
+
+
+def logged_steps(client: Any, run_id: str, keys: Iterable[str]) -> dict[str, set[int]]:
+    """The steps of each metric ``keys`` names that MLflow run ``run_id`` holds."""
+    return {k: {m.step for m in client.get_metric_history(run_id, k)} for k in keys}
 
 
 def _keep(path: Path, what: dict[str, Any]) -> None:

@@ -1,17 +1,26 @@
 """A run tracked in MLflow (the job's ``mlflow``; raysinga/obs/mlflow_log.py), read back with
 MLflow's own client from a local file store: the resolved job as parameters, the metrics by
 step as ``metrics.jsonl`` has them, each checkpoint as a tag, and after ``--resume`` the same
-MLflow run. A tracking server that cannot be reached: the same training, one warning."""
+MLflow run. A driver SIGKILLed past its last checkpoint and resumed logs each step once. A
+tracking server that cannot be reached: the same training, one warning."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from helpers import run_cli
+
+from raysinga import config
+from raysinga.obs.tensorboard import record_scalars
+from raysinga.run import Trainer
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -45,6 +54,12 @@ def train(tmp_path: Path, uri: str, *more: str):
     sets = [f"run_dir={tmp_path / 'run'}", f"mlflow={{tracking_uri: '{uri}', experiment: e}}"]
     args = ["train", str(job), "--local", *more]
     return run_cli(*args, *(x for s in sets for x in ("--set", s)))
+
+
+def tracked(job: Path, run: Path, uri: str, *more: str):
+    """The job at ``job``, run in ``run``, tracked in MLflow at ``uri``."""
+    section = f"mlflow={{tracking_uri: '{uri}', experiment: e}}"
+    return config.load(job, [f"run_dir={run}", section, *more])
 
 
 def records(tmp_path: Path) -> list[dict]:
@@ -115,3 +130,84 @@ def test_a_tracking_server_that_cannot_be_reached_is_one_warning(tmp_path, monke
     last = want.stdout.strip().splitlines()[-1]
     assert last.startswith("final test accuracy") and last in r.stdout, (last, r.stdout)
     assert time.monotonic() - t0 < 120
+
+
+LONG = (
+    JOB.replace("train_steps: 60", "train_steps: 200")
+    .replace("test_freq: 30", "test_freq: 50")
+    .replace("checkpoint_frequency: 20", "checkpoint_frequency: 100")
+)
+
+# The driver, through the Python API in a process of its own: at the report of step 160 it
+# says so in a file and waits there, with the checkpoint of step 100 its newest, to be killed.
+DRIVER = """
+import sys, time
+from pathlib import Path
+from raysinga import config
+from raysinga.obs.events import TrainStep
+from raysinga.run import Trainer
+
+job, run, uri = sys.argv[1:]
+cfg = config.load(job, [f"run_dir={run}", f"mlflow={{tracking_uri: '{uri}', experiment: e}}"])
+
+def wait_at_160(ev):
+    if isinstance(ev, TrainStep) and ev.step == 160:
+        (Path(run) / "at-160").touch()
+        time.sleep(600)
+
+Trainer(cfg, log=print, on_event=wait_at_160).fit()
+"""
+
+
+def logged(client, rid: str, key: str, step: int, error: type) -> bool:
+    """Whether MLflow run ``rid`` has ``key`` at ``step``, read while the run writes it."""
+    try:
+        return step in {m.step for m in client.get_metric_history(rid, key)}
+    except (error, ValueError):  # a line of the file store being written
+        return False
+
+
+def test_a_sigkilled_driver_resumed_logs_each_step_once(tmp_path, store):
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    uri = store
+    run = tmp_path / "run"
+    job = tmp_path / "job.yaml"
+    job.write_text(LONG)
+    (tmp_path / "driver.py").write_text(DRIVER)
+    cmd = [sys.executable, str(tmp_path / "driver.py"), str(job), str(run), uri]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "at-160").exists() or not (run / "mlflow_run.json").exists():
+            assert p.poll() is None, p.stdout.read()
+            assert time.monotonic() < deadline, "the driver never reached step 160"
+            time.sleep(0.05)
+        rid = json.loads((run / "mlflow_run.json").read_text())["run_id"]
+        client = MlflowClient(tracking_uri=uri)
+        # MLflow holds the evaluation of step 150, past the checkpoint the resume starts from
+        while not logged(client, rid, "eval/test_accuracy", 150, MlflowException):
+            assert time.monotonic() < deadline, "MLflow never had the evaluation of step 150"
+            time.sleep(0.05)
+        os.kill(p.pid, signal.SIGKILL)
+        assert p.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        p.kill()
+        p.stdout.close()
+    assert sorted(int(d.name[5:]) for d in (run / "checkpoints").glob("step-*")) == [100]
+    assert max(m.step for m in client.get_metric_history(rid, "train/loss")) >= 150
+    lines: list[str] = []  # resumed here, through the same API
+    Trainer(tracked(job, run, uri), log=lines.append, resume=True).fit()
+    assert any("resuming 'tracked' at step 100" in x for x in lines), lines
+    assert not [x for x in lines if "MLflow" in x], lines
+    want: dict[str, dict[int, float]] = {}
+    for rec in records(tmp_path):
+        for key, v in record_scalars(rec).items():
+            want.setdefault(key, {})[rec["step"]] = v
+    for key in client.get_run(rid).data.metrics:
+        steps = [m.step for m in client.get_metric_history(rid, key)]
+        assert len(steps) == len(set(steps)), (key, sorted(steps))
+    for key in ("train/loss", "train/lr", "eval/test_accuracy", "eval/test_loss"):
+        got = {m.step: m.value for m in client.get_metric_history(rid, key)}
+        assert got == pytest.approx(want[key]) and max(got) == 200, key
