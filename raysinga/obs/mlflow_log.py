@@ -16,6 +16,10 @@ history's, else the file's. A run started afresh (``--fresh``) starts a new MLfl
 MLflow cannot delete a metric's points, and a resume repeats the steps between its checkpoint and
 the end of the start before (with the same values: a resume is exact). So a resume reads the
 MLflow run's history once, and logs no point of a metric at a step the run already has.
+
+MLflow's parameters cannot change either: a resume whose job differs from the one its checkpoint
+was written under keeps them as they are, tags each change (``resume.<n>.<key>``: ``old -> new``,
+beside ``resume.<n>.step``, the step it went on from) and says so in one warning.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -38,6 +43,9 @@ PARAM_CHARS = 6000  # MLflow's longest parameter value
 BATCH = 100  # parameters per call (MLflow's limit)
 CLOSE_S = 10.0  # how long the end of a run waits for what is still queued
 RUN_FILE = "mlflow_run.json"  # in the run directory: the MLflow run's id
+TAG_CHARS = 8000  # MLflow's longest tag value
+UNSET = "(unset)"  # a key a job does not give, in a resume's change
+RESUME_TAG = re.compile(r"^resume\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,39 @@ def flat_params(job: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+def job_changes(before: dict[str, str], after: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """The parameters (:func:`flat_params`) that differ between two jobs: key -> (before,
+    after), :data:`UNSET` where a job does not give the key."""
+    keys = sorted(before.keys() | after.keys())
+    pairs = {k: (before.get(k, UNSET), after.get(k, UNSET)) for k in keys}
+    return {k: (a, b) for k, (a, b) in pairs.items() if a != b}
+
+
+def resume_tags(n: int, step: int, changes: dict[str, tuple[str, str]]) -> dict[str, str]:
+    """The tags of the run's ``n``-th resume, from ``step``, with its job's ``changes``."""
+    half = (TAG_CHARS - len(" -> ")) // 2
+    tags = {f"resume.{n}.step": str(step)}
+    tags.update({f"resume.{n}.{k}": f"{a[:half]} -> {b[:half]}" for k, (a, b) in changes.items()})
+    return tags
+
+
+def changes_line(n: int, run_id: str, changes: dict[str, tuple[str, str]]) -> str:
+    """The one console line that tells of a resume's changes to the job."""
+
+    def short(v: str) -> str:
+        return v if len(v) <= 40 else v[:37] + "..."
+
+    listed = [f"{k} ({short(a)} -> {short(b)})" for k, (a, b) in list(changes.items())[:3]]
+    more = f" and {len(changes) - 3} more" if len(changes) > 3 else ""
+    what = "the change as tag" if len(changes) == 1 else "the changes as tags"
+    key = next(iter(changes)) if len(changes) == 1 else "<key>"
+    return (
+        f"raysinga: warning: the resume changes {', '.join(listed)}{more}; MLflow run {run_id} "
+        f"keeps the parameters it started with (MLflow cannot change them) and has {what} "
+        f"resume.{n}.{key}"
+    )
+
+
 def resumed_run(history: Iterable[dict[str, Any]]) -> str | None:
     """The MLflow run id a run's history names last (None: none)."""
     ids = [r["run_id"] for r in history if r.get("kind") == "mlflow" and r.get("run_id")]
@@ -87,7 +128,9 @@ class MlflowLog:
         emit: Callable[[Event], None],
         run_file: Path | None = None,
         resumed: bool = False,
+        before: dict[str, Any] | None = None,
     ) -> None:
+        """``before``: a resume's job as its checkpoint was written (its changes are tagged)."""
         self.uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
         self.notice, self.emit, self.run_file = notice, emit, run_file
         self.run_id: str | None = resumed_run(history)
@@ -95,6 +138,9 @@ class MlflowLog:
         if self.run_id is None and resumed and run_file is not None:
             self.run_id = _kept(run_file)
         self.resuming = False
+        self.resume_n = 0  # the MLflow run's resumes so far, this one included
+        params = flat_params(job)
+        self.changes = job_changes(flat_params(before), params) if before is not None else {}
         # a resume: each metric's steps the MLflow run already has, which it does not log again
         self.logged: dict[str, set[int]] = {}
         self.step = step
@@ -102,7 +148,7 @@ class MlflowLog:
         self.warnings: list[str] = []
         self.broken = False
         self.q: queue.Queue = queue.Queue(QUEUE)
-        self._put(("start", flat_params(job)))
+        self._put(("start", params))
         self.thread = threading.Thread(target=self._work, name="raysinga-mlflow", daemon=True)
         self.thread.start()
 
@@ -165,7 +211,7 @@ class MlflowLog:
     # ------------------------------------------------------------------ the MLflow thread
     def _work(self) -> None:
         try:
-            from mlflow.entities import Metric, Param  # noqa: PLC0415
+            from mlflow.entities import Metric, Param, RunTag  # noqa: PLC0415
             from mlflow.tracking import MlflowClient  # noqa: PLC0415
         except ImportError:
             return self._give_up("MLflow is not installed (pip install 'raysinga[mlflow]')")
@@ -181,11 +227,17 @@ class MlflowLog:
         while True:
             item = self.q.get()
             try:
-                if item[0] == "start":
+                if item[0] == "start" and self.resuming:  # its parameters cannot change
+                    tags = resume_tags(self.resume_n, self.step, self.changes)
+                    tagged = [RunTag(k, v) for k, v in tags.items()]
+                    for i in range(0, len(tagged), BATCH):
+                        client.log_batch(run_id, tags=tagged[i : i + BATCH])
+                    if self.changes:
+                        self.warnings.append(changes_line(self.resume_n, run_id, self.changes))
+                elif item[0] == "start":
                     params = [Param(k, v) for k, v in item[1].items()]
-                    if not self.resuming:  # (a resumed run's are there: they cannot change)
-                        for i in range(0, len(params), BATCH):
-                            client.log_batch(run_id, params=params[i : i + BATCH])
+                    for i in range(0, len(params), BATCH):
+                        client.log_batch(run_id, params=params[i : i + BATCH])
                 elif item[0] == "metrics":
                     _, step, scalars, when = item
                     ms = int(when * 1000)
@@ -217,6 +269,8 @@ class MlflowLog:
             else:
                 client.update_run(self.run_id, status="RUNNING")
                 self.logged = logged_steps(client, self.run_id, run.data.metrics)
+                done = [int(m.group(1)) for k in run.data.tags if (m := RESUME_TAG.match(k))]
+                self.resume_n = max(done, default=0) + 1
                 self.resuming = True
                 return self.run_id
         exp = client.get_experiment_by_name(self.experiment)

@@ -23,7 +23,8 @@ def track(cfg: Any, start: Any, hub: EventHub) -> Callable[[Any, bool, Any], Non
         return None
     from raysinga.obs.mlflow_log import RUN_FILE, MlflowLog  # noqa: PLC0415
 
-    history = start.info["history"] if start.resumed and start.info else []
+    info = start.info if start.resumed and start.info else {}
+    history = info.get("history", [])
     step = start.checkpoint.step if start.resumed and start.checkpoint is not None else 0
     log = MlflowLog(
         m.tracking_uri,
@@ -36,6 +37,7 @@ def track(cfg: Any, start: Any, hub: EventHub) -> Callable[[Any, bool, Any], Non
         hub.emit,
         Path(cfg.run_path) / RUN_FILE,
         start.resumed,
+        info.get("config"),  # the job the checkpoint was written under: a resume's changes
     )
     remove = hub.subscribe(log)
 

@@ -1,8 +1,9 @@
 """A run tracked in MLflow (the job's ``mlflow``; raysinga/obs/mlflow_log.py), read back with
 MLflow's own client from a local file store: the resolved job as parameters, the metrics by
 step as ``metrics.jsonl`` has them, each checkpoint as a tag, and after ``--resume`` the same
-MLflow run. A driver SIGKILLed past its last checkpoint and resumed logs each step once. A
-tracking server that cannot be reached: the same training, one warning."""
+MLflow run. A driver SIGKILLed past its last checkpoint and resumed logs each step once; a
+resume that changes the job tags each change and says so in one warning. A tracking server that
+cannot be reached: the same training, one warning."""
 
 from __future__ import annotations
 
@@ -211,3 +212,35 @@ def test_a_sigkilled_driver_resumed_logs_each_step_once(tmp_path, store):
     for key in ("train/loss", "train/lr", "eval/test_accuracy", "eval/test_loss"):
         got = {m.step: m.value for m in client.get_metric_history(rid, key)}
         assert got == pytest.approx(want[key]) and max(got) == 200, key
+
+
+def test_a_resume_that_changes_the_job_says_so_in_mlflow_and_in_one_warning(tmp_path, store):
+    from mlflow.tracking import MlflowClient
+
+    uri = store
+    (tmp_path / "job.yaml").write_text(JOB)
+
+    def fit(*more: str, resume: bool = False) -> list[str]:
+        """The run's console lines that speak of MLflow."""
+        lines: list[str] = []
+        cfg = tracked(tmp_path / "job.yaml", tmp_path / "run", uri, *more)
+        Trainer(cfg, log=lines.append, resume=resume).fit()
+        return [x for x in lines if "MLflow" in x]
+
+    assert fit("train_steps=40") == []
+    (said,) = fit(resume=True)  # the job file's train_steps: 60
+    assert "the resume changes train_steps (40 -> 60)" in said and "resume.1.train_steps" in said
+    (said,) = fit("train_steps=80", "disp_freq=20", resume=True)
+    assert "disp_freq (10 -> 20), train_steps (60 -> 80)" in said and "resume.2.<key>" in said
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("e").experiment_id])
+    assert run.data.params["train_steps"] == "40"  # as first logged: MLflow keeps it
+    assert {k: v for k, v in run.data.tags.items() if k.startswith("resume.")} == {
+        "resume.1.step": "40",
+        "resume.1.train_steps": "40 -> 60",
+        "resume.2.step": "60",
+        "resume.2.train_steps": "60 -> 80",
+        "resume.2.disp_freq": "10 -> 20",
+    }
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert steps == [*range(10, 70, 10), 80]
