@@ -106,6 +106,7 @@ class ParamServer(Abortable, Fence):
     def describe(self) -> dict[str, Any]:
         return {
             "node": self.node,
+            "pid": os.getpid(),  # where `raysinga status` shows it, to find the process
             "handle": self.buf.handle(),
             "gpu": self.gpu is not None,
             "gpus": visible_gpus() if self.gpu is not None else None,

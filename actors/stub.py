@@ -242,7 +242,7 @@ class Stub(Fence):
 
     @reports_role
     def describe(self) -> dict[str, Any]:
-        return {"node": self.node}
+        return {"node": self.node, "pid": os.getpid()}
 
     def _sources(self, i: int) -> tuple[Any, ...]:
         return tuple(

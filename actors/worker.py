@@ -7,6 +7,7 @@ gradient into a persistent buffer that the stub reads in place.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -124,6 +125,7 @@ class Worker(Abortable, Fence):
     def describe(self) -> dict[str, Any]:
         return {
             "node": self.node,
+            "pid": os.getpid(),  # where `raysinga status` shows it, to find the process
             "handle": self.grads.handle(),
             "state": self.state_shapes,
             "gpus": visible_gpus() if self.gpu is not None else None,

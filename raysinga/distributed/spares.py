@@ -16,6 +16,7 @@ drops the result (:meth:`Worker.warm`, :meth:`ParamServer.warm`), so that it tak
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, NamedTuple
 
@@ -74,17 +75,25 @@ class Spares:
         self.t_standby = -STANDBY_EVERY_S  # when a standby node was last looked for
 
     def listed(self) -> list[dict[str, Any]]:
-        """Each spare: what it stands in for and its node (for the run's status)."""
-        out = []
-        for kind, table, by in (
+        """Each spare: what it stands in for, its node and (once it is up) its pid, for the
+        run's status."""
+        tables = (
             ("worker", self.worker, "group"),
             ("stub", self.stub, "group"),
             ("server", self.server, "index"),
             ("worker", self.far_worker, "group"),
             ("server", self.far_server, "index"),
-        ):
+        )
+        refs = [sp.described for _, table, _ in tables for sp in table.values()]
+        up = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+        out = []
+        for kind, table, by in tables:
             for key, sp in table.items():
-                out.append({"role": kind, by: key, "node": sp.node})
+                pid = None
+                if sp.described in up:
+                    with contextlib.suppress(RayError):  # a spare that died has no pid to show
+                        pid = ray.get(sp.described).get("pid")
+                out.append({"role": kind, by: key, "node": sp.node, "pid": pid})
         return out
 
     def ready_count(self) -> int:

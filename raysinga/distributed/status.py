@@ -124,6 +124,7 @@ class RunStatus:
                     "index": index,
                     "group": group,
                     "node": self.address(node) if node else None,
+                    "pid": info.get("pid"),
                     "state": ended or ("recovering" if down else "stepping"),
                     "step_ms": st["step_ms"],
                 }
@@ -136,10 +137,11 @@ class RunStatus:
                 add("worker", i, g, info)
         for g, info in enumerate(roles.stub_infos):
             add("stub", g, g, info)
+        if ended:  # the spares end with the run: they took no part in it
+            return out
         for sp in self.spares() if self.spares else []:
             where = self.address(sp["node"]) if sp.get("node") else None
-            state = ended or "spare"
-            out.append({"index": None, "group": None, **sp, "node": where, "state": state})
+            out.append({"index": None, "group": None, **sp, "node": where, "state": "spare"})
         return out
 
 
@@ -231,12 +233,14 @@ def render(st: dict[str, Any]) -> str:
             for r in rec
         )
     )
-    lines.append(f"{'role':<8} {'index':>5} {'group':>5}  {'node':<16} {'state':<11} last step")
+    lines.append(
+        f"{'role':<8} {'index':>5} {'group':>5}  {'node':<16} {'pid':>7}  {'state':<11} last step"
+    )
     for r in st.get("roles") or []:
         step = f"{r['step_ms']:,.1f} ms" if r.get("step_ms") else "-"
         lines.append(
             f"{r['role']:<8} {_dash(r.get('index')):>5} {_dash(r.get('group')):>5}  "
-            f"{r.get('node') or '?':<16} {r['state']:<11} {step}"
+            f"{r.get('node') or '?':<16} {_dash(r.get('pid')):>7}  {r['state']:<11} {step}"
         )
     return "\n".join(lines)
 

@@ -1,14 +1,16 @@
 """``raysinga status`` against a live run (raysinga/distributed/status.py): while a lost worker
 is being recovered it shows that worker recovering, every other role stepping on its node, and
 the run recovering, from its run directory and (``--address``) from the cluster by the run's
-name; once the run is done, its state, its latest checkpoint and the recovery. A run's name looked
-for where it is said to be; a reader that closes the pipe early."""
+name; once the run is done, its state, its latest checkpoint and the recovery. While a run
+steps, each role's pid; after it, no spare. A run's name looked for where it is said to be; a
+reader that closes the pipe early."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,7 +23,7 @@ from helpers import cli_error, load_job, signal_worker_at
 from raysinga import cli
 from raysinga.distributed import DistributedTrainer
 from raysinga.distributed.status import read, render
-from raysinga.obs.events import CheckpointCommitted, RoleLost
+from raysinga.obs.events import CheckpointCommitted, RoleLost, TrainStep
 
 JOB = """
 name: watched
@@ -87,6 +89,8 @@ def test_status_shows_a_recovering_role_while_the_recovery_is_under_way(ray_sess
         if r["state"] != "spare":
             assert r["node"], r  # where it runs, as the run's hosts are named
     assert by_state["recovering"] == [("worker", 1, 0)], st["roles"]
+    # the pid shown for the lost worker is the process that was killed
+    assert [r["pid"] for r in st["roles"] if r["state"] == "recovering"] == fired, st["roles"]
     stepping = set(by_state["stepping"])
     assert {("server", 0, None), ("server", 1, None), ("worker", 0, 0), ("stub", 0, 0)} <= stepping
     # the newest checkpoint committed so far (step 20's is written in the background, and
@@ -186,3 +190,38 @@ def test_a_reader_that_closes_the_pipe_ends_status_quietly(tmp_path):
         p.wait(timeout=60)
         assert first.startswith("{" if more else "run watched: running"), first
         assert err == "" and p.returncode == 128 + signal.SIGPIPE, (p.returncode, err)
+
+
+def test_status_shows_each_roles_pid_and_no_spare_once_the_run_ended(ray_session, tmp_path):
+    """While the run steps: every role with its node and the pid of its process (a worker's,
+    as the worker itself says); once it finished, its roles and no spare."""
+    t = DistributedTrainer(load_job(tmp_path, JOB, "train_steps=40"), log=lambda line: None)
+    during: list[dict] = []
+
+    def at(ev) -> None:
+        if isinstance(ev, TrainStep) and ev.step == 30 and not during:
+            st = read(tmp_path)
+            workers = [ray_session.get(w.pid.remote()) for w in t.workers[0]]
+            during.append({"status": st, "workers": workers})
+
+    t.hub.subscribe(at)
+    t.fit()
+    (seen,) = during
+    roles = [r for r in seen["status"]["roles"] if r["state"] != "spare"]
+    assert len(roles) == 5 and all(r["node"] and r["pid"] for r in roles), roles
+    assert [r["pid"] for r in roles if r["role"] == "worker"] == seen["workers"], roles
+    assert len({r["pid"] for r in roles}) == 5, roles  # a process each
+    assert all(r["pid"] != os.getpid() for r in roles), roles
+    text = render(seen["status"])
+    for r in roles:
+        assert f" {r['pid']}  stepping" in text, text
+    done = read(tmp_path)
+    # the run had spares, which ended with it
+    assert any(r["state"] == "spare" for r in seen["status"]["roles"]), seen["status"]
+    assert [(r["role"], r["state"]) for r in done["roles"]] == [
+        ("server", "finished"),
+        ("server", "finished"),
+        ("worker", "finished"),
+        ("worker", "finished"),
+        ("stub", "finished"),
+    ], done["roles"]
