@@ -6,7 +6,8 @@ and location as tags, and how the run ended.
 Nothing of the training waits on MLflow. The subscriber hands what it logs to a thread of its
 own through a bounded queue; where the queue is full (a slow tracking server), it drops the
 newest and counts them, and says how many at the end. A tracking server that cannot be reached
-gets one warning, and the run goes on without it.
+gets one warning, and the run goes on without it; so does a ``file://`` store that MLflow 3
+refuses (where ``MLFLOW_ALLOW_FILE_STORE`` is not ``true``), named as such.
 
 A resumed run goes on in the same MLflow run. Its id is kept in the run directory
 (``mlflow_run.json``, written once the MLflow run is made) and in the run's history (a record
@@ -46,6 +47,7 @@ RUN_FILE = "mlflow_run.json"  # in the run directory: the MLflow run's id
 TAG_CHARS = 8000  # MLflow's longest tag value
 UNSET = "(unset)"  # a key a job does not give, in a resume's change
 RESUME_TAG = re.compile(r"^resume\.(\d+)\.")
+FILE_STORE_SWITCH = "MLFLOW_ALLOW_FILE_STORE"  # what MLflow 3 asks of a file:// store
 
 
 @dataclass(frozen=True)
@@ -223,7 +225,7 @@ class MlflowLog:
             client = MlflowClient(tracking_uri=self.uri)
             run_id = self._open(client)
         except Exception as e:  # noqa: BLE001 - a tracking server down, a bad URI
-            return self._give_up(f"MLflow at {self.uri} cannot be reached ({_line(e)})")
+            return self._give_up(unreachable(self.uri, e))
         while True:
             item = self.q.get()
             try:
@@ -284,6 +286,17 @@ class MlflowLog:
     def _give_up(self, why: str) -> None:
         self.broken = True
         self.warnings.append(f"raysinga: warning: {why}; the run goes on without MLflow")
+
+
+def unreachable(uri: str, e: BaseException) -> str:
+    """Why MLflow at ``uri`` could not be opened, from what its client raised."""
+    if FILE_STORE_SWITCH in str(e):  # MLflow 3 keeps its file store for those who ask for it
+        return (
+            f"MLflow refuses its file store at {uri} (MLflow 3 opens one only where "
+            f"{FILE_STORE_SWITCH}=true is set; else track to a server, http://HOST:5000, or, "
+            "with the full mlflow package, a database, sqlite:///PATH/mlflow.db)"
+        )
+    return f"MLflow at {uri} cannot be reached ({_line(e)})"
 
 
 def logged_steps(client: Any, run_id: str, keys: Iterable[str]) -> dict[str, set[int]]:

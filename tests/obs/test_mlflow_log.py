@@ -3,7 +3,8 @@ MLflow's own client from a local file store: the resolved job as parameters, the
 step as ``metrics.jsonl`` has them, each checkpoint as a tag, and after ``--resume`` the same
 MLflow run. A driver SIGKILLed past its last checkpoint and resumed logs each step once; a
 resume that changes the job tags each change and says so in one warning. A tracking server that
-cannot be reached: the same training, one warning."""
+cannot be reached, or a file store MLflow refuses: the same training, one warning that says
+which."""
 
 from __future__ import annotations
 
@@ -244,3 +245,16 @@ def test_a_resume_that_changes_the_job_says_so_in_mlflow_and_in_one_warning(tmp_
     }
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert steps == [*range(10, 70, 10), 80]
+
+
+def test_a_file_store_that_mlflow_refuses_is_named_as_such(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    uri = f"file://{tmp_path / 'mlruns'}"
+    (tmp_path / "job.yaml").write_text(JOB)
+    lines: list[str] = []
+    done = Trainer(tracked(tmp_path / "job.yaml", tmp_path / "run", uri), log=lines.append).fit()
+    assert done.checkpoint_step == 60  # trained to its end
+    (said,) = [x for x in lines if "MLflow" in x]
+    assert f"MLflow refuses its file store at {uri}" in said, said
+    assert "MLFLOW_ALLOW_FILE_STORE=true" in said and "http://" in said, said
+    assert "cannot be reached" not in said and said.endswith("the run goes on without MLflow")
