@@ -194,9 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
         "status",
         help="one screen of a live run: its roles, their nodes and states, checkpoint, recoveries",
         description="Show what the driver of a run on Ray last wrote of it (its status.json, "
-        "updated at every report, state change, loss, recovery and checkpoint): each role with "
-        "its node, its state (stepping, recovering, spare) and last step time; the latest "
-        "checkpoint; the recoveries so far. With --address, the run of that name on a live "
+        "updated at every report, state change, loss, recovery and checkpoint): its driver's "
+        "pid and host, shown dead where that process is gone (on its host) or silent where its "
+        "reports are long overdue; each role with its node, its pid, its state (stepping, "
+        "recovering, spare) and last step time; the latest checkpoint; the recoveries so far. "
+        "With --address, the run of that name on a live "
         "Ray cluster, from any machine that reaches it (the driver puts the same into the "
         "cluster's key-value store).",
     )

@@ -156,7 +156,10 @@ def status(args: Any) -> int:
         st = run_status.read_live(args.run, args.address)
     else:
         st = run_status.read(run_dir(args.run, run_status.FILE))
-    print(json.dumps(st, indent=2) if args.json else run_status.render(st))
+    if args.json:
+        print(json.dumps({**st, "driver": run_status.driver(st)}, indent=2))
+    else:
+        print(run_status.render(st))
     return 0
 
 

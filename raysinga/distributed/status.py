@@ -10,12 +10,17 @@ changes it; ``raysinga status RUN_DIR`` reads it, on the driver's node or wherev
 directory is seen. On Ray it also puts the same into the cluster's key-value store (Ray's GCS,
 namespace :data:`NAMESPACE`), where ``raysinga status NAME --address HOST:PORT`` reads it from
 any machine that reaches the cluster (:func:`read_live`).
+
+The file names the driver (its pid and host). A reader on the driver's host that finds that
+process gone shows the run's driver dead; anywhere, a run whose step reports stopped coming
+for far longer than they used to come is shown as silent (:func:`driver`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +40,12 @@ from raysinga.obs.events import (
 FILE = "status.json"
 NAMESPACE = "raysinga"  # of the cluster's key-value store: each run's status under status/NAME
 CONNECT_S = 5.0  # how long ``--address`` waits for the cluster's GCS to answer at all
+ENDED = ("finished", "stopped")
+# A running run reports every disp_freq steps; one silent for this many such intervals (and at
+# least SILENT_MIN_S: an evaluation or a slow checkpoint comes between two reports) is shown as
+# silent, its driver perhaps dead.
+SILENT_TIMES = 10
+SILENT_MIN_S = 60.0
 
 
 class RunStatus:
@@ -51,13 +62,17 @@ class RunStatus:
         self.path = Path(run_dir) / FILE
         self.roles, self.spares = roles, spares
         self.address = HostNames()
+        self.reported: float | None = None  # when the last step report came
         self.status: dict[str, Any] = {
             "run": run,
             "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "pid_started": _started(os.getpid()),  # tells the driver from a later process
             "state": "starting",
             "step": 0,
             "total": None,
             "step_ms": None,
+            "report_s": None,  # the seconds between the last two step reports
             "samples_per_s": None,
             "checkpoint": None,
             "recoveries": [],
@@ -75,6 +90,10 @@ class RunStatus:
         elif isinstance(ev, TrainStep):
             st.update(step=ev.step, total=ev.total, samples_per_s=ev.samples_per_s)
             st["step_ms"] = (ev.ms or {}).get("total")
+            now = time.time()
+            if self.reported is not None:
+                st["report_s"] = round(now - self.reported, 3)
+            self.reported = now
         elif isinstance(ev, RoleLost):
             st["state"] = "recovering"
             lost = {"role": ev.role, "index": ev.index, "group": ev.group, "step": ev.step}
@@ -112,7 +131,7 @@ class RunStatus:
             return []
         st = self.status
         lost = {(r["role"], r["index"], r["group"]) for r in st["recovering"]}
-        ended = st["state"] if st["state"] in ("finished", "stopped") else None
+        ended = st["state"] if st["state"] in ENDED else None
         out: list[dict[str, Any]] = []
 
         def add(kind: str, index: int, group: int | None, info: dict[str, Any]) -> None:
@@ -212,19 +231,85 @@ def read(run_dir: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: not a run's status ({e})") from None
 
 
-def render(st: dict[str, Any]) -> str:
+def driver(st: dict[str, Any], now: float | None = None) -> dict[str, Any]:
+    """What a reader can tell of the driver of the run whose status is ``st``: ``state`` is
+    ``ended`` (the run finished or stopped), ``dead`` (its process, on this reader's host, is
+    gone), ``silent`` (running, but its step reports are overdue by far: it may have died, or
+    hang, where this reader cannot look) or ``alive`` (nothing says otherwise); ``why`` says
+    how it is known."""
+    now = time.time() if now is None else now
+    pid, host = st.get("pid"), st.get("host")
+    who = f"pid {pid} on {host or 'an unnamed host'}"
+    if st.get("state") in ENDED:
+        return {"state": "ended", "why": None}
+    if isinstance(pid, int) and host == socket.gethostname():
+        if not _running(pid, st.get("pid_started")):
+            return {"state": "dead", "why": f"its driver ({who}) is gone"}
+    age = now - float(st.get("updated", now))
+    every = max(st.get("report_s") or 0.0, (st.get("step_ms") or 0.0) / 1e3)
+    if st.get("state") == "running" and age > max(SILENT_MIN_S, SILENT_TIMES * every):
+        why = (
+            f"no report from its driver ({who}) for {age:.0f} s, where one came every "
+            f"{every:.3g} s: it may have died"
+        )
+        return {"state": "silent", "why": why}
+    return {"state": "alive", "why": None}
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` from the process's state on (None: no such file)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def _started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot); None where there is no /proc."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def _running(pid: int, started: int | None) -> bool:
+    """Whether process ``pid`` of this host runs and is the one that started at ``started``
+    (a gone process's pid may be given to another); a zombie counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process, there all the same
+        pass
+    fields = _stat(pid)
+    if fields is None:  # no /proc (macOS), or gone this instant
+        return not Path("/proc/self/stat").exists()
+    return fields[0] != "Z" and (started is None or int(fields[19]) == started)
+
+
+def render(st: dict[str, Any], now: float | None = None) -> str:
     """One screen of a run's status, as ``raysinga status`` prints it."""
-    age = time.time() - float(st.get("updated", 0))
+    now = time.time() if now is None else now
+    age = now - float(st.get("updated", 0))
     ms = st.get("step_ms")
-    head = (
-        f"run {st['run']}: {st['state']}, step {st['step']}/{st.get('total') or '?'}"
+    facts = (
+        f"step {st['step']}/{st.get('total') or '?'}"
         + (f", {ms:,.1f} ms per step" if ms else "")
         + (f", {st['samples_per_s']:,.0f} samples/s" if st.get("samples_per_s") else "")
-        + f" (as of {age:.0f} s ago)"
     )
+    seen = driver(st, now)
+    if seen["state"] in ("dead", "silent"):
+        head = (
+            f"run {st['run']}: {seen['state']}: {seen['why']}; "
+            f"it last reported {st['state']}, {facts}"
+            + (f", {age:.0f} s ago" if seen["state"] == "dead" else "")  # silent: said already
+        )
+    else:
+        head = f"run {st['run']}: {st['state']}, {facts} (as of {age:.0f} s ago)"
     ck = st.get("checkpoint")
     where = f"step {ck['step']} at {ck['path']}" if ck else "none"
-    lines = [head, f"latest checkpoint: {where}"]
+    lines = [head]
+    if st.get("pid"):
+        lines.append(f"driver: pid {st['pid']} on {st.get('host') or '?'}")
+    lines.append(f"latest checkpoint: {where}")
     rec = st.get("recoveries") or []
     lines.append(
         f"recoveries: {len(rec)}"
@@ -238,9 +323,11 @@ def render(st: dict[str, Any]) -> str:
     )
     for r in st.get("roles") or []:
         step = f"{r['step_ms']:,.1f} ms" if r.get("step_ms") else "-"
+        # Ray ends a driver's actors with it
+        state = "gone" if seen["state"] == "dead" else r["state"]
         lines.append(
             f"{r['role']:<8} {_dash(r.get('index')):>5} {_dash(r.get('group')):>5}  "
-            f"{r.get('node') or '?':<16} {_dash(r.get('pid')):>7}  {r['state']:<11} {step}"
+            f"{r.get('node') or '?':<16} {_dash(r.get('pid')):>7}  {state:<11} {step}"
         )
     return "\n".join(lines)
 

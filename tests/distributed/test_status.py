@@ -2,8 +2,9 @@
 is being recovered it shows that worker recovering, every other role stepping on its node, and
 the run recovering, from its run directory and (``--address``) from the cluster by the run's
 name; once the run is done, its state, its latest checkpoint and the recovery. While a run
-steps, each role's pid; after it, no spare. A run's name looked for where it is said to be; a
-reader that closes the pipe early."""
+steps, each role's pid; after it, no spare. A driver SIGKILLed shown dead on its host, one long
+silent shown silent anywhere; a run's name looked for where it is said to be; a reader that
+closes the pipe early."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -225,3 +228,98 @@ def test_status_shows_each_roles_pid_and_no_spare_once_the_run_ended(ray_session
         ("worker", "finished"),
         ("stub", "finished"),
     ], done["roles"]
+
+
+def started(pid: int) -> int:
+    """When process ``pid`` started, in clock ticks since boot, as /proc/PID/stat says."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
+
+
+def test_a_driver_whose_process_is_gone_is_shown_dead(tmp_path):
+    """A run whose status names a process of this host: shown as it reported while that
+    process lives; dead, and its roles gone, once a SIGKILL ended it."""
+    driver = subprocess.Popen(["sleep", "600"])
+    try:
+        role = {"role": "worker", "index": 0, "group": 0, "node": "192.0.2.1", "pid": 7}
+        roles = [{**role, "state": "stepping", "step_ms": 2.0}]
+        mine = {"pid": driver.pid, "host": socket.gethostname(), "roles": roles}
+        write_status(tmp_path, **mine, pid_started=started(driver.pid))
+        code, alive = shown(tmp_path)
+        assert code == 0 and alive.startswith("run watched: running, step 30/60"), alive
+        assert f"driver: pid {driver.pid} on {socket.gethostname()}" in alive, alive
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=30)
+        dead = status(tmp_path)  # as a user runs it
+        head = dead.stdout.splitlines()[0]
+        assert head.startswith("run watched: dead: its driver"), dead.stdout + dead.stderr
+        assert f"pid {driver.pid} on {socket.gethostname()}) is gone" in head, head
+        assert "it last reported running, step 30/60" in head, head
+        assert "(as of" not in head, head
+        assert "gone" in dead.stdout.splitlines()[-1], dead.stdout  # its roles went with it
+        as_json = json.loads(shown(tmp_path, "--json")[1])
+        assert as_json["driver"]["state"] == "dead", as_json
+        # a pid given to another process since is not the driver
+        reused = {**mine, "pid": os.getpid(), "pid_started": started(os.getpid()) + 1}
+        write_status(tmp_path, **reused)
+        assert "dead: its driver" in shown(tmp_path)[1]
+    finally:
+        driver.kill()
+
+
+def test_a_driver_silent_far_longer_than_it_reported_is_named(tmp_path):
+    """On a host this reader cannot look at, a running run's step reports overdue by far
+    (here 10 minutes, where they came every half second) say that its driver may have died; a
+    report a few seconds late, a finished run's old status, say nothing of the kind."""
+    write_status(tmp_path, updated=time.time() - 600)
+    head = shown(tmp_path)[1].splitlines()[0]
+    assert head.startswith("run watched: silent: no report from its driver (pid 1 on "), head
+    assert re.search(r"for 60\d s, where one came every 0.5 s: it may have died;", head), head
+    write_status(tmp_path, updated=time.time() - 5)
+    assert shown(tmp_path)[1].startswith("run watched: running, step 30/60")
+    write_status(tmp_path, state="finished", step=60, updated=time.time() - 3600)
+    assert shown(tmp_path)[1].startswith("run watched: finished, step 60/60")
+
+
+@pytest.mark.slow
+def test_status_shows_a_sigkilled_driver_dead(ray_session, tmp_path):
+    """A driver (``raysinga train`` on the session's Ray) SIGKILLed while it trains:
+    ``raysinga status`` on its host says its driver is gone, no longer ``running``."""
+    job = JOB.replace("train_steps: 60", "train_steps: 1000000")
+    (tmp_path / "job.yaml").write_text(
+        job.replace("checkpoint_frequency: 20", "checkpoint_frequency: 0")
+    )
+    address = ray_session.get_runtime_context().gcs_address
+    cmd = [sys.executable, "-m", "raysinga.cli", "train", str(tmp_path / "job.yaml")]
+    cmd += ["--address", address, "--set", f"run_dir={tmp_path}"]
+    with open(tmp_path / "console.txt", "w") as console:
+        p = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            st = (
+                json.loads((tmp_path / "status.json").read_text())
+                if (tmp_path / "status.json").exists()
+                else {}
+            )
+            if st.get("state") == "running" and st.get("step", 0) >= 20:
+                break
+            assert p.poll() is None, (tmp_path / "console.txt").read_text()
+            assert time.monotonic() < deadline, st
+            time.sleep(0.1)
+        assert st["pid"] == p.pid, st
+        alive = status(tmp_path)
+        assert alive.stdout.startswith("run watched: running, step"), alive.stdout + alive.stderr
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        p.kill()
+    dead = status(tmp_path)
+    head = dead.stdout.splitlines()[0]
+    assert dead.returncode == 0, dead.stderr
+    assert head.startswith(
+        f"run watched: dead: its driver (pid {p.pid} on {socket.gethostname()}) is gone"
+    ), dead.stdout
+    assert "it last reported running" in head and "(as of" not in head, head
+    rows = dead.stdout.splitlines()[5:]
+    assert rows and all(" gone " in row for row in rows), dead.stdout
+    assert json.loads(status(tmp_path, "--json").stdout)["driver"]["state"] == "dead"
