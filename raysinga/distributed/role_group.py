@@ -293,15 +293,17 @@ class RoleGroup(RoleCheckpoints):
     # ------------------------------------------------------------------ the end
     def shutdown(self, graceful: bool = True, calls: Any = ()) -> None:
         """Stop every actor and free the placement group; safe to call twice and after
-        failures. ``graceful``: each actor first unlinks its shared memory itself (up to 5 s);
-        otherwise (after a lost role, when the others may hang on it) they are killed at once.
-        Files not unlinked by their actors are removed by tag. ``calls``: refs of calls still
-        running on them, fetched so that Ray does not report each as an unhandled error."""
+        failures. ``graceful``: each actor first unlinks its shared memory itself (up to 5 s),
+        then exits (:func:`exit_gracefully`, up to 5 s more); otherwise (after a lost role, when
+        the others may hang on it) they are killed at once. Files not unlinked by their actors
+        are removed by tag. ``calls``: refs of calls still running on them, fetched so that Ray
+        does not report each as an unhandled error."""
         actors = [*self.actors, *(a for a in self.spares if a not in self.actors)]
         done: list[Any] = []
         if actors and graceful:
             stops = [a.shutdown.remote() for a in actors]
             done, _ = ray.wait(stops, num_returns=len(actors), timeout=5)
+            exit_gracefully([a for a, s in zip(actors, stops, strict=True) if s in done])
         for a in actors:
             ray.kill(a)
         if actors and (len(done) < len(actors) or self.replaced):  # files nobody unlinked
@@ -315,3 +317,17 @@ class RoleGroup(RoleCheckpoints):
             remove_placement_group(pg)
         self.servers, self.workers, self.stubs, self.spares = [], [], [], []
         self.placement, self.extra_pgs, self.moved = None, [], {}
+
+
+def exit_gracefully(actors: list[Any], timeout_s: float = 5.0) -> None:
+    """End ``actors`` as Ray ends an actor whose handles are gone, and wait (up to
+    ``timeout_s``) until they have: a process that exits so hands its node's metrics agent what
+    it recorded since its last report (:mod:`raysinga.obs.raymetrics`), which one killed at once
+    may lose (a run's last seconds of steps, up to Ray's report interval)."""
+    exits = [a.__ray_terminate__.remote() for a in actors]
+    if exits:
+        # each call ends in the actor's death, an error: its readiness is the wait
+        ready, _ = ray.wait(exits, num_returns=len(exits), timeout=timeout_s)
+        for ref in ready:
+            with contextlib.suppress(Exception):
+                ray.get(ref)
