@@ -26,6 +26,7 @@ KERNELS = {
     "batchnorm.cu": ("bn_stats", "bn_apply", "bn_bwd_reduce", "bn_bwd_dx"),
     "optim.cu": ("sgd_update", "adam_update", "weighted_sum"),
     "precision.cu": ("to_bf16", "from_bf16"),
+    "attention.cu": ("attn_fwd", "attn_bwd_delta", "attn_bwd_dq", "attn_bwd_dkv"),
     "seq.cu": (
         "emb_fwd",
         "emb_count",
@@ -56,6 +57,7 @@ LIBDEVICE_FMA = {
     "activation.cu": ("act_fwd", "bias_act_fwd"),
     "softmax_xent.cu": ("xent_fwd",),
     "seq.cu": ("gelu_fwd", "csoftmax_fwd", "gru_fwd", "lstm_fwd", "lstm_bwd"),
+    "attention.cu": ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkv"),
 }
 _SUFFIX = {"float32": "f32", "float64": "f64"}
 

@@ -73,11 +73,12 @@ def test_every_file_is_compiled_without_contraction():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])  # the oldest and newest targeted
 @pytest.mark.parametrize("filename", CU_FILES)
-def test_compiles_with_nvcc(filename, tmp_path):
+def test_compiles_with_nvcc(filename, arch, tmp_path):
     ptx = tmp_path / "out.ptx"
     with resources.as_file(PACKAGE.joinpath(filename)) as src:
-        cmd = ["nvcc", "--ptx", "-arch=sm_80", "-Werror", "all-warnings", *OPTIONS]
+        cmd = ["nvcc", "--ptx", f"-arch={arch}", "-Werror", "all-warnings", *OPTIONS]
         run = subprocess.run([*cmd, str(src), "-o", str(ptx)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "warning" not in run.stderr.lower(), run.stderr
