@@ -287,7 +287,9 @@ class Controller:
             line = self.watch.taken_lost(self.lost)
             if line:
                 self.hub.notice(line)
-        rec = self.book.count(self.lost, self.progress)
+        running = self.steps.interrupted if self.steps is not None else None
+        chunk = running[1:] if running is not None else None  # (group, start, end) -> its steps
+        rec = self.book.count(self.lost, self.progress, chunk)
         if self._replace(rec, t0):
             return State.RUNNING
         lost = self.roles.actors if self.roles is not None else []

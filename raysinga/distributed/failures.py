@@ -57,9 +57,12 @@ class FailureBook:
         self.resize: tuple[int, float] | None = None
         self.was: Any = None
 
-    def count(self, e: BaseException, step: int) -> dict[str, Any]:
-        """Count a loss detected at ``step``: its record so far. More failures than
-        ``fault.max_failures`` (within ``fault.window_s``) raise FailuresExceeded, with all."""
+    def count(
+        self, e: BaseException, step: int, chunk: tuple[int, int] | None = None
+    ) -> dict[str, Any]:
+        """Count a loss detected at ``step`` (``chunk``: the steps its group was running): its
+        record so far. More failures than ``fault.max_failures`` (within ``fault.window_s``)
+        raise FailuresExceeded, with all."""
         detected = time.time()
         rec = {
             "kind": "failure",
@@ -76,7 +79,8 @@ class FailureBook:
         if len(recent) + 1 > fc.max_failures:
             raise FailuresExceeded(known + [rec], fc, self.root) from e
         what = {k: rec[k] for k in ("role", "index", "group", "error")}
-        self.hub.emit(RoleLost(step, **what, count=len(recent) + 1, limit=fc.max_failures))
+        n = len(recent) + 1
+        self.hub.emit(RoleLost(step, **what, count=n, limit=fc.max_failures, chunk=chunk))
         return rec
 
     def replaced(

@@ -68,15 +68,24 @@ def render(ev: Event) -> str | None:
             how = f"written in {ev.seconds:.2f} s"
         return f"raysinga: checkpoint step {ev.step} -> {ev.path} ({how})"
     if isinstance(ev, RoleLost):
+        # The driver hears of a group's steps only as each chunk of them ends: a loss in a
+        # chunk is placed in that chunk, whose end the recovery's step may be anywhere before
+        where = f"at step {ev.step}"
+        if ev.chunk is not None:
+            where = f"in steps {ev.chunk[0]} to {ev.chunk[1]} (its group's chunk under way)"
         return (
-            f"raysinga: {ev.error} at step {ev.step}; recovering "
-            f"(failure {ev.count} of at most {ev.limit})"
+            f"raysinga: {ev.error} {where}; recovering (failure {ev.count} of at most {ev.limit})"
         )
     if isinstance(ev, Recovered):
         r = ev.info
+        whence = {
+            "replaced": "where the group's servers stood",
+            "rebuilt and replayed": "where the group's servers stood",
+            "restarted": "every role restarted",
+        }.get(r.get("recovery", ""), "")
         return (
-            f"raysinga: recovered in {r['restore_s']:.2f} s from step {r['restored_from']} "
-            f"({r['steps_redone']} step(s) to redo)"
+            f"raysinga: recovered in {r['restore_s']:.2f} s from step {r['restored_from']}"
+            f"{f', {whence}' if whence else ''} ({r['steps_redone']} step(s) to redo)"
         )
     if isinstance(ev, Resized):
         r = ev.info

@@ -112,7 +112,9 @@ class CheckpointCommitted(Event):
 @dataclass(frozen=True)
 class RoleLost(Event):
     """A role (or its node, or an object it held) was lost at ``step``; ``count`` of at most
-    ``limit`` failures. The run recovers; a :class:`Recovered` follows."""
+    ``limit`` failures. The run recovers; a :class:`Recovered` follows. ``chunk``: the steps
+    (from, to) its group was running when the loss was noticed, where it was running some
+    (``step`` is the last the driver heard of; the group may have gone further)."""
 
     step: int
     role: str
@@ -121,6 +123,7 @@ class RoleLost(Event):
     error: str
     count: int
     limit: int
+    chunk: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
