@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .doorbell import Doorbell, Message, wait_all
-from .errors import get_all
+from .errors import get_all, settle
 from .protocol import Go, ServerDone, StepStats, Wiring, WorkerDone
 
 ENDED_GRACE_S = 5.0  # how long a doorbell may stay silent after a serve call ended normally
@@ -45,9 +45,14 @@ class GroupBells:
         self.done_w = bell("done-w", WorkerDone)
         self.done_s = bell("done-s", ServerDone)
         self.chunk = 0  # the chunk being served: tells its go messages from a failed one's
+        self.serving: list[Any] = []  # the serve calls of that chunk
         self._ended_since: float | None = None  # when a serve call was first seen ended
 
     def close(self) -> None:
+        # A failed chunk's other serve calls end once the recovery aborts them: their errors
+        # are fetched, not left for Ray to print (a chunk that ended well: fetched already).
+        settle(self.serving)
+        self.serving = []
         for bell in [*self.go_w, *self.go_s, self.done_w, self.done_s]:
             bell.close()
             if os.path.exists(bell.path):
@@ -79,6 +84,7 @@ class GroupBells:
             s.serve.remote(start, stop, to_s[k], grads, epoch=epoch)
             for k, s in enumerate(self.servers)
         ]
+        self.serving = refs
         return refs
 
     def _ring(self, bells: list[Doorbell[Any]], step: int, times: int = 1) -> None:

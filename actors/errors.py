@@ -172,7 +172,32 @@ def cancelled_on_failure(calls: list[Any]) -> Iterator[None]:
         yield
     except Exception:
         cancel(calls)
+        settle(calls)
         raise
+
+
+def settle(calls: list[Any], timeout_s: float = 60.0) -> None:
+    """Fetch, on a thread of their own, the results of ``calls`` (refs) that a failure left
+    behind, once they end (within ``timeout_s``), and drop them: a call that ends in an error
+    nobody fetched makes Ray print its traceback as an unhandled error. Those errors are the
+    loss already reported (the lost role's death, its peers' serve loops aborted by the
+    recovery), not news."""
+    import threading  # noqa: PLC0415
+
+    import ray  # noqa: PLC0415
+
+    refs = list(dict.fromkeys(calls))
+    if not refs:
+        return
+
+    def fetch() -> None:
+        with contextlib.suppress(Exception):
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            for ref in ready:
+                with contextlib.suppress(Exception):
+                    ray.get(ref)
+
+    threading.Thread(target=fetch, name="raysinga-settle", daemon=True).start()
 
 
 def cancel(calls: list[Any]) -> None:

@@ -19,6 +19,7 @@ __all__ = [
     "TINY_JOB",
     "TINY_LM",
     "cli_error",
+    "descendants",
     "free_port",
     "group_of",
     "load_job",
@@ -193,6 +194,28 @@ def group_of(pid: int) -> list[int]:
             continue
         if fields[0] != "Z" and int(fields[2]) == pid:
             out.append(int(d.name))
+    return out
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """The live processes descended from ``pid`` (children, theirs, ...), each with the first
+    word of its command line (Ray's roles: their titles, ``ray::Worker.serve``)."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            title = (d / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append((int(d.name), title))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child[0])
     return out
 
 

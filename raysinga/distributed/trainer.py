@@ -19,7 +19,7 @@ from raysinga.actors.server import ParamServer
 from raysinga.actors.slicing import plan_slices
 from raysinga.actors.stub import Stub
 from raysinga.actors.worker import Worker
-from raysinga.cluster import reach, shipping
+from raysinga.cluster import ray_messages, reach, shipping
 from raysinga.cluster.connect import connect, joins_cluster, unreachable_nodes
 from raysinga.config.job import JobConfig
 from raysinga.data import identity as data_identity
@@ -153,10 +153,13 @@ class DistributedTrainer:
         if seen:
             removes.append(self.hub.subscribe(seen))
         try:
-            return self._fit(seen)
+            with ray_messages.kept_in(Path(cfg.run_path)):
+                return self._fit(seen)
         finally:
             for remove in removes:
                 remove()
+            if seen:
+                seen.ended()
 
     def _roles(self) -> Any:
         return self.controller.roles if self.controller else None
