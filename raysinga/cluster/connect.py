@@ -11,6 +11,8 @@ from typing import Any
 
 from raysinga.kernels.cpu_threads import BLAS_ENV
 
+from . import reaper
+
 
 class ConnectError(RuntimeError):
     """The cluster named cannot be reached or joined."""
@@ -54,6 +56,7 @@ def connect(address: str | None = None, runtime_env: dict[str, Any] | None = Non
     kwargs: dict[str, Any] = {"include_dashboard": False} if embedded else {}
     if runtime_env:
         kwargs["runtime_env"] = runtime_env
+    before = reaper.children(os.getpid()) if embedded else set()
     try:
         with _process_env(BLAS_ENV if embedded else {}):
             ray.init(address=address, log_to_driver=True, **kwargs)
@@ -67,7 +70,8 @@ def connect(address: str | None = None, runtime_env: dict[str, Any] | None = Non
         )
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConnectError(f"cannot join the Ray cluster at {address}: {first}{hint}") from e
-    if embedded:
+    if embedded:  # its processes end with this one, even killed outright
+        reaper.follow(reaper.children(os.getpid()) - before)
         return f"raysinga: Ray: started an embedded local Ray ({_gcs_address()})"
     return f"raysinga: Ray: joined the cluster at {_gcs_address()} ({why})"
 
