@@ -61,10 +61,12 @@ def connect(address: str | None = None, runtime_env: dict[str, Any] | None = Non
         with _process_env(BLAS_ENV if embedded else {}):
             ray.init(address=address, log_to_driver=True, **kwargs)
     except ConnectionError as e:
-        # The port answered, so the likeliest cause is the token that `ray start` requires
-        # (Ray logs "InvalidAuthToken" but does not put it in the exception).
+        # The port answered, so the likeliest cause is the token of a cluster with token
+        # authentication on, which a driver given an address sends only with RAY_AUTH_MODE
+        # set (Ray logs "InvalidAuthToken" but does not put it in the exception).
         hint = (
-            "; a cluster started with `ray start` requires its token: set RAY_AUTH_MODE=token"
+            "; where the cluster has token authentication on, set RAY_AUTH_MODE=token (and its "
+            "token: ~/.ray/auth_token)"
             if not os.environ.get("RAY_AUTH_MODE")
             else ""
         )
