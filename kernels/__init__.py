@@ -123,6 +123,36 @@ gru_cell_backward = _dispatch("gru_cell_backward")
 lstm_cell_forward = _dispatch("lstm_cell_forward")
 lstm_cell_backward = _dispatch("lstm_cell_backward")
 
+
+# Causal self-attention in one fused pass exists on the GPU only (gpu_attention.py): on a CPU
+# the BLAS products around the softmax are the fast way, and the layer keeps that path there.
+def fused_attention_fits(qkv: Any, head_dim: int) -> bool:
+    """Whether the attention over the projection ``qkv`` runs as one fused pass: a CuPy array,
+    heads the kernels take, and float32 products (bf16 and TF32 runs keep their matrix
+    products in that precision)."""
+    if get_array_module(qkv) is cpu.np:
+        return False
+    from . import gpu_attention, precision  # noqa: PLC0415 - gpu_attention imports CuPy
+
+    return precision.compute() == "f32" and gpu_attention.supports(head_dim, qkv.dtype)
+
+
+def fused_attention_forward(qkv: Any, heads: int, scale: float) -> tuple[Any, Any]:
+    """``gpu_attention.attention_forward``: the heads' outputs and each row's log-sum-exp."""
+    from . import gpu_attention  # noqa: PLC0415
+
+    return gpu_attention.attention_forward(qkv, heads, scale)
+
+
+def fused_attention_backward(
+    dout: Any, qkv: Any, out: Any, lse: Any, heads: int, scale: float
+) -> Any:
+    """``gpu_attention.attention_backward``: the gradient with respect to ``qkv``."""
+    from . import gpu_attention  # noqa: PLC0415
+
+    return gpu_attention.attention_backward(dout, qkv, out, lse, heads, scale)
+
+
 __all__ = [
     *OPS,
     *SEQ_OPS,
@@ -132,6 +162,9 @@ __all__ = [
     "device",
     "dropout_key",
     "elementwise_kernel",
+    "fused_attention_backward",
+    "fused_attention_fits",
+    "fused_attention_forward",
     "get_array_module",
     "gpu_available",
     "gpu_fallback_note",

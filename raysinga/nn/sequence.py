@@ -6,7 +6,8 @@ a batch adds the leading axis. Weights are stored ``(in, out)`` like a dense lay
 follow PyTorch's order (GRU ``r, z, n``; LSTM ``i, f, g, o``), so an export to PyTorch only
 transposes. Every GEMM goes through ``dense_forward``/``dense_backward`` and every per-position
 op through the kernels of ``kernels/cpu_seq.py`` (CUDA twins in ``gpu_seq.py``), so the same
-code runs on NumPy and CuPy.
+code runs on NumPy and CuPy; on a GPU, attention in float32 products is one fused pass
+(``kernels/gpu_attention.py``).
 """
 
 from __future__ import annotations
@@ -159,7 +160,9 @@ class Attention(Layer):
     """Multi-head causal self-attention over ``(T, dim)``: position ``t`` attends to positions
     ``0..t``. ``Wqkv`` (dim, 3 dim) projects to queries, keys and values (each split into
     ``heads`` heads of ``dim / heads``), ``Wo`` (dim, dim) projects the heads' concatenation
-    back; the softmax of the scaled, masked scores is one fused op."""
+    back. On a CPU the softmax of the scaled, masked scores is one fused op between two
+    matrix products; on a GPU with float32 products and heads of at most 64, scores, softmax
+    and the product with the values are one pass that never writes the (T, T) scores."""
 
     kind = "attention"
     options = {"heads": ...}
@@ -192,6 +195,15 @@ class Attention(Layer):
         # The queries scaled by 1/sqrt(hd) where they lie (a quarter of the scores' size), so
         # that the scores need no pass of their own; the backward pass scales dq the same way.
         qkv[:, :d] *= qkv.dtype.type(1.0 / math.sqrt(hd))
+        self._fused = K.fused_attention_fits(qkv, hd)
+        if self._fused:
+            # One pass on the GPU, keeping each row's log-sum-exp instead of the (T, T)
+            # probabilities; heads wider than the kernels' tiles take the products below.
+            merged, lse = K.fused_attention_forward(qkv.reshape(n, t, 3 * d), h, 1.0)
+            merged = merged.reshape(n * t, d)
+            y = _dense(merged, p["Wo"], p["bo"])
+            self._cache = (rows, qkv, lse, merged, y, p["Wqkv"], p["Wo"])
+            return y.reshape(n, t, d)
         q, k, v = _heads(qkv.reshape(n, t, 3, h, hd))
         scores = K.matmul(q, k.transpose(0, 1, 3, 2)).reshape(n * h, t, t)
         probs = K.causal_softmax_forward(scores, 1.0).reshape(n, h, t, t)
@@ -203,6 +215,8 @@ class Attention(Layer):
         return y.reshape(n, t, d)
 
     def backward(self, dy):
+        if self._fused:
+            return self._fused_backward(dy)
         rows, qkv, q, k, v, probs, merged, y, wqkv, wo = self._cache
         xp = _xp(dy)
         n, h, t, hd = q.shape
@@ -218,8 +232,24 @@ class Attention(Layer):
         K.matmul(dscores, k, out=dq)
         K.matmul(dscores.transpose(0, 1, 3, 2), q, out=dk)  # q is scaled already
         K.matmul(probs.transpose(0, 1, 3, 2), dheads, out=dv)
+        return self._projection_backward(rows, wqkv, qkv, dqkv, dwo, dbo, (n, t, d))
+
+    def _fused_backward(self, dy):
+        rows, qkv, lse, merged, y, wqkv, wo = self._cache
+        n, t, d = dy.shape
+        dmerged, dwo, dbo = K.dense_backward(merged, wo, y, dy.reshape(n * t, d), "linear", True)
+        dqkv = K.fused_attention_backward(
+            dmerged.reshape(n, t, d), qkv.reshape(n, t, 3 * d), merged.reshape(n, t, d), lse,
+            self.opts["heads"], 1.0,
+        )  # fmt: skip
+        return self._projection_backward(rows, wqkv, qkv, dqkv, dwo, dbo, (n, t, d))
+
+    def _projection_backward(self, rows, wqkv, qkv, dqkv, dwo, dbo, shape):
+        """The input projection's gradients from ``dqkv`` (laid out as ``qkv``), its queries'
+        part still to be scaled as the forward pass scaled the queries; ``shape`` is x's."""
+        n, t, d = shape
         dqkv = dqkv.reshape(n * t, 3 * d)
-        dqkv[:, :d] *= dqkv.dtype.type(1.0 / math.sqrt(hd))
+        dqkv[:, :d] *= dqkv.dtype.type(1.0 / math.sqrt(d // self.opts["heads"]))
         dx, dwqkv, dbqkv = K.dense_backward(rows, wqkv, qkv, dqkv, "linear", self.need_dx)
         grads = {"Wqkv": dwqkv, "bqkv": dbqkv, "Wo": dwo, "bo": dbo}
         return (None if dx is None else dx.reshape(n, t, d)), grads
