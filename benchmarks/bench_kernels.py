@@ -1,5 +1,6 @@
-"""Memory-bound GPU kernels against a device-to-device copy, and a checkpoint's device-to-host
-snapshot against a plain pinned copy, each measured in the same run on the same GPU.
+"""Memory-bound GPU kernels against a device-to-device copy, a checkpoint's device-to-host
+snapshot against a plain pinned copy, and the fused attention against PyTorch's, each measured
+in the same run on the same GPU.
 
     pip install -e '.[bench,gpu]'
     python benchmarks/bench_kernels.py [--mib 256] [--repeats 20] [--json FILE]
@@ -13,8 +14,14 @@ bytes faster than a copy. Goal: every median at least 0.8.
 
 The snapshot is :class:`raysinga.actors.device.ServerDevice`'s copy of optimizer slots to pinned
 host memory on its own stream; the reference is one ``ndarray.get`` of the same bytes into
-pinned memory, timed in turn with it. Goal: at least 0.8x. ``--json FILE`` writes every figure
-and round. Prints "not measured" where no GPU is usable.
+pinned memory, timed in turn with it. Goal: at least 0.8x.
+
+The fused causal attention (``kernels/attention.cu``, float32) at gpt_small's shape, batch 8, 12
+heads of 64, T 256 and 1024, forward and backward against PyTorch's
+``scaled_dot_product_attention(is_causal=True)`` on the same float32 values, each timed in turn
+in the same run: a round is one launch's time over PyTorch's median. Goal: at most 1.0x.
+
+``--json FILE`` writes every figure and round. Prints "not measured" where no GPU is usable.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from report import Figure, Report, add_json_option
 from raysinga import kernels as K
 
 GOAL = 0.8  # a kernel's bandwidth and the snapshot's against their plain copies, at least
+ATTENTION_GOAL = 1.0  # the fused attention's time over PyTorch's, at most
 
 
 def timed(cp, fn, repeats: int) -> list[float]:
@@ -80,6 +88,67 @@ def kernel_cases(cp, gpu, n: int, dtype) -> list[tuple[str, object, int]]:
         ),
         ("sum of 4 grads", lambda: gpu_optim.weighted_sum(out, bufs), 5 * n * item),
     ]
+
+
+def attention_figures(cp, t: int, repeats: int) -> list[Figure]:
+    """The fused causal attention (``gpu_attention``, float32) at gpt_small's shape (batch 8,
+    12 heads of 64, ``t`` positions), forward and backward, each round's time over the median
+    of PyTorch's ``scaled_dot_product_attention(is_causal=True)`` on the same values, timed in
+    turn with it."""
+    import torch
+    import torch.nn.functional as F
+
+    from raysinga.kernels import gpu_attention
+
+    n, h, hd = 8, 12, 64
+    d, scale = h * hd, 1.0 / hd**0.5
+    rng = cp.random.default_rng(1)
+    qkv = rng.standard_normal((n, t, 3 * d), dtype=np.float32)
+    dout = rng.standard_normal((n, t, d), dtype=np.float32)
+    out, lse = gpu_attention.attention_forward(qkv, h, scale)
+    # The same values as PyTorch's (n, h, t, hd) heads; .contiguous(): its kernels' own layout.
+    heads = torch.as_tensor(qkv, device="cuda").view(n, t, 3, h, hd).permute(2, 0, 3, 1, 4)
+    q, k, v = (x.contiguous().requires_grad_() for x in heads)
+    tdout = torch.as_tensor(dout, device="cuda").view(n, t, h, hd).transpose(1, 2).contiguous()
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    torch.cuda.synchronize()
+
+    def torch_timed(fn) -> list[float]:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return times
+
+    cases = [
+        (
+            "forward",
+            lambda: gpu_attention.attention_forward(qkv, h, scale),
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale),
+        ),
+        (
+            "backward",
+            lambda: gpu_attention.attention_backward(dout, qkv, out, lse, h, scale),
+            lambda: torch.autograd.grad(y, (q, k, v), tdout, retain_graph=True),
+        ),
+    ]
+    figures = []
+    for name, ours, theirs in cases:
+        ref = statistics.median(torch_timed(theirs))
+        mine = timed(cp, ours, repeats)
+        print(
+            f"  attention {name}, T {t}: {statistics.median(mine) * 1e3:.2f} ms, PyTorch's "
+            f"sdpa {ref * 1e3:.2f} ms (medians)"
+        )
+        label = f"attention {name} (8x12 heads of 64, T {t}, float32), time / PyTorch sdpa's"
+        figures.append(Figure(label, [m / ref for m in mine], "x", ATTENTION_GOAL, "lower"))
+    return figures
 
 
 def main() -> None:
@@ -140,6 +209,17 @@ def main() -> None:
     )
     ratios = [statistics.median(ref) / t for t in snap]
     report.add(Figure("snapshot, speed / the plain copy's", ratios, "x", GOAL, "higher"), ".2f")
+
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        print("attention: not measured: no PyTorch with CUDA (pip install -e '.[bench]')")
+    else:
+        for t in (256, 1024):
+            for fig in attention_figures(cp, t, args.repeats):
+                report.add(fig, ".2f")
     report.write(args.json)
 
 
