@@ -19,7 +19,7 @@ __device__ __forceinline__ double k_exp(double x) { return exp(x); }
 __device__ __forceinline__ float k_log(float x) { return logf(x); }
 __device__ __forceinline__ double k_log(double x) { return log(x); }
 
-// Rows per tile: Q, K, V and dO tiles of HD_MAX columns plus two score tiles stay within the
+// Rows per tile: Q, K, V and dO tiles of HD_MAX + 1 columns plus two score tiles stay within the
 // 48 KiB of static shared memory a block may hold, for either float type.
 template <typename T>
 struct Tile {
@@ -32,15 +32,20 @@ struct Tile<double> {
 
 // The accumulators a thread owns in a R x HD_MAX tile: elements tid, tid + BLOCK, ...
 #define NACC(T) (Tile<T>::R * HD_MAX / BLOCK)
+// The shared memory of a R x hd tile (see load_tile for the + 1).
+#define TILE(T) (Tile<T>::R * (HD_MAX + 1))
 
-// rows [r0, r0 + R) of one head into a R x hd tile, zeros past the sequence's end.
+// Rows [r0, r0 + R) of one head into a R x hd tile, zeros past the sequence's end. A tile's
+// rows lie hd + 1 apart: threads that each read their own row (a dot product with row c of K or
+// V) then hit different shared-memory banks, where a stride of 64 words would put a warp's 32
+// reads in one bank.
 template <typename T>
 __device__ void load_tile(T* __restrict__ dst, const T* __restrict__ src, long long ld,
                           long long r0, long long t, long long hd) {
   const int R = Tile<T>::R;
   for (long long e = threadIdx.x; e < R * hd; e += BLOCK) {
     const long long r = e / hd, c = e % hd;
-    dst[e] = r0 + r < t ? src[(r0 + r) * ld + c] : T(0);
+    dst[r * (hd + 1) + c] = r0 + r < t ? src[(r0 + r) * ld + c] : T(0);
   }
 }
 
@@ -61,10 +66,10 @@ __device__ void attn_fwd(const T* __restrict__ q, const T* __restrict__ k,
                          T* __restrict__ lse, long long n, long long h, long long t, long long hd,
                          T scale) {
   const int R = Tile<T>::R;
-  __shared__ T sq[Tile<T>::R * HD_MAX], sk[Tile<T>::R * HD_MAX], sv[Tile<T>::R * HD_MAX];
-  __shared__ T sp[Tile<T>::R * Tile<T>::R];
+  __shared__ T sq[TILE(T)], sk[TILE(T)], sv[TILE(T)];
+  __shared__ T sp[Tile<T>::R * (Tile<T>::R + 1)];  // rows R + 1 apart: one thread per row reads
   __shared__ T sm[Tile<T>::R], sl[Tile<T>::R], salpha[Tile<T>::R];
-  const long long tiles = (t + R - 1) / R, blocks = n * h * tiles;
+  const long long tiles = (t + R - 1) / R, blocks = n * h * tiles, ls = hd + 1;
   for (long long blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
     const long long bh = blk / tiles, i0 = (blk % tiles) * R;
     const long long b = bh / h, hh = bh % h, base = b * t * ld + hh * hd;
@@ -77,13 +82,13 @@ __device__ void attn_fwd(const T* __restrict__ q, const T* __restrict__ k,
       load_tile(sv, v + base, ld, j0, t, hd);
       __syncthreads();
       for (int e = threadIdx.x; e < R * R; e += BLOCK)
-        sp[e] = scale * dot(sq + (e / R) * hd, sk + (e % R) * hd, hd);
+        sp[(e / R) * (R + 1) + e % R] = scale * dot(sq + (e / R) * ls, sk + (e % R) * ls, hd);
       __syncthreads();
       if (threadIdx.x < R) {
         const int r = threadIdx.x;
         const long long i = i0 + r < t ? i0 + r : t - 1;
         const long long valid = i - j0 + 1 < R ? i - j0 + 1 : R;  // keys j0 .. i of this tile
-        T* p = sp + r * R;
+        T* p = sp + r * (R + 1);
         if (valid <= 0) {
           salpha[r] = T(1);
           for (int c = 0; c < R; ++c) p[c] = T(0);
@@ -108,7 +113,7 @@ __device__ void attn_fwd(const T* __restrict__ q, const T* __restrict__ k,
         if (e >= R * hd) break;
         const long long r = e / hd, c = e % hd;
         T s = T(0);
-        for (int x = 0; x < R; ++x) s += sp[r * R + x] * sv[x * hd + c];
+        for (int x = 0; x < R; ++x) s += sp[r * (R + 1) + x] * sv[x * ls + c];
         acc[a] = acc[a] * salpha[r] + s;
       }
       __syncthreads();
@@ -147,13 +152,14 @@ __device__ void attn_scores_bwd(const T* sq, const T* sk, const T* sv, const T* 
                                 const T* slse, const T* sdelta, T* sp, T* sds, long long i0,
                                 long long j0, long long t, long long hd, T scale) {
   const int R = Tile<T>::R;
+  const long long ls = hd + 1;
   for (int e = threadIdx.x; e < R * R; e += BLOCK) {
     const int r = e / R, c = e % R;
     const long long i = i0 + r, j = j0 + c;
     if (j <= i && i < t) {
-      const T p = k_exp(scale * dot(sq + r * hd, sk + c * hd, hd) - slse[r]);
+      const T p = k_exp(scale * dot(sq + r * ls, sk + c * ls, hd) - slse[r]);
       sp[e] = p;
-      sds[e] = p * (dot(sdo + r * hd, sv + c * hd, hd) - sdelta[r]);
+      sds[e] = p * (dot(sdo + r * ls, sv + c * ls, hd) - sdelta[r]);
     } else {
       sp[e] = T(0);
       sds[e] = T(0);
@@ -177,10 +183,10 @@ __device__ void attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k,
                             const T* __restrict__ delta, T* __restrict__ dq, long long ldd,
                             long long n, long long h, long long t, long long hd, T scale) {
   const int R = Tile<T>::R;
-  __shared__ T sq[Tile<T>::R * HD_MAX], sk[Tile<T>::R * HD_MAX], sv[Tile<T>::R * HD_MAX];
-  __shared__ T sdo[Tile<T>::R * HD_MAX], sp[Tile<T>::R * Tile<T>::R];
+  __shared__ T sq[TILE(T)], sk[TILE(T)], sv[TILE(T)];
+  __shared__ T sdo[TILE(T)], sp[Tile<T>::R * Tile<T>::R];
   __shared__ T sds[Tile<T>::R * Tile<T>::R], slse[Tile<T>::R], sdelta[Tile<T>::R];
-  const long long tiles = (t + R - 1) / R, blocks = n * h * tiles;
+  const long long tiles = (t + R - 1) / R, blocks = n * h * tiles, ls = hd + 1;
   for (long long blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
     const long long bh = blk / tiles, i0 = (blk % tiles) * R;
     const long long b = bh / h, hh = bh % h, base = b * t * ld + hh * hd;
@@ -202,7 +208,7 @@ __device__ void attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k,
         if (e >= R * hd) break;
         const long long r = e / hd, c = e % hd;
         T s = T(0);
-        for (int x = 0; x < R; ++x) s += sds[r * R + x] * sk[x * hd + c];
+        for (int x = 0; x < R; ++x) s += sds[r * R + x] * sk[x * ls + c];
         acc[a] += s;
       }
       __syncthreads();
@@ -226,10 +232,10 @@ __device__ void attn_bwd_dkv(const T* __restrict__ q, const T* __restrict__ k,
                              T* __restrict__ dv, long long ldd, long long n, long long h,
                              long long t, long long hd, T scale) {
   const int R = Tile<T>::R;
-  __shared__ T sq[Tile<T>::R * HD_MAX], sk[Tile<T>::R * HD_MAX], sv[Tile<T>::R * HD_MAX];
-  __shared__ T sdo[Tile<T>::R * HD_MAX], sp[Tile<T>::R * Tile<T>::R];
+  __shared__ T sq[TILE(T)], sk[TILE(T)], sv[TILE(T)];
+  __shared__ T sdo[TILE(T)], sp[Tile<T>::R * Tile<T>::R];
   __shared__ T sds[Tile<T>::R * Tile<T>::R], slse[Tile<T>::R], sdelta[Tile<T>::R];
-  const long long tiles = (t + R - 1) / R, blocks = n * h * tiles;
+  const long long tiles = (t + R - 1) / R, blocks = n * h * tiles, ls = hd + 1;
   for (long long blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
     const long long bh = blk / tiles, j0 = (blk % tiles) * R;
     const long long b = bh / h, hh = bh % h, base = b * t * ld + hh * hd;
@@ -251,8 +257,8 @@ __device__ void attn_bwd_dkv(const T* __restrict__ q, const T* __restrict__ k,
         const long long c = e / hd, x = e % hd;
         T sv_ = T(0), sk_ = T(0);
         for (int r = 0; r < R; ++r) {
-          sv_ += sp[r * R + c] * sdo[r * hd + x];
-          sk_ += sds[r * R + c] * sq[r * hd + x];
+          sv_ += sp[r * R + c] * sdo[r * ls + x];
+          sk_ += sds[r * R + c] * sq[r * ls + x];
         }
         av[a] += sv_;
         ak[a] += sk_;
