@@ -59,7 +59,8 @@ if ! "$py" -c 'import sys; from raysinga.kernels import gpu_available; sys.exit(
 fi
 
 part graph-tests "$limit" "$py" -m pytest -q -m gpu -p no:cacheprovider \
-  tests/kernels/test_gpu_blas.py tests/run/test_graph_step.py --junitxml="$out/graph-tests.xml"
+  tests/kernels/test_gpu_blas.py tests/kernels/test_gpu_attention.py tests/run/test_graph_step.py \
+  --junitxml="$out/graph-tests.xml"
 part gpu-tests $((2 * limit)) "$py" -m pytest -q -m gpu -p no:cacheprovider --junitxml="$out/gpu-tests.xml"
 part bench-kernels "$limit" "$py" benchmarks/bench_kernels.py --json "$out/bench_kernels.json"
 for model in mlp cnn charlm; do
