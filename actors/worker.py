@@ -152,6 +152,7 @@ class Worker(Abortable, Fence):
         """A spare takes the place of lost worker ``index`` of its group (its part of the
         batch comes with each step; the index names it in errors)."""
         self.index = index
+        self.rec.adopt(index)  # its metrics are worker ``index``'s from now on
 
     @reports_role
     def restore(self, state: dict[str, np.ndarray], cursor: DataCursor) -> None:

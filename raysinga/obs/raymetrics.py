@@ -5,15 +5,17 @@ exporter of its own.
 
 Each role records what it measures itself: a worker its reads of the values and its forward
 and backward, a server its updates and checkpoint writes, a stub its group's steps, their
-phases and the bytes they moved between hosts. The driver records the run's: loss, samples/s,
-checkpoints committed, recoveries, spares ready and the divergence guard's events. Every series
-is tagged by ``run`` (the job's name), ``role`` (``worker``, ``server``, ``stub``, ``driver``),
-``index`` and ``group`` (empty where they do not apply), and the tags of its own below. Off with
+phases and the bytes they moved between hosts; each, from its first step, that its process
+lives (``role_up``). The driver records the run's: loss, samples/s, checkpoints committed,
+recoveries, spares ready and the divergence guard's stops. Every series is tagged by ``run``
+(the job's name), ``role`` (``worker``, ``server``, ``stub``, ``driver``), ``index`` and
+``group`` (empty where they do not apply), and the tags of its own below. Off with
 ``metrics.ray: false``. Ray prefixes the names: ``ray_raysinga_steps_total``.
 """
 
 from __future__ import annotations
 
+import atexit
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -51,7 +53,13 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "recoveries": ("counter", "recoveries from a lost role or node, by how", ("kind", "lost")),
     "recovery_seconds": ("histogram", "how long a recovery took, by how", ("kind",)),
     "spares_ready": ("gauge", "spare roles loaded and ready to replace a lost one", ()),
-    "divergence_events": ("counter", "the divergence guard's warnings and stops", ("level",)),
+    "divergence_events": ("counter", "the divergence guard's stops of the run", ("level",)),
+    "role_up": (
+        "gauge",
+        "1 while a role's process steps (from its first step), 0 as it ends with the run; "
+        "gone once its process has ended",
+        (),
+    ),
 }
 
 _made: dict[str, Any] = {}
@@ -87,6 +95,8 @@ class Recorder:
         group: int | None = None,
     ) -> None:
         self.on = run is not None
+        self.up = False  # role_up exported (from this role's first step)
+        self._ended, self._up_lock = threading.Event(), threading.Lock()
         self.tags = {
             "run": run or "",
             "role": role,
@@ -109,9 +119,48 @@ class Recorder:
         if self.on:
             _metric(name).observe(float(value), tags=self._tags(tags))
 
+    def zero(self, name: str, **tags: Any) -> None:
+        """Counter ``name``'s series exported at 0 before its first event, as Prometheus users
+        expect of a series that may appear (a run that never diverged shows 0, not no data)."""
+        if self.on:
+            # Counter.inc refuses 0; the record under it takes 0 and the agent exports it
+            _metric(name)._record(0.0, tags=self._tags(tags))
+
+    def adopt(self, index: int) -> None:
+        """A spare takes the place of the role ``index`` of its kind: its series from now on."""
+        self.tags["index"] = str(index)
+
+    def stepping(self) -> None:
+        """This role steps: ``role_up`` 1 from now on while its process lives, and 0 as it
+        exits with the run (a graceful exit hands the agent that value). Of a process
+        SIGKILLed or gone, the agent drops the series after two report intervals."""
+        if self.on and not self.up:
+            self.up = True
+            threading.Thread(target=self._renew_up, name="raysinga-role-up", daemon=True).start()
+            atexit.register(self.ended)
+
+    def _renew_up(self) -> None:
+        # A process hands its agent only the gauges it set since its last report, and the agent
+        # drops one not handed for two reports: set again every second while the process lives.
+        while True:
+            with self._up_lock:
+                if self._ended.is_set():
+                    return
+                self.set("role_up", 1)
+            self._ended.wait(UP_EVERY_S)
+
+    def ended(self) -> None:
+        """This role's process ends (with the run): ``role_up`` 0, the last value it hands its
+        agent. Called as the process exits."""
+        with self._up_lock:
+            if self.up and not self._ended.is_set():
+                self._ended.set()
+                self.set("role_up", 0)
+
     def step(self, phases: dict[str, float], **tags: Any) -> None:
         """One step of this role: the seconds of each of its ``phases``, and the step counted."""
         if self.on:
+            self.stepping()
             for phase, seconds in phases.items():
                 self.observe("phase_seconds", seconds, phase=phase, **tags)
             self.inc("steps", **tags)
@@ -120,6 +169,7 @@ class Recorder:
         """A group's steps (a stub's :class:`~raysinga.actors.protocol.StepStats`): each
         one's phases, and the bytes it moved by route (nodes named by ``address``)."""
         if self.on:
+            self.stepping()
             for r in records:
                 for phase in ("fetch", "compute", "gather", "average", "update"):
                     self.observe("phase_seconds", getattr(r, phase), phase=phase)
@@ -154,6 +204,7 @@ class RunMetrics:
                 rec.set("spares_ready", self.spares())
         elif isinstance(ev, RunStarted):
             self.last_step = ev.step
+            rec.zero("divergence_events", level="diverged")
         elif isinstance(ev, CheckpointCommitted):
             rec.inc("checkpoints")
             rec.observe("checkpoint_seconds", ev.seconds)
@@ -163,9 +214,12 @@ class RunMetrics:
             rec.inc("recoveries", kind=kind, lost=info.get("role", ""))
             seconds = sum(float(info.get(k) or 0.0) for k in ("detection_s", "restore_s"))
             rec.observe("recovery_seconds", seconds, kind=kind)
-        elif (ev.record() or {}).get("kind") == "guard":  # the guard fixed its early level
-            rec.inc("divergence_events", level="early level")
 
     def diverged(self) -> None:
         """The guard stopped the run."""
         self.rec.inc("divergence_events", level="diverged")
+
+    def ended(self) -> None:
+        """The run ended, however: its spares ended with it."""
+        if self.spares is not None:
+            self.rec.set("spares_ready", 0)

@@ -4,12 +4,14 @@ what each event of a run records, under which tags, and nothing at all where the
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from raysinga.obs import raymetrics
 from raysinga.obs.events import CheckpointCommitted, Notice, Recovered, RunStarted, TrainStep
+from raysinga.run.divergence import EarlyLevel
 
 
 class Fake:
@@ -26,6 +28,9 @@ class Fake:
 
     def observe(self, value, tags):
         self.calls.append((self.name, "observe", value, tags))
+
+    def _record(self, value, tags):  # under Counter.inc, which refuses 0
+        self.calls.append((self.name, "record", value, tags))
 
 
 @pytest.fixture
@@ -44,12 +49,32 @@ def test_every_metric_is_declared_with_its_kind_and_tags():
 def test_a_roles_steps_are_tagged_by_run_role_index_and_group(calls):
     rec = raymetrics.Recorder("r", "worker", 1, 0)
     rec.step({"fetch": 0.5, "compute": 0.25})
+    rec.ended()
     tags = {"run": "r", "role": "worker", "index": "1", "group": "0"}
-    assert calls == [
+    assert [c for c in calls if c[0] != "role_up"] == [
         ("phase_seconds", "observe", 0.5, {**tags, "phase": "fetch"}),
         ("phase_seconds", "observe", 0.25, {**tags, "phase": "compute"}),
         ("steps", "inc", 1.0, tags),
     ]
+    up = [c for c in calls if c[0] == "role_up"]
+    assert up[0] == ("role_up", "set", 1.0, tags) and up[-1] == ("role_up", "set", 0.0, tags)
+
+
+def test_a_role_is_up_from_its_first_step_while_it_lives_and_down_as_it_ends(calls):
+    """Ray's agent drops a gauge its process did not set for two report intervals: role_up is
+    set again every second; a spare (no step yet) is not up; a spare that takes a lost
+    worker's place records as that worker."""
+    spare = raymetrics.Recorder("r", "worker", 0, 0)
+    assert not calls
+    spare.adopt(1)
+    spare.step({"compute": 0.1})
+    time.sleep(2.5 * raymetrics.UP_EVERY_S)
+    spare.ended()
+    spare.ended()  # again at the process's exit: nothing more
+    time.sleep(1.5 * raymetrics.UP_EVERY_S)
+    up = [(c[2], c[3]["index"]) for c in calls if c[0] == "role_up"]
+    assert up[:3] == [(1.0, "1")] * 3 and up[-1] == (0.0, "1") and len(up) <= 5, up
+    assert {c[3]["index"] for c in calls} == {"1"}
 
 
 def test_a_groups_steps_record_their_phases_and_bytes_by_route(calls):
@@ -67,23 +92,28 @@ def test_a_groups_steps_record_their_phases_and_bytes_by_route(calls):
 def test_the_runs_events_become_its_metrics(calls):
     seen = raymetrics.RunMetrics("r", spares=lambda: 3)
     seen(RunStarted("r", "Ray", 100, 20))
+    seen(EarlyLevel(23, 2.3))  # the guard's early level: a healthy run's, no event of its own
     seen(TrainStep(40, 100, 1, 0.5, 0.1, 1000.0))
     seen(CheckpointCommitted(40, "/x", 0.01, 0.2, True))
     info = {"recovery": "replaced", "role": "worker", "detection_s": 0.5, "restore_s": 0.25}
     seen(Recovered(info))
     seen(Notice("nothing to record"))
+    healthy = [c for c in calls if c[0] == "divergence_events"]
     seen.diverged()
+    seen.ended()
     got = {(c[0], c[1]): (c[2], c[3]) for c in calls}
     base = {"run": "r", "role": "driver", "index": "", "group": ""}
     assert got[("loss", "set")] == (0.5, base)
     assert got[("samples_per_second", "set")] == (1000.0, base)
     assert got[("steps", "inc")] == (20.0, base)  # from where the run started
-    assert got[("spares_ready", "set")] == (3.0, base)
+    assert [c[2] for c in calls if c[0] == "spares_ready"] == [3.0, 0.0]  # none once ended
     assert got[("checkpoints", "inc")] == (1.0, base)
     assert got[("checkpoint_seconds", "observe")] == (0.2, base)
     assert got[("recoveries", "inc")] == (1.0, {**base, "kind": "replaced", "lost": "worker"})
     assert got[("recovery_seconds", "observe")] == (0.75, {**base, "kind": "replaced"})
-    assert got[("divergence_events", "inc")] == (1.0, {**base, "level": "diverged"})
+    diverged = {**base, "level": "diverged"}
+    assert healthy == [("divergence_events", "record", 0.0, diverged)]  # 0 from the start
+    assert got[("divergence_events", "inc")] == (1.0, diverged)
 
 
 def test_off_records_nothing(calls):
