@@ -37,7 +37,7 @@ def children(pid: int) -> set[int]:
 def follow(pids: set[int]) -> None:
     """End ``pids`` (the processes an embedded Ray started for this driver) and the processes
     descended from them once this driver has ended, however it ended."""
-    if not pids or not Path("/proc/self/stat").exists():  # no /proc: nothing to follow
+    if not pids:
         return
     _followers.append(
         subprocess.Popen(
@@ -52,8 +52,11 @@ def follow(pids: set[int]) -> None:
 
 
 def _table() -> dict[int, tuple[int, int]]:
-    """Every live process: pid -> (parent pid, start time in clock ticks since boot)."""
-    out = {}
+    """Every live process: pid -> (parent pid, start time in clock ticks since boot); none
+    where there is no ``/proc`` (not Linux: nothing is followed there)."""
+    out: dict[int, tuple[int, int]] = {}
+    if not Path("/proc/self/stat").exists():
+        return out
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
