@@ -23,6 +23,7 @@ from typing import Any
 from .events import CheckpointCommitted, Event, Recovered, RunStarted, TrainStep
 
 PREFIX = "raysinga_"
+UP_EVERY_S = 1.0  # how often a role sets role_up again (Ray's shortest report interval)
 BASE_TAGS = ("run", "role", "index", "group")
 # seconds: a step's phase, an update, a checkpoint write, a recovery
 SECONDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300]
