@@ -25,8 +25,14 @@ from .events import CheckpointCommitted, Event, Recovered, RunStarted, TrainStep
 PREFIX = "raysinga_"
 UP_EVERY_S = 1.0  # how often a role sets role_up again (Ray's shortest report interval)
 BASE_TAGS = ("run", "role", "index", "group")
-# seconds: a step's phase, an update, a checkpoint write, a recovery
-SECONDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300]
+# Seconds: a step's phase, an update, a checkpoint write, a recovery. The phases of a small
+# model's step spread from 10 us (a worker's fetch, a stub's average) to tens of ms, a large
+# model's compute to seconds, a checkpoint or a recovery to minutes: 1-2-5 steps from 10 us to
+# 20 s (each bound at most 2.5 times the one below, so that a phase's median and its 95th
+# percentile fall in buckets of their own), then 1 and 5 minutes. Ray's agent counts each
+# observation at its bucket's middle (docs/observe.md: what a mean from these is worth).
+SECONDS = [1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2]
+SECONDS += [0.5, 1, 2, 5, 10, 20, 60, 300]
 
 # name -> (kind, description, tags of its own)
 METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
