@@ -189,3 +189,46 @@ def test_an_observation_is_counted_within_the_bounds_docs_observe_md_gives():
             at = midpoint(bucket(hi))
             assert 0.7 - 1e-9 <= at / hi and at / lo <= 1.75 + 1e-9, (lo, hi)
     assert 0.7 <= midpoint(bucket(4e-5)) / 4e-5 <= 1.75
+
+
+def drawn_in(expr: str) -> str | None:
+    """The unit of what a panel's query draws: seconds, bytes or bytes per second; None for a
+    count, a rate of steps or a loss (any unit but those)."""
+    if "_seconds_bucket" in expr:
+        return "s"
+    if "_bytes_total" in expr:
+        return "Bps" if "rate(" in expr else "bytes"
+    return None
+
+
+def test_each_panel_draws_each_series_in_its_own_unit_on_an_axis_of_that_unit():
+    """A panel whose series differ in unit gives each its unit, its axis and the axis's label
+    (one override per series): Grafana draws one axis per unit."""
+    import json
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
+    for panel in json.loads(doc.read_text())["panels"]:
+        config = panel["fieldConfig"]
+        default = config["defaults"].get("unit")
+        overrides = {
+            o["matcher"]["options"]: {p["id"]: p["value"] for p in o["properties"]}
+            for o in config["overrides"]
+            if o["matcher"]["id"] == "byFrameRefID"
+        }
+        units = {}
+        for t in panel["targets"]:
+            unit = overrides.get(t["refId"], {}).get("unit", default)
+            want = drawn_in(t["expr"])
+            if want is not None:
+                assert unit == want, (panel["title"], t["refId"], unit)
+            else:
+                assert unit not in ("s", "bytes", "Bps"), (panel["title"], t["refId"], unit)
+            units[t["refId"]] = unit
+        if len(set(units.values())) > 1:
+            for ref in units:
+                set_here = overrides.get(ref, {})
+                assert {"unit", "custom.axisPlacement", "custom.axisLabel"} <= set(set_here), (
+                    panel["title"],
+                    ref,
+                )
