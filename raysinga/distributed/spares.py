@@ -17,9 +17,7 @@ drops the result (:meth:`Worker.warm`, :meth:`ParamServer.warm`), so that it tak
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import ray
@@ -56,18 +54,6 @@ class Spare(NamedTuple):
             except RayError:
                 return None
         return info
-
-
-class Wanted(NamedTuple):
-    """A spare the run keeps: the table it goes in and its key there, its role and node, its
-    role's arguments (made when it is spawned) and the GPUs it sees."""
-
-    table: dict[int, Spare]
-    key: int
-    role: str
-    node: str
-    args: Callable[[], tuple]
-    gpus: Any
 
 
 class Spares:
@@ -112,66 +98,41 @@ class Spares:
 
     def ready_count(self) -> int:
         """How many spares are up (their ``describe()`` answered), for the run's metrics."""
-        refs = [sp.described for sp in self._all()]
+        refs = [
+            sp.described
+            for kind in (self.worker, self.stub, self.server, self.far_worker, self.far_server)
+            for sp in kind.values()
+        ]
         return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else 0
 
     def prepare(self, avoid: set[str]) -> None:
-        """Spawn the missing spares, in the background (not waited for): first each group's
-        worker (on its stub's node, and on the standby node: not one of ``avoid``, the nodes
-        found unreachable); once none of those is still loading, each group's stub and,
-        where servers are rebuilt from copies, a spare of each server (on the stub's node, or
-        the standby node for the others). A worker is the likeliest loss and the quickest to
-        replace: four spares loading at once on the two cores the run trained on each took
-        3 to 4 s, and a worker lost in the run's first seconds waited for its spare (1.0 s
-        from the kill to the next step, against 0.5 s with the workers' spares first)."""
+        """Spawn each group's missing spares, in the background (not waited for): a worker
+        and a stub on the group's node, and where servers are rebuilt from copies, one for
+        each server on the stub's node; then those of the standby node (not one of
+        ``avoid``, the nodes found unreachable)."""
         if not self.enabled:
             return
-        wanted = [w for w in self._wanted(avoid) if w.key not in w.table]
-        workers = [w for w in wanted if w.role == "worker"]
-        if not workers and self._workers_loading():
-            return  # the others wait for the workers' spares
-        for w in workers or wanted:
-            w.table[w.key] = self._spawn(w.role, w.node, *w.args(), gpus=w.gpus)
-
-    def _wanted(self, avoid: set[str]) -> list[Wanted]:
-        """Every spare the run keeps."""
         roles = self.roles
-        want: list[Wanted] = []
         for g in range(len(roles.stubs)):
-            node, gpus = roles.stub_infos[g]["node"], roles.worker_infos[g][0].get("gpus")
-            spec = functools.partial(self._worker_args, g)
-            want.append(Wanted(self.worker, g, "worker", node, spec, gpus))
-            stub = functools.partial(roles.stub_args, g)
-            want.append(Wanted(self.stub, g, "stub", node, stub, None))
-        stub_node = roles.stub_infos[0]["node"]
-        servers = list(enumerate(roles.server_infos)) if roles.replay else []
-        for k, info in servers:
-            if info["node"] == stub_node:
-                spec = functools.partial(self._server_args, k)
-                want.append(Wanted(self.server, k, "server", stub_node, spec, info.get("gpus")))
-        standby = self._find_standby(avoid)
-        if standby is None:
-            return want
-        for g in range(len(roles.stubs)):
-            gpus = roles.worker_infos[g][0].get("gpus")
-            spec = functools.partial(self._worker_args, g)
-            want.append(Wanted(self.far_worker, g, "worker", standby, spec, gpus))
-        for k, info in servers:
-            if info["node"] != stub_node:
-                spec = functools.partial(self._server_args, k)
-                want.append(Wanted(self.far_server, k, "server", standby, spec, info.get("gpus")))
-        return want
+            node = roles.stub_infos[g]["node"]
+            if g not in self.worker:
+                gpus = roles.worker_infos[g][0].get("gpus")
+                self.worker[g] = self._spawn("worker", node, roles.worker_spec(g, 0), gpus=gpus)
+            if g not in self.stub:
+                self.stub[g] = self._spawn("stub", node, *roles.stub_args(g))
+        if roles.replay:
+            node = roles.stub_infos[0]["node"]
+            for k, info in enumerate(roles.server_infos):
+                if k not in self.server and info["node"] == node:
+                    self.server[k] = self._spawn(
+                        "server", node, roles.server_spec(k), gpus=info.get("gpus")
+                    )
+        self._prepare_standby(avoid)
 
-    def _worker_args(self, g: int) -> tuple:
-        return (self.roles.worker_spec(g, 0),)
-
-    def _server_args(self, k: int) -> tuple:
-        return (self.roles.server_spec(k),)
-
-    def _find_standby(self, avoid: set[str]) -> str | None:
-        """The standby node: found again where it is gone, or now holds roles (its spares left
-        waiting, stopped with the run's others), looked for at most every
-        ``STANDBY_EVERY_S`` where there is none."""
+    def _prepare_standby(self, avoid: set[str]) -> None:
+        """Spares on the standby node (found again where it is gone, or now holds roles; looked
+        for at most every ``STANDBY_EVERY_S`` where there is none): a worker of each group, and
+        where servers are rebuilt from copies, each server not on the stub's node."""
         roles = self.roles
         used = {i["node"] for i in [*roles.server_infos, *roles.stub_infos]}
         used |= {i["node"] for row in roles.worker_infos for i in row}
@@ -179,21 +140,26 @@ class Spares:
             self.standby in used or self.standby in avoid or self.standby not in live_nodes()
         ):
             self.standby = None
-            self.far_worker.clear()
+            self.far_worker.clear()  # left waiting; stopped with the run's other spares
             self.far_server.clear()
         if self.standby is None and time.monotonic() - self.t_standby >= STANDBY_EVERY_S:
             self.t_standby = time.monotonic()
             self.standby = free_node(roles.topo.worker.as_bundle(), used | avoid)
-        return self.standby
-
-    def _workers_loading(self) -> bool:
-        """Whether a worker's spare spawned earlier has not answered yet (nor died)."""
-        refs = [sp.described for sp in [*self.worker.values(), *self.far_worker.values()]]
-        return bool(refs) and len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs)
-
-    def _all(self) -> list[Spare]:
-        tables = (self.worker, self.stub, self.server, self.far_worker, self.far_server)
-        return [sp for table in tables for sp in table.values()]
+        if self.standby is None:
+            return
+        for g in range(len(roles.stubs)):
+            if g not in self.far_worker:
+                gpus = roles.worker_infos[g][0].get("gpus")
+                self.far_worker[g] = self._spawn(
+                    "worker", self.standby, roles.worker_spec(g, 0), gpus=gpus
+                )
+        if roles.replay:
+            stub_node = roles.stub_infos[0]["node"]
+            for k, info in enumerate(roles.server_infos):
+                if k not in self.far_server and info["node"] != stub_node:
+                    self.far_server[k] = self._spawn(
+                        "server", self.standby, roles.server_spec(k), gpus=info.get("gpus")
+                    )
 
     def _spawn(self, role: str, node: str, *args: Any, gpus: str | None = None) -> Spare:
         """A spare ``role`` on ``node``; one of a GPU worker or server (seeing ``gpus``) warms
