@@ -351,15 +351,15 @@ def _entries_of(dists: tuple[str, ...]) -> set[str]:
 
     from packaging.requirements import Requirement  # noqa: PLC0415
 
-    seen: set[str] = set()
+    seen: set[tuple[str, frozenset[str]]] = set()
     entries: set[str] = set()
     todo = [Requirement(d) for d in dists]
     while todo:
         req = todo.pop()
         key = (req.name.lower().replace("_", "-"), frozenset(req.extras))
-        if str(key) in seen:
+        if key in seen:
             continue
-        seen.add(str(key))
+        seen.add(key)
         try:
             dist = md.distribution(req.name)
         except md.PackageNotFoundError:
