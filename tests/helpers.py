@@ -481,3 +481,17 @@ def params_of(ck_dir: Path) -> dict:
 
     ck = Checkpoint.open(ck_dir, verify="full")
     return {k: v.tobytes() for k, v in ck.arrays("param").items()}
+
+
+def train_digits_embedded(where: Path, steps: int) -> subprocess.Popen:
+    """``raysinga train examples/digits_mlp.yaml`` in a process of its own on an embedded Ray
+    (``RAY_ADDRESS=local``), its run directory ``where/run``, no evaluation; stdout and stderr
+    together, as text."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "raysinga.cli", "train", str(root / "examples/digits_mlp.yaml")]
+    cmd += ["--set", f"train_steps={steps}", "--set", "test_freq=0"]
+    cmd += ["--set", f"run_dir={where / 'run'}"]
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=where, env=env
+    )

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from helpers import descendants, trained_to
+from helpers import descendants, train_digits_embedded, trained_to
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,12 +29,7 @@ def test_a_sigkilled_driver_leaves_no_process_of_its_embedded_ray(tmp_path):
     gone. The test ends only the processes of the Ray its own driver started, seen as that
     driver's descendants before the kill."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "raysinga.cli", "train", str(ROOT / "examples/digits_mlp.yaml")]
-    cmd += ["--set", "train_steps=100000", "--set", "test_freq=0", "--set", f"run_dir={run_dir}"]
-    env = {**os.environ, "RAY_ADDRESS": "local"}
-    p = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env
-    )
+    p = train_digits_embedded(tmp_path, 100000)
     ray_procs: dict[int, tuple[str, int | None]] = {}
     try:
         deadline = time.monotonic() + 240

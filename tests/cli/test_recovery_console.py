@@ -8,13 +8,11 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import descendants, trained_to
+from helpers import descendants, train_digits_embedded, trained_to
 
 from raysinga.obs.console import render
 from raysinga.obs.events import Recovered, RoleLost
@@ -30,12 +28,7 @@ def test_a_recovered_worker_loss_is_two_lines_and_no_traceback(tmp_path):
     loss and one for the recovery; the step the recovery goes on from is within the steps the
     loss line names; Ray's message about the dead worker is in ``ray.log``."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "raysinga.cli", "train", str(ROOT / "examples/digits_mlp.yaml")]
-    cmd += ["--set", "train_steps=6000", "--set", "test_freq=0", "--set", f"run_dir={run_dir}"]
-    env = {**os.environ, "RAY_ADDRESS": "local"}
-    p = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env
-    )
+    p = train_digits_embedded(tmp_path, 6000)
     killed = None
     try:
         deadline = time.monotonic() + 240
