@@ -49,6 +49,11 @@ def embedding_backward(idx: cupy.ndarray, dy: cupy.ndarray, vocab: int) -> cupy.
 
 # ---------------------------------------------------------------- layer normalisation
 
+# Blocks of layer norm's backward: each sums gamma's and beta's gradients over its rows into a
+# row of partial sums, added up afterwards in a fixed order. A fixed number, not one per
+# multiprocessor, so that the bits depend on the batch's shape only, whatever the GPU.
+LN_GRID = 512
+
 
 def layernorm_forward(
     x: cupy.ndarray, gamma: cupy.ndarray, beta: cupy.ndarray, eps: float
@@ -71,11 +76,13 @@ def layernorm_backward(
     check_same_dtype(dy=dy, x=x, gamma=gamma)
     dy, x = contiguous(dy), contiguous(x)
     m, f = x.shape
-    dx, xhat = cupy.empty_like(x), cupy.empty_like(x)
+    blocks = min(m, LN_GRID)
+    dx, part = cupy.empty_like(x), cupy.empty((blocks, 2, f), x.dtype)
     kernel = _kernel("ln_bwd", x.dtype)
-    launch_blocks(kernel, m, dy, x, contiguous(gamma), contiguous(mean), contiguous(rstd),
-                  dx, xhat, m, f)  # fmt: skip
-    return dx, _col_sum(dy * xhat), _col_sum(dy)
+    launch_blocks(kernel, blocks, dy, x, contiguous(gamma), contiguous(mean), contiguous(rstd),
+                  dx, part, m, f)  # fmt: skip
+    sums = part[0] if blocks == 1 else _col_sum(part.reshape(blocks, 2 * f)).reshape(2, f)
+    return dx, sums[0], sums[1]
 
 
 # ---------------------------------------------------------------- GELU

@@ -2,7 +2,7 @@
 // fused scale + mask + softmax, and the GRU and LSTM cells. Compiled by NVRTC at run time: no
 // #include; builtin math only. No atomics: every sum runs in a fixed order (the embedding's
 // gradient sums each token's rows in sorted order; row reductions use a fixed shared-memory
-// tree), so every run gives the same bits.
+// tree, layer norm's a fixed butterfly of warp shuffles), so every run gives the same bits.
 
 #define BLOCK 256  // threads per block: gpu_launch.BLOCK launches exactly this many
 
@@ -86,23 +86,71 @@ __device__ void emb_bwd(const long long* __restrict__ order, const long long* __
 
 // ---------------------------------------------------------------- layer normalisation
 
+// The sum of v over the block, the same bits in every thread: a butterfly of warp shuffles in
+// each warp (every lane ends with the same sum: each step adds the same two values in either
+// order), then the warps' sums added in warp order by every thread. Two __syncthreads; buf holds
+// BLOCK / 32 values and is free again on return. Every thread of the block must call it.
+template <typename T>
+__device__ T block_sum(T v, T* buf) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) buf[threadIdx.x / 32] = v;
+  __syncthreads();
+  T s = buf[0];
+  for (int w = 1; w < BLOCK / 32; ++w) s += buf[w];
+  __syncthreads();
+  return s;
+}
+
+// Elements of a row each thread keeps in registers: rows of up to BLOCK * LN_KEEP features are
+// read from global memory once; longer rows are read again for each pass.
+#define LN_KEEP 8
+
 // One block per row of f features: mean, rstd = 1 / sqrt(biased var + eps), and
-// y = (x - mean) * rstd * gamma + beta.
+// y = (x - mean) * rstd * gamma + beta. The variance is the mean of (x - mean)^2, as NumPy's,
+// over the row kept in registers (thread t holds features t, t + BLOCK, ...).
 template <typename T>
 __device__ void ln_fwd(const T* __restrict__ x, const T* __restrict__ gamma,
                        const T* __restrict__ beta, T* __restrict__ y, T* __restrict__ mean,
                        T* __restrict__ rstd, long long m, long long f, T eps) {
-  __shared__ T buf[BLOCK];
+  __shared__ T buf[BLOCK / 32];
+  const bool kept = f <= (long long)BLOCK * LN_KEEP;  // the same in every thread
   for (long long r = blockIdx.x; r < m; r += gridDim.x) {  // uniform per block: syncs are safe
     const T* row = x + r * f;
+    T v[LN_KEEP];
     T s = T(0);
-    for (long long j = threadIdx.x; j < f; j += BLOCK) s += row[j];
-    const T mu = block_reduce<T, false>(s, buf) / T(f);
+    if (kept) {
+#pragma unroll
+      for (int k = 0; k < LN_KEEP; ++k) {
+        const long long j = threadIdx.x + (long long)k * BLOCK;
+        v[k] = j < f ? row[j] : T(0);
+        s += v[k];
+      }
+    } else {
+      for (long long j = threadIdx.x; j < f; j += BLOCK) s += row[j];
+    }
+    const T mu = block_sum(s, buf) / T(f);
     T q = T(0);
-    for (long long j = threadIdx.x; j < f; j += BLOCK) q += (row[j] - mu) * (row[j] - mu);
-    const T rs = k_rsqrt(block_reduce<T, false>(q, buf) / T(f) + eps);
-    for (long long j = threadIdx.x; j < f; j += BLOCK)
-      y[r * f + j] = (row[j] - mu) * rs * gamma[j] + beta[j];
+    if (kept) {
+#pragma unroll
+      for (int k = 0; k < LN_KEEP; ++k) {
+        const long long j = threadIdx.x + (long long)k * BLOCK;
+        const T d = v[k] - mu;
+        if (j < f) q += d * d;
+      }
+    } else {
+      for (long long j = threadIdx.x; j < f; j += BLOCK) q += (row[j] - mu) * (row[j] - mu);
+    }
+    const T rs = k_rsqrt(block_sum(q, buf) / T(f) + eps);
+    if (kept) {
+#pragma unroll
+      for (int k = 0; k < LN_KEEP; ++k) {
+        const long long j = threadIdx.x + (long long)k * BLOCK;
+        if (j < f) y[r * f + j] = (v[k] - mu) * rs * gamma[j] + beta[j];
+      }
+    } else {
+      for (long long j = threadIdx.x; j < f; j += BLOCK)
+        y[r * f + j] = (row[j] - mu) * rs * gamma[j] + beta[j];
+    }
     if (threadIdx.x == 0) {
       mean[r] = mu;
       rstd[r] = rs;
@@ -110,28 +158,73 @@ __device__ void ln_fwd(const T* __restrict__ x, const T* __restrict__ gamma,
   }
 }
 
-// One block per row: with g = dy * gamma and xhat = (x - mean) * rstd,
-// dx = (g - mean(g) - xhat * mean(g * xhat)) * rstd; xhat is written for dgamma's column sum.
+// The rows r = blockIdx.x, blockIdx.x + gridDim.x, ... of the backward, in one read of dy and x:
+// with g = dy * gamma and xhat = (x - mean) * rstd, dx = (g - mean(g) - xhat * mean(g * xhat))
+// * rstd. The block also sums dy * xhat and dy over its rows, each feature by the one thread
+// that owns it, in row order, into row blockIdx.x of part (gridDim.x, 2, f): gamma's and beta's
+// gradients are part's column sums, taken in a fixed order afterwards, so the bits depend on m
+// and the grid, never on timing.
 template <typename T>
 __device__ void ln_bwd(const T* __restrict__ dy, const T* __restrict__ x,
                        const T* __restrict__ gamma, const T* __restrict__ mean,
-                       const T* __restrict__ rstd, T* __restrict__ dx, T* __restrict__ xhat,
+                       const T* __restrict__ rstd, T* __restrict__ dx, T* __restrict__ part,
                        long long m, long long f) {
-  __shared__ T buf[BLOCK];
+  __shared__ T buf[BLOCK / 32];
+  const bool kept = f <= (long long)BLOCK * LN_KEEP;
+  T* pg = part + (long long)blockIdx.x * 2 * f;  // this block's sums of dy * xhat, then of dy
+  T* pb = pg + f;
+  T ag[LN_KEEP], ab[LN_KEEP];
+#pragma unroll
+  for (int k = 0; k < LN_KEEP; ++k) ag[k] = ab[k] = T(0);
+  if (!kept)
+    for (long long j = threadIdx.x; j < f; j += BLOCK) pg[j] = pb[j] = T(0);
   for (long long r = blockIdx.x; r < m; r += gridDim.x) {
     const long long o = r * f;
     const T mu = mean[r], rs = rstd[r];
     T sg = T(0), sgx = T(0);
-    for (long long j = threadIdx.x; j < f; j += BLOCK) {
-      const T h = (x[o + j] - mu) * rs, g = dy[o + j] * gamma[j];
-      xhat[o + j] = h;
-      sg += g;
-      sgx += g * h;
+    if (kept) {
+      T h[LN_KEEP], g[LN_KEEP];
+#pragma unroll
+      for (int k = 0; k < LN_KEEP; ++k) {
+        const long long j = threadIdx.x + (long long)k * BLOCK;
+        const T d = j < f ? dy[o + j] : T(0);
+        h[k] = j < f ? (x[o + j] - mu) * rs : T(0);
+        g[k] = j < f ? d * gamma[j] : T(0);
+        sg += g[k];
+        sgx += g[k] * h[k];
+        ag[k] += d * h[k];
+        ab[k] += d;
+      }
+      sg = block_sum(sg, buf) / T(f);
+      sgx = block_sum(sgx, buf) / T(f);
+#pragma unroll
+      for (int k = 0; k < LN_KEEP; ++k) {
+        const long long j = threadIdx.x + (long long)k * BLOCK;
+        if (j < f) dx[o + j] = (g[k] - sg - h[k] * sgx) * rs;
+      }
+    } else {
+      for (long long j = threadIdx.x; j < f; j += BLOCK) {
+        const T d = dy[o + j], h = (x[o + j] - mu) * rs, g = d * gamma[j];
+        sg += g;
+        sgx += g * h;
+        pg[j] += d * h;
+        pb[j] += d;
+      }
+      sg = block_sum(sg, buf) / T(f);
+      sgx = block_sum(sgx, buf) / T(f);
+      for (long long j = threadIdx.x; j < f; j += BLOCK)
+        dx[o + j] = (dy[o + j] * gamma[j] - sg - (x[o + j] - mu) * rs * sgx) * rs;
     }
-    sg = block_reduce<T, false>(sg, buf) / T(f);
-    sgx = block_reduce<T, false>(sgx, buf) / T(f);
-    for (long long j = threadIdx.x; j < f; j += BLOCK)
-      dx[o + j] = (dy[o + j] * gamma[j] - sg - xhat[o + j] * sgx) * rs;
+  }
+  if (kept) {
+#pragma unroll
+    for (int k = 0; k < LN_KEEP; ++k) {
+      const long long j = threadIdx.x + (long long)k * BLOCK;
+      if (j < f) {
+        pg[j] = ag[k];
+        pb[j] = ab[k];
+      }
+    }
   }
 }
 
@@ -300,9 +393,9 @@ __device__ void lstm_bwd(const T* __restrict__ dh_new, const T* __restrict__ dc_
     ln_fwd<T>(x, gamma, beta, y, mean, rstd, m, f, eps);                                        \
   }                                                                                             \
   extern "C" __global__ void ln_bwd_##SUF(const T* dy, const T* x, const T* gamma,              \
-                                          const T* mean, const T* rstd, T* dx, T* xhat,         \
+                                          const T* mean, const T* rstd, T* dx, T* part,         \
                                           long long m, long long f) {                           \
-    ln_bwd<T>(dy, x, gamma, mean, rstd, dx, xhat, m, f);                                        \
+    ln_bwd<T>(dy, x, gamma, mean, rstd, dx, part, m, f);                                        \
   }                                                                                             \
   extern "C" __global__ void gelu_fwd_##SUF(const T* x, T* y, T* t, long long n) {              \
     gelu_fwd<T>(x, y, t, n);                                                                    \

@@ -62,6 +62,7 @@ PRELUDE = (
     + r"""
 static void __syncthreads() {}
 static Dim blockIdx{0}, blockDim{1}, threadIdx{0}, gridDim{1};
+template <class T> static T __shfl_xor_sync(unsigned, T v, int) { return v; }  // a lone lane
 """
 )
 
@@ -76,6 +77,17 @@ static Dim blockIdx{0}, blockDim{256}, gridDim{1};
 static thread_local Dim threadIdx{0};
 static std::barrier<>* block_barrier;
 static void __syncthreads() { block_barrier->arrive_and_wait(); }
+// A warp shuffle as every thread of the block calling it at once (as the kernels' block sums
+// do): each puts its value in its slot, and takes its partner's once all are in.
+alignas(8) static unsigned char shfl_slots[256 * 8];
+template <class T> static T __shfl_xor_sync(unsigned, T v, int lane_mask) {
+  T* slot = reinterpret_cast<T*>(shfl_slots);
+  slot[threadIdx.x] = v;
+  block_barrier->arrive_and_wait();
+  const T got = slot[threadIdx.x ^ lane_mask];
+  block_barrier->arrive_and_wait();
+  return got;
+}
 template <class F> static void run_blocks(long long blocks, F kernel) {
   // At most 3 blocks: each kernel's grid-stride loop takes a block through every gridDim-th row,
   // as on a GPU past its largest grid, so the rows beyond are covered by the same code.
@@ -338,10 +350,12 @@ def test_the_fused_activation_backward_sums_the_bias_gradient_as_col_sum(build, 
     assert np.array_equal(dz.reshape(m, f), cpu.activation_backward(dy, y, act))
 
 
-@pytest.mark.parametrize(("m", "f"), [(1, 1), (3, 7), (5, 700)])
+@pytest.mark.parametrize(("m", "f"), [(1, 1), (3, 7), (5, 700), (4, 2048), (4, 2500)])
 def test_layer_norm_over_blocks_of_threads_matches_numpy_and_cancels_exactly(build, m, f):
-    """The kernels that failed a GPU test over one feature: with no product contracted into
-    the subtraction, ``dy*gamma - mean(dy*gamma)`` is exactly 0 there, so dx is too."""
+    """Forward and backward, with gamma's and beta's gradients summed from the blocks' partial
+    sums, against NumPy; rows kept in registers (up to 2048 features) and rows read again
+    (2500). The kernels once failed a GPU test over one feature: with no product contracted
+    into the subtraction, ``dy*gamma - mean(dy*gamma)`` is exactly 0 there, so dx is too."""
     from raysinga.kernels import cpu_seq
 
     host = build(
@@ -349,23 +363,36 @@ def test_layer_norm_over_blocks_of_threads_matches_numpy_and_cancels_exactly(bui
         """auto head = take<long long>(2); long long m = head[0], f = head[1];
         auto x = take<float>(m * f); auto g = take<float>(f); auto b = take<float>(f);
         auto dy = take<float>(m * f);
-        std::vector<float> y(m * f), mean(m), rstd(m), dx(m * f), xhat(m * f);
+        long long grid = m < 3 ? m : 3;  // the blocks run_blocks makes
+        std::vector<float> y(m * f), mean(m), rstd(m), dx(m * f), part(grid * 2 * f);
+        std::vector<float> dg(f), db(f);
         run_blocks(m, [&] { ln_fwd_f32(x.data(), g.data(), b.data(), y.data(), mean.data(),
                                        rstd.data(), m, f, 1e-5f); });
         run_blocks(m, [&] { ln_bwd_f32(dy.data(), x.data(), g.data(), mean.data(), rstd.data(),
-                                       dx.data(), xhat.data(), m, f); });
-        give(y, m * f); give(mean, m); give(rstd, m); give(dx, m * f); return 0;""",
+                                       dx.data(), part.data(), m, f); });
+        for (long long p = 0; p < grid; ++p)
+          for (long long j = 0; j < f; ++j) {
+            dg[j] += part[(p * 2) * f + j];
+            db[j] += part[(p * 2 + 1) * f + j];
+          }
+        give(y, m * f); give(mean, m); give(rstd, m); give(dx, m * f); give(dg, f);
+        give(db, f); return 0;""",
         blocks=True,
     )
     rng = np.random.default_rng(5)
     x = (rng.standard_normal((m, f)) * 3).astype(np.float32)
     g, b = (rng.standard_normal(f).astype(np.float32) for _ in range(2))
     dy = rng.standard_normal((m, f)).astype(np.float32)
-    out = np.frombuffer(host(_i64(m, f), x, g, b, dy), np.float32)
-    y, mean, rstd, dx = np.split(out, np.cumsum([m * f, m, m]))
+    out = host(_i64(m, f), x, g, b, dy)
+    assert out == host(_i64(m, f), x, g, b, dy)  # the same bits again
+    y, mean, rstd, dx, dg, db = np.split(
+        np.frombuffer(out, np.float32), np.cumsum([m * f, m, m, m * f, f])
+    )
     want_y, want_mean, want_rstd = cpu_seq.layernorm_forward(x, g, b, 1e-5)
-    want_dx, _, _ = cpu_seq.layernorm_backward(dy, x, g, want_mean, want_rstd)
-    for got, want in ((y, want_y), (mean, want_mean), (rstd, want_rstd), (dx, want_dx)):
+    want_dx, want_dg, want_db = cpu_seq.layernorm_backward(dy, x, g, want_mean, want_rstd)
+    pairs = ((y, want_y), (mean, want_mean), (rstd, want_rstd), (dx, want_dx), (dg, want_dg),
+             (db, want_db))  # fmt: skip
+    for got, want in pairs:
         scale = float(np.abs(want).max(initial=0.0)) or 1.0
         np.testing.assert_allclose(got.reshape(want.shape), want, rtol=0, atol=1e-5 * scale)
     if f == 1:
