@@ -36,6 +36,7 @@ OPS = (
     "dense_backward",
     "softmax_xent_forward",
     "softmax_xent_backward",
+    "softmax_xent",
     "im2col",
     "col2im",
     "conv2d_forward",
@@ -98,6 +99,7 @@ dense_forward = _dispatch("dense_forward")
 dense_backward = _dispatch("dense_backward")
 softmax_xent_forward = _dispatch("softmax_xent_forward")
 softmax_xent_backward = _dispatch("softmax_xent_backward")
+softmax_xent = _dispatch("softmax_xent")
 im2col = _dispatch("im2col")
 col2im = _dispatch("col2im")
 conv2d_forward = _dispatch("conv2d_forward")

@@ -174,6 +174,17 @@ def softmax_xent_backward(probs: np.ndarray, labels: np.ndarray, denom: float) -
     return d
 
 
+def softmax_xent(
+    logits: np.ndarray, labels: np.ndarray, denom: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(loss, dlogits)``: :func:`softmax_xent_forward` then :func:`softmax_xent_backward`,
+    the probabilities turned into the gradient in place."""
+    loss, d = softmax_xent_forward(logits, labels, denom)
+    d[np.arange(len(labels)), labels] -= 1
+    d /= np.asarray(denom, dtype=d.dtype)
+    return loss, d
+
+
 # ---------------------------------------------------------------- convolution (im2col + GEMM)
 
 

@@ -184,6 +184,22 @@ def softmax_xent_forward(
     return loss.astype(logits.dtype, copy=False), probs
 
 
+def softmax_xent(
+    logits: cupy.ndarray, labels: cupy.ndarray, denom: float
+) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """``(loss, dlogits)`` in one kernel: the bits of :func:`softmax_xent_forward` then
+    :func:`softmax_xent_backward`, without writing the probabilities."""
+    common.check_labels(logits, labels)
+    logits, labels = contiguous(logits), contiguous(labels, cupy.int64)
+    n, c = logits.shape
+    d, per_row = cupy.empty_like(logits), cupy.empty((n, 1), logits.dtype)
+    denom_t = logits.dtype.type(denom)
+    kernel = get_kernel("softmax_xent.cu", "xent_grad", logits.dtype)
+    launch_blocks(kernel, n, logits, labels, d, per_row, n, c, denom_t)
+    loss = _col_sum(per_row)[0] / denom_t
+    return loss.astype(logits.dtype, copy=False), d
+
+
 def softmax_xent_backward(probs: cupy.ndarray, labels: cupy.ndarray, denom: float) -> cupy.ndarray:
     common.check_labels(probs, labels)
     probs, labels = contiguous(probs), contiguous(labels, cupy.int64)

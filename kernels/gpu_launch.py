@@ -19,7 +19,7 @@ MAX_GRID = 65535  # blocks per launch; grid-stride loops cover the rest
 # tests/kernels/test_cuda_compile.py reads it without importing this module.
 KERNELS = {
     "activation.cu": ("act_fwd", "bias_act_fwd", "act_bwd", "col_sum", "act_bwd_col_sum"),
-    "softmax_xent.cu": ("xent_fwd", "xent_bwd"),
+    "softmax_xent.cu": ("xent_fwd", "xent_bwd", "xent_grad"),
     "im2col.cu": ("im2col", "col2im"),
     "pool.cu": ("maxpool_fwd", "maxpool_bwd", "avgpool_fwd", "avgpool_bwd"),
     "dropout.cu": ("dropout_mask",),
@@ -55,7 +55,7 @@ NVRTC_OPTIONS = ("-std=c++14", "--fmad=false")
 # point must have none; tests/kernels/test_cuda_compile.py checks the PTX.
 LIBDEVICE_FMA = {
     "activation.cu": ("act_fwd", "bias_act_fwd"),
-    "softmax_xent.cu": ("xent_fwd",),
+    "softmax_xent.cu": ("xent_fwd", "xent_grad"),
     "seq.cu": ("gelu_fwd", "csoftmax_fwd", "gru_fwd", "lstm_fwd", "lstm_bwd"),
     "attention.cu": ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkv"),
 }

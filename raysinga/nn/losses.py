@@ -12,8 +12,7 @@ def softmax_cross_entropy(logits: Any, labels: Any, denom: float) -> tuple[Any, 
     """Fused softmax + cross-entropy on integer class labels."""
     if denom <= 0:
         raise ValueError(f"denom must be positive, got {denom}")
-    loss, probs = K.softmax_xent_forward(logits, labels, denom)
-    return loss, K.softmax_xent_backward(probs, labels, denom)
+    return K.softmax_xent(logits, labels, denom)
 
 
 def mean_squared_error(pred: Any, target: Any, denom: float) -> tuple[Any, Any]:
@@ -37,8 +36,8 @@ def sequence_cross_entropy(logits: Any, labels: Any, denom: float) -> tuple[Any,
         raise ValueError(f"denom must be positive, got {denom}")
     n, t, v = logits.shape
     labels = labels.reshape(n * t)
-    loss, probs = K.softmax_xent_forward(logits.reshape(n * t, v), labels, denom * t)
-    return loss, K.softmax_xent_backward(probs, labels, denom * t).reshape(n, t, v)
+    loss, d = K.softmax_xent(logits.reshape(n * t, v), labels, denom * t)
+    return loss, d.reshape(n, t, v)
 
 
 def accuracy(logits: Any, labels: Any) -> float:

@@ -418,18 +418,25 @@ def test_softmax_cross_entropy_over_blocks_matches_numpy(build, n, c):
         threadIdx.x = 0;  // the element-wise backward: one thread walks it here
         blockDim.x = 1;
         xent_bwd_f32(probs.data(), labels.data(), d.data(), n, c, 4.0f);
-        give(probs, n * c); give(row, n); give(d, n * c); return 0;""",
+        std::vector<float> fused(n * c), fused_row(n);
+        blockDim.x = 256;
+        run_blocks(n, [&] { xent_grad_f32(logits.data(), labels.data(), fused.data(),
+                                          fused_row.data(), n, c, 4.0f); });
+        give(probs, n * c); give(row, n); give(d, n * c); give(fused, n * c);
+        give(fused_row, n); return 0;""",
         blocks=True,
     )
     rng = np.random.default_rng(6)
     logits = (rng.standard_normal((n, c)) * 4).astype(np.float32)
     labels = rng.integers(0, c, n).astype(np.int64)
     out = np.frombuffer(host(_i64(n, c), logits, labels), np.float32)
-    probs, row, d = np.split(out, np.cumsum([n * c, n]))
+    probs, row, d, fused, fused_row = np.split(out, np.cumsum([n * c, n, n * c, n * c]))
     loss, want_probs = cpu.softmax_xent_forward(logits, labels, 1.0)
     _close(probs, want_probs)
     np.testing.assert_allclose(row.sum(dtype=np.float64), float(loss), rtol=1e-5)
     _close(d, cpu.softmax_xent_backward(want_probs, labels, 4.0))
+    # loss and gradient in one kernel (xent_grad): the bits of the two kernels it replaces
+    assert np.array_equal(fused, d) and np.array_equal(fused_row, row)
 
 
 def test_a_label_out_of_range_gives_a_nan_loss_and_reads_nothing_outside_the_row(build):

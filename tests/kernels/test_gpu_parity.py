@@ -111,6 +111,14 @@ def test_softmax_xent(gpu, n, c, dtype, label_dtype):
     check_op(gpu, "softmax_xent_forward", logits, labels, float(n))
     check_op(gpu, "softmax_xent_forward", logits, labels, 2.5)
     check_op(gpu, "softmax_xent_backward", probs, labels, float(n))
+    check_op(gpu, "softmax_xent", logits, labels, float(n))
+    cp = kernels.cupy_module()
+    on_gpu = cp.asarray(logits), cp.asarray(labels)
+    loss, d = gpu.softmax_xent(*on_gpu, 2.5)
+    loss2, probs2 = gpu.softmax_xent_forward(*on_gpu, 2.5)
+    d2 = gpu.softmax_xent_backward(probs2, on_gpu[1], 2.5)
+    assert loss.get().tobytes() == loss2.get().tobytes()  # the two kernels' bits, in one
+    assert d.get().tobytes() == d2.get().tobytes()
 
 
 # ---------------------------------------------------------------- convolution

@@ -107,6 +107,20 @@ def test_softmax_cross_entropy_value_and_stability():
     np.testing.assert_allclose(float(loss), np.log(3) / 2, rtol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_fused_loss_and_gradient_are_the_bits_of_the_forward_then_the_backward(dtype):
+    """``kernels.softmax_xent``, what the loss layers call, against the two ops it replaces."""
+    from raysinga.kernels import softmax_xent, softmax_xent_backward, softmax_xent_forward
+
+    rng = np.random.default_rng(3)
+    z = (rng.normal(size=(33, 17)) * 4).astype(dtype)
+    y = rng.integers(0, 17, size=33)
+    loss, dz = softmax_xent(z, y, 7.0)
+    want_loss, probs = softmax_xent_forward(z, y, 7.0)
+    assert loss.tobytes() == want_loss.tobytes() and dz.dtype == dtype
+    assert dz.tobytes() == softmax_xent_backward(probs, y, 7.0).tobytes()
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (5, 3), (2, 7)])
 def test_mse_gradient(shape):
     rng = np.random.default_rng(shape[0] * 10 + shape[1])
