@@ -5,12 +5,14 @@ in the same run on the same GPU.
     pip install -e '.[bench,gpu]'
     python benchmarks/bench_kernels.py [--mib 256] [--repeats 20] [--json FILE]
 
-Each kernel's bandwidth is the bytes it must read and write (its inputs and outputs, once) over
-its time, from CUDA events around each of ``--repeats`` launches after a warm-up; the reference
-is ``cupy.copyto`` of an array of the same size (read once, written once), timed the same way
-just before. Each launch's bandwidth over the copy's median is a round: a kernel's figure is the
-median of its rounds, with their minimum and maximum. Ratios > 1 would mean a kernel moves its
-bytes faster than a copy. Goal: every median at least 0.8.
+The kernels: activations, dropout, pooling, the optimizers' updates, the sum of gradients, layer
+norm forward and backward (768 features, gpt_small's) and softmax cross-entropy's loss with its
+gradient (1024 classes). Each kernel's bandwidth is the bytes it must read and write (its inputs
+and outputs, once) over its time, from CUDA events around each of ``--repeats`` launches after a
+warm-up; the reference is ``cupy.copyto`` of an array of the same size (read once, written
+once), timed the same way just before. Each launch's bandwidth over the copy's median is a
+round: a kernel's figure is the median of its rounds, with their minimum and maximum. Ratios > 1
+would mean a kernel moves its bytes faster than a copy. Goal: every median at least 0.8.
 
 The snapshot is :class:`raysinga.actors.device.ServerDevice`'s copy of optimizer slots to pinned
 host memory on its own stream; the reference is one ``ndarray.get`` of the same bytes into
@@ -55,7 +57,7 @@ def timed(cp, fn, repeats: int) -> list[float]:
 
 def kernel_cases(cp, gpu, n: int, dtype) -> list[tuple[str, object, int]]:
     """(name, call, bytes read and written) per memory-bound kernel, on ``n`` elements."""
-    from raysinga.kernels import gpu_optim
+    from raysinga.kernels import gpu_optim, gpu_seq
 
     rng = cp.random.default_rng(0)
     item = np.dtype(dtype).itemsize
@@ -69,6 +71,13 @@ def kernel_cases(cp, gpu, n: int, dtype) -> list[tuple[str, object, int]]:
     side = int((n // 64) ** 0.5) // 2 * 2
     x4 = a[: 64 * side * side].reshape(4, 16, side, side)
     pooled = 64 * (side // 2) ** 2
+    # layer norm over gpt_small's 768 features; the loss over 1024 classes (rows of logits)
+    feats, classes = 768, 1024
+    xr = a[: n // feats * feats].reshape(-1, feats)
+    dyr, gamma, beta = b[: xr.size].reshape(xr.shape), bias[:feats] + 1, bias[:feats]
+    _, mean, rstd = gpu_seq.layernorm_forward(xr, gamma, beta, 1e-5)
+    logits = a[: n // classes * classes].reshape(-1, classes)
+    labels = cp.arange(logits.shape[0], dtype=cp.int64) % classes
     return [
         ("relu forward", lambda: gpu.activation_forward(a, "relu"), 2 * n * item),
         ("relu backward", lambda: gpu.activation_backward(a, b, "relu"), 3 * n * item),
@@ -87,6 +96,21 @@ def kernel_cases(cp, gpu, n: int, dtype) -> list[tuple[str, object, int]]:
             7 * n * item,
         ),
         ("sum of 4 grads", lambda: gpu_optim.weighted_sum(out, bufs), 5 * n * item),
+        (
+            "layer norm forward (768)",
+            lambda: gpu_seq.layernorm_forward(xr, gamma, beta, 1e-5),
+            2 * xr.size * item,
+        ),
+        (
+            "layer norm backward (768)",
+            lambda: gpu_seq.layernorm_backward(dyr, xr, gamma, mean, rstd),
+            3 * xr.size * item,
+        ),
+        (
+            "softmax cross-entropy, loss and gradient (1024 classes)",
+            lambda: gpu.softmax_xent(logits, labels, float(logits.shape[0])),
+            2 * logits.size * item,
+        ),
     ]
 
 
