@@ -5,20 +5,21 @@
 #     benchmarks/gpu_checks.sh [OUT] [SECONDS] [PART ...]
 #
 # In order of importance: the CUDA graph tests, the `gpu` tests, the kernel benchmark, the step
-# benchmark's GPU side (MLP, CNN, character model; eager, recorded as CUDA graphs, and the
-# PyTorch peers eager and compiled), then training with the GPU: the README's job on one
-# process, a distributed run with GPU workers and one with a GPU server too, the job with
-# graphs, the distributed benchmark on one shared GPU, and recovery of lost GPU roles (each
-# kind of loss timed, then chaos). Each part runs under its own
-# time limit (SECONDS, default 150; the tests get twice that) so one that hangs does not take
-# the others' time. Without a usable GPU it stops at once, saying why. Each part's output goes
-# to OUT (default gpu-results/) as NAME.log, with the benchmarks' figures as JSON files named as
+# benchmark's GPU side (MLP, CNN, character model; eager, recorded as CUDA graphs, and the PyTorch
+# peers eager and compiled), the eager step's host waits (profile_step.py), then training with the
+# GPU: the README's job on one process, a distributed run with GPU workers and one with a GPU
+# server too, the job with graphs, the distributed benchmark on one shared GPU, and recovery of
+# lost GPU roles (each kind of loss timed, then chaos). Each part runs under its own time limit
+# (SECONDS, default 150; the tests get twice that) so one that hangs does not take the others'
+# time. Without a usable GPU it stops at once, saying why. Each part's output goes to OUT (default
+# gpu-results/) as NAME.log, with the benchmarks' figures as JSON files named as
 # benchmarks/results/ names them (copy them there and run `python benchmarks/report.py docs
-# docs/benchmarks.md` to show them); OUT/summary.txt lists every part's exit status and
-# seconds. The script exits non-zero when any part failed. Naming PARTs (as the summary names
-# them: graph-tests, gpu-tests, bench-kernels, bench-step-mlp, bench-step-cnn, bench-step-charlm,
-# bench-precision, train-local, train-gpu-workers, train-gpu-server, train-local-graphs,
-# bench-distributed-gpu, bench-recovery-gpu, chaos-gpu) runs only those, in that order.
+# docs/benchmarks.md` to show them); OUT/summary.txt lists every part's exit status and seconds.
+# The script exits non-zero when any part failed. Naming PARTs (as the summary names them:
+# graph-tests, gpu-tests, bench-kernels, bench-step-mlp, bench-step-cnn, bench-step-charlm,
+# profile-step, bench-precision, train-local, train-gpu-workers, train-gpu-server,
+# train-local-graphs, bench-distributed-gpu, bench-recovery-gpu, chaos-gpu) runs only those, in
+# that order.
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-gpu-results}
@@ -67,6 +68,8 @@ for model in mlp cnn charlm; do
   part "bench-step-$model" "$limit" "$py" benchmarks/bench_step.py --model "$model" \
     --device gpu --rounds 3 --json "$out/bench_step_${model}_gpu.json"
 done
+part profile-step "$limit" "$py" benchmarks/profile_step.py --rounds 3 \
+  --json "$out/profile_step.json"
 part bench-precision $((2 * limit)) "$py" benchmarks/bench_precision.py --rounds 3 \
   --json "$out/bench_precision.json"
 runs=$(mktemp -d)
