@@ -126,33 +126,44 @@ lstm_cell_forward = _dispatch("lstm_cell_forward")
 lstm_cell_backward = _dispatch("lstm_cell_backward")
 
 
-# Causal self-attention in one fused pass exists on the GPU only (gpu_attention.py): on a CPU
-# the BLAS products around the softmax are the fast way, and the layer keeps that path there.
+# Causal self-attention in one fused pass exists on the GPU only: in float32, raysinga's kernels
+# (gpu_attention.py); in bf16, cuDNN's flash attention (gpu_cudnn_attention.py). On a CPU the
+# BLAS products around the softmax are the fast way, and the layer keeps that path there.
 def fused_attention_fits(qkv: Any, head_dim: int) -> bool:
-    """Whether the attention over the projection ``qkv`` runs as one fused pass: a CuPy array,
-    heads the kernels take, and float32 products (bf16 and TF32 runs keep their matrix
-    products in that precision)."""
+    """Whether the attention over the projection ``qkv`` ``(n, T, 3 * heads * head_dim)`` runs
+    as one fused pass: a CuPy array, and float32 products with heads raysinga's kernels take,
+    or bf16 products that cuDNN takes (TF32 runs keep their matrix products)."""
     if get_array_module(qkv) is cpu.np:
         return False
     from . import gpu_attention, precision  # noqa: PLC0415 - gpu_attention imports CuPy
 
-    return precision.compute() == "f32" and gpu_attention.supports(head_dim, qkv.dtype)
+    policy = precision.compute()
+    if policy == "f32":
+        return gpu_attention.supports(head_dim, qkv.dtype)
+    if policy == "bf16" and qkv.ndim == 3:
+        from . import gpu_cudnn_attention  # noqa: PLC0415
+
+        return gpu_cudnn_attention.fits(qkv, qkv.shape[-1] // (3 * head_dim))
+    return False
+
+
+def _fused_attention():
+    from . import gpu_attention, gpu_cudnn_attention, precision  # noqa: PLC0415 - CuPy
+
+    return gpu_cudnn_attention if precision.compute() == "bf16" else gpu_attention
 
 
 def fused_attention_forward(qkv: Any, heads: int, scale: float) -> tuple[Any, Any]:
-    """``gpu_attention.attention_forward``: the heads' outputs and each row's log-sum-exp."""
-    from . import gpu_attention  # noqa: PLC0415
-
-    return gpu_attention.attention_forward(qkv, heads, scale)
+    """The heads' outputs, and what the backward pass takes back (each row's log-sum-exp in
+    float32; cuDNN's operands and statistics in bf16)."""
+    return _fused_attention().attention_forward(qkv, heads, scale)
 
 
 def fused_attention_backward(
-    dout: Any, qkv: Any, out: Any, lse: Any, heads: int, scale: float
+    dout: Any, qkv: Any, out: Any, saved: Any, heads: int, scale: float
 ) -> Any:
-    """``gpu_attention.attention_backward``: the gradient with respect to ``qkv``."""
-    from . import gpu_attention  # noqa: PLC0415
-
-    return gpu_attention.attention_backward(dout, qkv, out, lse, heads, scale)
+    """The gradient with respect to ``qkv``, laid out as ``qkv``."""
+    return _fused_attention().attention_backward(dout, qkv, out, saved, heads, scale)
 
 
 __all__ = [

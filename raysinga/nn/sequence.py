@@ -7,7 +7,8 @@ follow PyTorch's order (GRU ``r, z, n``; LSTM ``i, f, g, o``), so an export to P
 transposes. Every GEMM goes through ``dense_forward``/``dense_backward`` and every per-position
 op through the kernels of ``kernels/cpu_seq.py`` (CUDA twins in ``gpu_seq.py``), so the same
 code runs on NumPy and CuPy; on a GPU, attention in float32 products is one fused pass
-(``kernels/gpu_attention.py``).
+(``kernels/gpu_attention.py``), and in bf16 products cuDNN's flash attention
+(``kernels/gpu_cudnn_attention.py``).
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ class Attention(Layer):
         # The queries scaled by 1/sqrt(hd) where they lie (a quarter of the scores' size), so
         # that the scores need no pass of their own; the backward pass scales dq the same way.
         qkv[:, :d] *= qkv.dtype.type(1.0 / math.sqrt(hd))
-        self._fused = K.fused_attention_fits(qkv, hd)
+        self._fused = K.fused_attention_fits(qkv.reshape(n, t, 3 * d), hd)
         if self._fused:
             # One pass on the GPU, keeping each row's log-sum-exp instead of the (T, T)
             # probabilities; heads wider than the kernels' tiles take the products below.
