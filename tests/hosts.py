@@ -516,6 +516,24 @@ def wait_nodes(head: Host, n: int, timeout: float = 60) -> None:
     assert r.returncode == 0 and last_json(r.stdout) == n, r.stdout
 
 
+def wait_joined(head: Host, host: Host, timeout: float = 120) -> None:
+    """Until ``host`` is a live node of the cluster of ``head``, whatever else its count (a
+    host lost earlier stays counted alive until Ray's health checks give it up)."""
+    code = (
+        "import ray, time\n"
+        f"ray.init(address='{head.address}:6379', log_to_driver=False)\n"
+        f"t = time.monotonic() + {timeout}\n"
+        "def joined():\n"
+        f"    return any(x['Alive'] and x['NodeManagerAddress'] == '{host.address}'"
+        " for x in ray.nodes())\n"
+        "while not joined() and time.monotonic() < t:\n"
+        "    time.sleep(0.2)\n"
+        "print(int(joined()))\n"
+    )
+    r = head.python(code, timeout=timeout + 60)
+    assert r.returncode == 0 and last_json(r.stdout) == 1, r.stdout
+
+
 def sigkill_role(among: list[Host], role: dict[str, Any]) -> None:
     """SIGKILL a role that :func:`placed_roles` listed, inside its host."""
     host = next(h for h in among if h.name == role["host"])
