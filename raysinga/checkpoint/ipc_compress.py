@@ -43,7 +43,8 @@ class MixedWriter:
         self._packed = pa.ipc.IpcWriteOptions(compression=compression)
         self._skip = len(_stream(schema, [], self._raw)) - _EOS  # the schema message
         out = pa.BufferOutputStream()
-        empty = pa.RecordBatch.from_pylist([], schema=schema)
+        # of no Python values (from_pylist makes pyarrow import pandas, where installed)
+        empty = pa.RecordBatch.from_arrays([pa.nulls(0, f.type) for f in schema], schema=schema)
         with pa.ipc.new_file(out, schema) as w:
             for _ in range(n):
                 w.write_batch(empty)
