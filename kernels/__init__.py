@@ -55,6 +55,8 @@ SEQ_OPS = (  # cpu_seq.py / gpu_seq.py
     "embedding_backward",
     "layernorm_forward",
     "layernorm_backward",
+    "rmsnorm_forward",
+    "rmsnorm_backward",
     "gelu_forward",
     "gelu_backward",
     "causal_softmax_forward",
@@ -116,6 +118,8 @@ embedding_forward = _dispatch("embedding_forward")
 embedding_backward = _dispatch("embedding_backward")
 layernorm_forward = _dispatch("layernorm_forward")
 layernorm_backward = _dispatch("layernorm_backward")
+rmsnorm_forward = _dispatch("rmsnorm_forward")
+rmsnorm_backward = _dispatch("rmsnorm_backward")
 gelu_forward = _dispatch("gelu_forward")
 gelu_backward = _dispatch("gelu_backward")
 causal_softmax_forward = _dispatch("causal_softmax_forward")

@@ -100,6 +100,48 @@ def layernorm_backward(
     return dx, dgamma, np.einsum("ij->j", dy)
 
 
+def rmsnorm_forward(x: np.ndarray, gamma: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """Scale each row of ``x`` (M, F) by the reciprocal of its root mean square: ``(y, rstd)``
+    with ``rstd = 1 / sqrt(mean(x^2) + eps)`` and ``y = x * rstd * gamma`` (PyTorch's
+    ``RMSNorm(features, eps)``)."""
+    check_float("x", x)
+    check_rows("x", x, gamma.shape[0])
+    m, f = x.shape
+    y, rstd = np.empty_like(x), np.empty(m, x.dtype)
+
+    def part(lo: int, hi: int) -> None:
+        rs = 1 / np.sqrt(
+            np.einsum("ij,ij->i", x[lo:hi], x[lo:hi]) / x.dtype.type(f) + x.dtype.type(eps)
+        )
+        np.multiply(x[lo:hi], rs[:, None], out=y[lo:hi])
+        y[lo:hi] *= gamma
+        rstd[lo:hi] = rs
+
+    over_rows(part, m, x.size)
+    return y, rstd
+
+
+def rmsnorm_backward(
+    dy: np.ndarray, x: np.ndarray, gamma: np.ndarray, rstd: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(dx, dgamma)`` of :func:`rmsnorm_forward`: with ``g = dy * gamma`` and ``xhat = x *
+    rstd``, ``dx = (g - xhat * mean(g * xhat)) * rstd``."""
+    m, f = x.shape
+    xhat, dx = np.empty_like(x), np.empty_like(x)
+    inv_f = x.dtype.type(1.0 / f)
+
+    def part(lo: int, hi: int) -> None:
+        h, g = xhat[lo:hi], dx[lo:hi]
+        np.multiply(x[lo:hi], rstd[lo:hi, None], out=h)
+        np.multiply(dy[lo:hi], gamma, out=g)
+        ghm = np.einsum("ij,ij->i", g, h) * inv_f
+        g -= h * ghm[:, None]
+        g *= rstd[lo:hi, None]
+
+    over_rows(part, m, x.size)
+    return dx, np.einsum("ij,ij->j", dy, xhat)
+
+
 # ---------------------------------------------------------------- GELU
 
 

@@ -34,6 +34,8 @@ KERNELS = {
         "emb_bwd",
         "ln_fwd",
         "ln_bwd",
+        "rms_fwd",
+        "rms_bwd",
         "gelu_fwd",
         "gelu_bwd",
         "csoftmax_fwd",

@@ -85,6 +85,32 @@ def layernorm_backward(
     return dx, sums[0], sums[1]
 
 
+def rmsnorm_forward(
+    x: cupy.ndarray, gamma: cupy.ndarray, eps: float
+) -> tuple[cupy.ndarray, cupy.ndarray]:
+    check_float("x", x)
+    check_rows("x", x, gamma.shape[0])
+    check_same_dtype(x=x, gamma=gamma)
+    x, gamma = contiguous(x), contiguous(gamma)
+    m, f = x.shape
+    y, rstd = cupy.empty_like(x), cupy.empty(m, x.dtype)
+    launch_blocks(_kernel("rms_fwd", x.dtype), m, x, gamma, y, rstd, m, f, x.dtype.type(eps))
+    return y, rstd
+
+
+def rmsnorm_backward(
+    dy: cupy.ndarray, x: cupy.ndarray, gamma: cupy.ndarray, rstd: cupy.ndarray
+) -> tuple[cupy.ndarray, cupy.ndarray]:
+    check_same_dtype(dy=dy, x=x, gamma=gamma)
+    dy, x = contiguous(dy), contiguous(x)
+    m, f = x.shape
+    blocks = min(m, LN_GRID)
+    dx, part = cupy.empty_like(x), cupy.empty((blocks, f), x.dtype)
+    launch_blocks(_kernel("rms_bwd", x.dtype), blocks, dy, x, contiguous(gamma),
+                  contiguous(rstd), dx, part, m, f)  # fmt: skip
+    return dx, part[0] if blocks == 1 else _col_sum(part)
+
+
 # ---------------------------------------------------------------- GELU
 
 

@@ -1,5 +1,5 @@
-// The sequence layers' kernels for gpu_seq.py: embedding, layer norm, GELU, causal attention's
-// fused scale + mask + softmax, and the GRU and LSTM cells. Compiled by NVRTC at run time: no
+// The sequence layers' kernels for gpu_seq.py: embedding, layer and RMS norm, GELU, causal
+// attention's fused scale + mask + softmax, and the GRU and LSTM cells. Compiled by NVRTC at run time: no
 // #include; builtin math only. No atomics: every sum runs in a fixed order (the embedding's
 // gradient sums each token's rows in sorted order; row reductions use a fixed shared-memory
 // tree, layer norm's a fixed butterfly of warp shuffles), so every run gives the same bits.
@@ -228,6 +228,100 @@ __device__ void ln_bwd(const T* __restrict__ dy, const T* __restrict__ x,
   }
 }
 
+// ---------------------------------------------------------------- RMS normalisation
+
+// One block per row of f features: rstd = 1 / sqrt(mean(x^2) + eps), y = x * rstd * gamma; the
+// row read once where it fits in registers, as layer norm's.
+template <typename T>
+__device__ void rms_fwd(const T* __restrict__ x, const T* __restrict__ gamma, T* __restrict__ y,
+                        T* __restrict__ rstd, long long m, long long f, T eps) {
+  __shared__ T buf[BLOCK / 32];
+  const bool kept = f <= (long long)BLOCK * LN_KEEP;
+  for (long long r = blockIdx.x; r < m; r += gridDim.x) {
+    const T* row = x + r * f;
+    T v[LN_KEEP];
+    T q = T(0);
+    if (kept) {
+#pragma unroll
+      for (int k = 0; k < LN_KEEP; ++k) {
+        const long long j = threadIdx.x + (long long)k * BLOCK;
+        v[k] = j < f ? row[j] : T(0);
+        q += v[k] * v[k];
+      }
+    } else {
+      for (long long j = threadIdx.x; j < f; j += BLOCK) q += row[j] * row[j];
+    }
+    const T rs = k_rsqrt(block_sum(q, buf) / T(f) + eps);
+    if (kept) {
+#pragma unroll
+      for (int k = 0; k < LN_KEEP; ++k) {
+        const long long j = threadIdx.x + (long long)k * BLOCK;
+        if (j < f) y[r * f + j] = v[k] * rs * gamma[j];
+      }
+    } else {
+      for (long long j = threadIdx.x; j < f; j += BLOCK) y[r * f + j] = row[j] * rs * gamma[j];
+    }
+    if (threadIdx.x == 0) rstd[r] = rs;
+  }
+}
+
+// The rows r = blockIdx.x, blockIdx.x + gridDim.x, ... of the backward: with g = dy * gamma and
+// xhat = x * rstd, dx = (g - xhat * mean(g * xhat)) * rstd; the block sums dy * xhat over its
+// rows, each feature by its one thread in row order, into row blockIdx.x of part (gridDim.x,
+// f), whose column sums (taken after, in a fixed order) are gamma's gradient.
+template <typename T>
+__device__ void rms_bwd(const T* __restrict__ dy, const T* __restrict__ x,
+                        const T* __restrict__ gamma, const T* __restrict__ rstd,
+                        T* __restrict__ dx, T* __restrict__ part, long long m, long long f) {
+  __shared__ T buf[BLOCK / 32];
+  const bool kept = f <= (long long)BLOCK * LN_KEEP;
+  T* pg = part + (long long)blockIdx.x * f;
+  T ag[LN_KEEP];
+#pragma unroll
+  for (int k = 0; k < LN_KEEP; ++k) ag[k] = T(0);
+  if (!kept)
+    for (long long j = threadIdx.x; j < f; j += BLOCK) pg[j] = T(0);
+  for (long long r = blockIdx.x; r < m; r += gridDim.x) {
+    const long long o = r * f;
+    const T rs = rstd[r];
+    T sgx = T(0);
+    if (kept) {
+      T h[LN_KEEP], g[LN_KEEP];
+#pragma unroll
+      for (int k = 0; k < LN_KEEP; ++k) {
+        const long long j = threadIdx.x + (long long)k * BLOCK;
+        const T d = j < f ? dy[o + j] : T(0);
+        h[k] = j < f ? x[o + j] * rs : T(0);
+        g[k] = j < f ? d * gamma[j] : T(0);
+        sgx += g[k] * h[k];
+        ag[k] += d * h[k];
+      }
+      sgx = block_sum(sgx, buf) / T(f);
+#pragma unroll
+      for (int k = 0; k < LN_KEEP; ++k) {
+        const long long j = threadIdx.x + (long long)k * BLOCK;
+        if (j < f) dx[o + j] = (g[k] - h[k] * sgx) * rs;
+      }
+    } else {
+      for (long long j = threadIdx.x; j < f; j += BLOCK) {
+        const T d = dy[o + j], h = x[o + j] * rs;
+        sgx += d * gamma[j] * h;
+        pg[j] += d * h;
+      }
+      sgx = block_sum(sgx, buf) / T(f);
+      for (long long j = threadIdx.x; j < f; j += BLOCK)
+        dx[o + j] = (dy[o + j] * gamma[j] - x[o + j] * rs * sgx) * rs;
+    }
+  }
+  if (kept) {
+#pragma unroll
+    for (int k = 0; k < LN_KEEP; ++k) {
+      const long long j = threadIdx.x + (long long)k * BLOCK;
+      if (j < f) pg[j] = ag[k];
+    }
+  }
+}
+
 // ---------------------------------------------------------------- GELU (tanh approximation)
 
 #define GELU_C 0.7978845608028654  // sqrt(2 / pi)
@@ -396,6 +490,15 @@ __device__ void lstm_bwd(const T* __restrict__ dh_new, const T* __restrict__ dc_
                                           const T* mean, const T* rstd, T* dx, T* part,         \
                                           long long m, long long f) {                           \
     ln_bwd<T>(dy, x, gamma, mean, rstd, dx, part, m, f);                                        \
+  }                                                                                             \
+  extern "C" __global__ void rms_fwd_##SUF(const T* x, const T* gamma, T* y, T* rstd,          \
+                                           long long m, long long f, T eps) {                   \
+    rms_fwd<T>(x, gamma, y, rstd, m, f, eps);                                                   \
+  }                                                                                             \
+  extern "C" __global__ void rms_bwd_##SUF(const T* dy, const T* x, const T* gamma,             \
+                                           const T* rstd, T* dx, T* part, long long m,          \
+                                           long long f) {                                       \
+    rms_bwd<T>(dy, x, gamma, rstd, dx, part, m, f);                                             \
   }                                                                                             \
   extern "C" __global__ void gelu_fwd_##SUF(const T* x, T* y, T* t, long long n) {              \
     gelu_fwd<T>(x, y, t, n);                                                                    \

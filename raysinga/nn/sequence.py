@@ -1,4 +1,4 @@
-"""Layers for sequences: embedding, layer normalisation, GELU, multi-head causal
+"""Layers for sequences: embedding, layer and RMS normalisation, GELU, multi-head causal
 self-attention, GRU and LSTM, and ``add`` (the sum of earlier layers' outputs, named).
 
 A sequence sample has shape ``(T,)`` (token ids) before an embedding and ``(T, F)`` after it;
@@ -118,6 +118,32 @@ class LayerNorm(Layer):
         rows, gamma, mean, rstd = self._cache
         dx, dgamma, dbeta = K.layernorm_backward(dy.reshape(rows.shape), rows, gamma, mean, rstd)
         return dx.reshape(dy.shape), {"gamma": dgamma, "beta": dbeta}
+
+
+class RMSNorm(Layer):
+    """Scaling of the last axis of each position by the reciprocal of its root mean square,
+    with a learnt scale and no shift (PyTorch's ``nn.RMSNorm(features, eps)``)."""
+
+    kind = "rmsnorm"
+    options = {"eps": 1e-6}
+    _out_shape = LayerNorm._out_shape
+
+    def param_shapes(self) -> dict[str, Shape]:
+        return {"gamma": (self.in_shape[-1],)}
+
+    def init_param(self, local, shape, rng):
+        return np.ones(shape)
+
+    def forward(self, p, s, x, ctx):
+        rows = x.reshape(-1, self.in_shape[-1])
+        y, rstd = K.rmsnorm_forward(rows, p["gamma"], float(self.opts["eps"]))
+        self._cache = (rows, p["gamma"], rstd)
+        return y.reshape(x.shape)
+
+    def backward(self, dy):
+        rows, gamma, rstd = self._cache
+        dx, dgamma = K.rmsnorm_backward(dy.reshape(rows.shape), rows, gamma, rstd)
+        return dx.reshape(dy.shape), {"gamma": dgamma}
 
 
 class GELU(Layer):
@@ -387,6 +413,7 @@ SEQUENCE_LAYERS: tuple[type[Layer], ...] = (
     Embedding,
     Positional,
     LayerNorm,
+    RMSNorm,
     GELU,
     Add,
     Attention,

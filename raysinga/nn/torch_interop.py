@@ -13,6 +13,7 @@ batchnorm      ``BatchNorm1d/2d(c, eps, momentum)``        weight = gamma, bias 
 embedding      ``Embedding(vocab, dim)``                   weight = W
 positional     ``Embedding(T, dim)`` of ``arange(T)``, added  weight = W
 layernorm      ``LayerNorm(features, eps)``                weight = gamma, bias = beta
+rmsnorm        ``RMSNorm(features, eps)``                  weight = gamma
 attention      ``MultiheadAttention(dim, heads,            in_proj_weight = Wqkv.T,
                batch_first=True)``, causal mask            in_proj_bias = bqkv,
                                                            out_proj.weight = Wo.T,
@@ -46,6 +47,7 @@ NAMES: dict[str, tuple[tuple[str, str, bool], ...]] = {
     "embedding": (("W", "weight", False),),
     "positional": (("W", "weight", False),),
     "layernorm": (("gamma", "weight", False), ("beta", "bias", False)),
+    "rmsnorm": (("gamma", "weight", False),),
     "attention": (
         ("Wqkv", "in_proj_weight", True),
         ("bqkv", "in_proj_bias", False),
@@ -235,6 +237,8 @@ def _build(torch: Any, spec: ModelSpec, dtype: Any) -> Any:
             return _Positional(nn, torch, shape, dtype)
         if kind == "layernorm":
             return nn.LayerNorm(shape[-1], eps=o["eps"], dtype=dtype)
+        if kind == "rmsnorm":
+            return nn.RMSNorm(shape[-1], eps=o["eps"], dtype=dtype)
         if kind == "gelu":
             return nn.GELU(approximate="tanh")
         if kind == "attention":

@@ -399,6 +399,41 @@ def test_layer_norm_over_blocks_of_threads_matches_numpy_and_cancels_exactly(bui
         assert not dx.any(), dx  # exactly 0: one feature is its own mean
 
 
+@pytest.mark.parametrize(("m", "f"), [(1, 1), (3, 7), (5, 700), (4, 2500)])
+def test_rms_norm_over_blocks_of_threads_matches_numpy(build, m, f):
+    """RMS norm forward and backward, gamma's gradient summed from the blocks' partial rows,
+    against NumPy, for rows kept in registers and rows read again (2500 features)."""
+    from raysinga.kernels import cpu_seq
+
+    host = build(
+        "seq.cu",
+        """auto head = take<long long>(2); long long m = head[0], f = head[1];
+        auto x = take<float>(m * f); auto g = take<float>(f); auto dy = take<float>(m * f);
+        long long grid = m < 3 ? m : 3;  // the blocks run_blocks makes
+        std::vector<float> y(m * f), rstd(m), dx(m * f), part(grid * f), dg(f);
+        run_blocks(m, [&] { rms_fwd_f32(x.data(), g.data(), y.data(), rstd.data(), m, f,
+                                        1e-6f); });
+        run_blocks(m, [&] { rms_bwd_f32(dy.data(), x.data(), g.data(), rstd.data(), dx.data(),
+                                        part.data(), m, f); });
+        for (long long p = 0; p < grid; ++p)
+          for (long long j = 0; j < f; ++j) dg[j] += part[p * f + j];
+        give(y, m * f); give(rstd, m); give(dx, m * f); give(dg, f); return 0;""",
+        blocks=True,
+    )
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((m, f)) * 3).astype(np.float32)
+    g = rng.standard_normal(f).astype(np.float32)
+    dy = rng.standard_normal((m, f)).astype(np.float32)
+    out = host(_i64(m, f), x, g, dy)
+    assert out == host(_i64(m, f), x, g, dy)  # the same bits again
+    y, rstd, dx, dg = np.split(np.frombuffer(out, np.float32), np.cumsum([m * f, m, m * f]))
+    want_y, want_rstd = cpu_seq.rmsnorm_forward(x, g, 1e-6)
+    want_dx, want_dg = cpu_seq.rmsnorm_backward(dy, x, g, want_rstd)
+    for got, want in ((y, want_y), (rstd, want_rstd), (dx, want_dx), (dg, want_dg)):
+        scale = float(np.abs(want).max(initial=0.0)) or 1.0
+        np.testing.assert_allclose(got.reshape(want.shape), want, rtol=0, atol=1e-5 * scale)
+
+
 def _close(got: np.ndarray, want: np.ndarray) -> None:
     """As the GPU parity tests compare (kernels/test_gpu_parity.py): to 1e-5 of the largest."""
     scale = float(np.abs(want).max(initial=0.0)) or 1.0

@@ -61,6 +61,16 @@ def test_layernorm(gpu_seq, m, f, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,f", [(1, 1), (3, 7), (4096, 128), (5, 700)])
+def test_rmsnorm(gpu_seq, m, f, dtype):
+    rng = np.random.default_rng(1)
+    x, g = _rand(rng, (m, f), dtype, 3.0), _rand(rng, f, dtype)
+    _, rstd = cpu_seq.rmsnorm_forward(x, g, 1e-6)
+    check_op(gpu_seq, "rmsnorm_forward", x, g, 1e-6)
+    check_op(gpu_seq, "rmsnorm_backward", _rand(rng, (m, f), dtype), x, g, rstd)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1,), (7, 13), (64, 512)])
 def test_gelu(gpu_seq, shape, dtype):
     rng = np.random.default_rng(2)
@@ -107,6 +117,7 @@ def test_every_sequence_op_has_a_gpu_twin(gpu_seq):
     ("gru", {"units": 64}, (16, 32)),
     ("lstm", {"units": 64}, (16, 32)),
     ("layernorm", {}, (16, 32)),
+    ("rmsnorm", {}, (16, 32)),
     ("positional", {}, (16, 32)),
 ])  # fmt: skip
 def test_sequence_layers_on_the_gpu_match_numpy(kind, opts, in_shape):

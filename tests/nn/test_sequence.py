@@ -20,6 +20,8 @@ CASES = [
     # (kind, options, per-sample input shape)
     ("layernorm", {}, (6,)),
     ("layernorm", {"eps": 1e-3}, (3, 5)),
+    ("rmsnorm", {}, (6,)),
+    ("rmsnorm", {"eps": 1e-3}, (3, 5)),
     ("gelu", {}, (4, 3)),
     ("add", {}, (2, 3)),
     ("positional", {}, (3, 2)),
@@ -171,6 +173,9 @@ def _torch_case(kind: str, opts: dict, in_shape: tuple, rng):
     if kind == "layernorm":
         m = nn.LayerNorm(d, eps=layer.opts["eps"], dtype=torch.float64)
         m.weight.data, m.bias.data = t(p["gamma"]), t(p["beta"])
+    elif kind == "rmsnorm":
+        m = nn.RMSNorm(d, eps=layer.opts["eps"], dtype=torch.float64)
+        m.weight.data = t(p["gamma"])
     elif kind == "gelu":
         m = nn.GELU(approximate="tanh")
     elif kind == "embedding":
@@ -201,6 +206,7 @@ def _torch_case(kind: str, opts: dict, in_shape: tuple, rng):
 
 TORCH_CASES = [
     ("layernorm", {}, (5, 6)),
+    ("rmsnorm", {}, (5, 6)),
     ("gelu", {}, (5, 6)),
     ("embedding", {"vocab": 9, "dim": 4}, (5,)),
     ("attention", {"heads": 2}, (7, 8)),

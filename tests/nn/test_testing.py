@@ -32,6 +32,7 @@ OWN = {
     "embedding": ({"vocab": 7, "dim": 3}, (5,)),
     "positional": ({}, (5, 3)),
     "layernorm": ({}, (5, 4)),
+    "rmsnorm": ({}, (5, 4)),
     "gelu": ({}, (6,)),
     "add": ({}, (4,)),
     "attention": ({"heads": 2}, (4, 6)),
