@@ -1,8 +1,9 @@
 // The sequence layers' kernels for gpu_seq.py: embedding, layer and RMS norm, GELU, causal
-// attention's fused scale + mask + softmax, and the GRU and LSTM cells. Compiled by NVRTC at run time: no
-// #include; builtin math only. No atomics: every sum runs in a fixed order (the embedding's
-// gradient sums each token's rows in sorted order; row reductions use a fixed shared-memory
-// tree, layer norm's a fixed butterfly of warp shuffles), so every run gives the same bits.
+// attention's fused scale + mask + softmax, and the GRU and LSTM cells. Compiled by NVRTC at run
+// time: no #include; builtin math only. No atomics: every sum runs in a fixed order (the
+// embedding's gradient sums each token's rows in sorted order; row reductions use a fixed
+// shared-memory tree, layer norm's a fixed butterfly of warp shuffles), so every run gives the same
+// bits.
 
 #define BLOCK 256  // threads per block: gpu_launch.BLOCK launches exactly this many
 
@@ -105,19 +106,28 @@ __device__ T block_sum(T v, T* buf) {
 // read from global memory once; longer rows are read again for each pass.
 #define LN_KEEP 8
 
-// One block per row of f features: mean, rstd = 1 / sqrt(biased var + eps), and
-// y = (x - mean) * rstd * gamma + beta. The variance is the mean of (x - mean)^2, as NumPy's,
-// over the row kept in registers (thread t holds features t, t + BLOCK, ...).
-template <typename T>
-__device__ void ln_fwd(const T* __restrict__ x, const T* __restrict__ gamma,
-                       const T* __restrict__ beta, T* __restrict__ y, T* __restrict__ mean,
-                       T* __restrict__ rstd, long long m, long long f, T eps) {
+// One output of a norm: (v - mean) * rstd * gamma + beta (layer norm), v * rstd * gamma (RMS).
+template <typename T, bool CENTER>
+__device__ __forceinline__ T norm_out(T v, T mu, T rs, const T* gamma, const T* beta,
+                                      long long j) {
+  return CENTER ? (v - mu) * rs * gamma[j] + beta[j] : v * rs * gamma[j];
+}
+
+// Layer norm (CENTER) and RMS norm (not), one block per row of f features. Layer norm: mean,
+// rstd = 1 / sqrt(biased var + eps) with the variance the mean of (x - mean)^2, as NumPy's, and
+// y = (x - mean) * rstd * gamma + beta. RMS norm: rstd = 1 / sqrt(mean(x^2) + eps) and
+// y = x * rstd * gamma (no mean, no beta: the same arithmetic with the mean 0 and no shift).
+// Each row is kept in registers where it fits (thread t holds features t, t + BLOCK, ...).
+template <typename T, bool CENTER>
+__device__ void norm_fwd(const T* __restrict__ x, const T* __restrict__ gamma,
+                         const T* __restrict__ beta, T* __restrict__ y, T* __restrict__ mean,
+                         T* __restrict__ rstd, long long m, long long f, T eps) {
   __shared__ T buf[BLOCK / 32];
   const bool kept = f <= (long long)BLOCK * LN_KEEP;  // the same in every thread
   for (long long r = blockIdx.x; r < m; r += gridDim.x) {  // uniform per block: syncs are safe
     const T* row = x + r * f;
     T v[LN_KEEP];
-    T s = T(0);
+    T mu = T(0), s = T(0);
     if (kept) {
 #pragma unroll
       for (int k = 0; k < LN_KEEP; ++k) {
@@ -125,10 +135,10 @@ __device__ void ln_fwd(const T* __restrict__ x, const T* __restrict__ gamma,
         v[k] = j < f ? row[j] : T(0);
         s += v[k];
       }
-    } else {
+    } else if (CENTER) {
       for (long long j = threadIdx.x; j < f; j += BLOCK) s += row[j];
     }
-    const T mu = block_sum(s, buf) / T(f);
+    if (CENTER) mu = block_sum(s, buf) / T(f);
     T q = T(0);
     if (kept) {
 #pragma unroll
@@ -145,42 +155,46 @@ __device__ void ln_fwd(const T* __restrict__ x, const T* __restrict__ gamma,
 #pragma unroll
       for (int k = 0; k < LN_KEEP; ++k) {
         const long long j = threadIdx.x + (long long)k * BLOCK;
-        if (j < f) y[r * f + j] = (v[k] - mu) * rs * gamma[j] + beta[j];
+        if (j < f) y[r * f + j] = norm_out<T, CENTER>(v[k], mu, rs, gamma, beta, j);
       }
     } else {
       for (long long j = threadIdx.x; j < f; j += BLOCK)
-        y[r * f + j] = (row[j] - mu) * rs * gamma[j] + beta[j];
+        y[r * f + j] = norm_out<T, CENTER>(row[j], mu, rs, gamma, beta, j);
     }
     if (threadIdx.x == 0) {
-      mean[r] = mu;
+      if (CENTER) mean[r] = mu;
       rstd[r] = rs;
     }
   }
 }
 
 // The rows r = blockIdx.x, blockIdx.x + gridDim.x, ... of the backward, in one read of dy and x:
-// with g = dy * gamma and xhat = (x - mean) * rstd, dx = (g - mean(g) - xhat * mean(g * xhat))
-// * rstd. The block also sums dy * xhat and dy over its rows, each feature by the one thread
-// that owns it, in row order, into row blockIdx.x of part (gridDim.x, 2, f): gamma's and beta's
+// with g = dy * gamma and xhat = (x - mean) * rstd (layer norm) or x * rstd (RMS norm),
+// dx = (g - mean(g) - xhat * mean(g * xhat)) * rstd, without mean(g) for RMS norm. The block
+// also sums dy * xhat (and for layer norm dy) over its rows, each feature by the one thread that
+// owns it, in row order, into row blockIdx.x of part (gridDim.x, 2 or 1, f): gamma's (and beta's)
 // gradients are part's column sums, taken in a fixed order afterwards, so the bits depend on m
 // and the grid, never on timing.
-template <typename T>
-__device__ void ln_bwd(const T* __restrict__ dy, const T* __restrict__ x,
-                       const T* __restrict__ gamma, const T* __restrict__ mean,
-                       const T* __restrict__ rstd, T* __restrict__ dx, T* __restrict__ part,
-                       long long m, long long f) {
+template <typename T, bool CENTER>
+__device__ void norm_bwd(const T* __restrict__ dy, const T* __restrict__ x,
+                         const T* __restrict__ gamma, const T* __restrict__ mean,
+                         const T* __restrict__ rstd, T* __restrict__ dx, T* __restrict__ part,
+                         long long m, long long f) {
   __shared__ T buf[BLOCK / 32];
   const bool kept = f <= (long long)BLOCK * LN_KEEP;
-  T* pg = part + (long long)blockIdx.x * 2 * f;  // this block's sums of dy * xhat, then of dy
+  T* pg = part + (long long)blockIdx.x * (CENTER ? 2 : 1) * f;  // sums of dy * xhat, then dy
   T* pb = pg + f;
   T ag[LN_KEEP], ab[LN_KEEP];
 #pragma unroll
   for (int k = 0; k < LN_KEEP; ++k) ag[k] = ab[k] = T(0);
   if (!kept)
-    for (long long j = threadIdx.x; j < f; j += BLOCK) pg[j] = pb[j] = T(0);
+    for (long long j = threadIdx.x; j < f; j += BLOCK) {
+      pg[j] = T(0);
+      if (CENTER) pb[j] = T(0);
+    }
   for (long long r = blockIdx.x; r < m; r += gridDim.x) {
     const long long o = r * f;
-    const T mu = mean[r], rs = rstd[r];
+    const T mu = CENTER ? mean[r] : T(0), rs = rstd[r];
     T sg = T(0), sgx = T(0);
     if (kept) {
       T h[LN_KEEP], g[LN_KEEP];
@@ -195,12 +209,12 @@ __device__ void ln_bwd(const T* __restrict__ dy, const T* __restrict__ x,
         ag[k] += d * h[k];
         ab[k] += d;
       }
-      sg = block_sum(sg, buf) / T(f);
+      if (CENTER) sg = block_sum(sg, buf) / T(f);
       sgx = block_sum(sgx, buf) / T(f);
 #pragma unroll
       for (int k = 0; k < LN_KEEP; ++k) {
         const long long j = threadIdx.x + (long long)k * BLOCK;
-        if (j < f) dx[o + j] = (g[k] - sg - h[k] * sgx) * rs;
+        if (j < f) dx[o + j] = ((CENTER ? g[k] - sg : g[k]) - h[k] * sgx) * rs;
       }
     } else {
       for (long long j = threadIdx.x; j < f; j += BLOCK) {
@@ -208,12 +222,14 @@ __device__ void ln_bwd(const T* __restrict__ dy, const T* __restrict__ x,
         sg += g;
         sgx += g * h;
         pg[j] += d * h;
-        pb[j] += d;
+        if (CENTER) pb[j] += d;
       }
-      sg = block_sum(sg, buf) / T(f);
+      if (CENTER) sg = block_sum(sg, buf) / T(f);
       sgx = block_sum(sgx, buf) / T(f);
-      for (long long j = threadIdx.x; j < f; j += BLOCK)
-        dx[o + j] = (dy[o + j] * gamma[j] - sg - (x[o + j] - mu) * rs * sgx) * rs;
+      for (long long j = threadIdx.x; j < f; j += BLOCK) {
+        const T g = dy[o + j] * gamma[j];
+        dx[o + j] = ((CENTER ? g - sg : g) - (x[o + j] - mu) * rs * sgx) * rs;
+      }
     }
   }
   if (kept) {
@@ -222,102 +238,8 @@ __device__ void ln_bwd(const T* __restrict__ dy, const T* __restrict__ x,
       const long long j = threadIdx.x + (long long)k * BLOCK;
       if (j < f) {
         pg[j] = ag[k];
-        pb[j] = ab[k];
+        if (CENTER) pb[j] = ab[k];
       }
-    }
-  }
-}
-
-// ---------------------------------------------------------------- RMS normalisation
-
-// One block per row of f features: rstd = 1 / sqrt(mean(x^2) + eps), y = x * rstd * gamma; the
-// row read once where it fits in registers, as layer norm's.
-template <typename T>
-__device__ void rms_fwd(const T* __restrict__ x, const T* __restrict__ gamma, T* __restrict__ y,
-                        T* __restrict__ rstd, long long m, long long f, T eps) {
-  __shared__ T buf[BLOCK / 32];
-  const bool kept = f <= (long long)BLOCK * LN_KEEP;
-  for (long long r = blockIdx.x; r < m; r += gridDim.x) {
-    const T* row = x + r * f;
-    T v[LN_KEEP];
-    T q = T(0);
-    if (kept) {
-#pragma unroll
-      for (int k = 0; k < LN_KEEP; ++k) {
-        const long long j = threadIdx.x + (long long)k * BLOCK;
-        v[k] = j < f ? row[j] : T(0);
-        q += v[k] * v[k];
-      }
-    } else {
-      for (long long j = threadIdx.x; j < f; j += BLOCK) q += row[j] * row[j];
-    }
-    const T rs = k_rsqrt(block_sum(q, buf) / T(f) + eps);
-    if (kept) {
-#pragma unroll
-      for (int k = 0; k < LN_KEEP; ++k) {
-        const long long j = threadIdx.x + (long long)k * BLOCK;
-        if (j < f) y[r * f + j] = v[k] * rs * gamma[j];
-      }
-    } else {
-      for (long long j = threadIdx.x; j < f; j += BLOCK) y[r * f + j] = row[j] * rs * gamma[j];
-    }
-    if (threadIdx.x == 0) rstd[r] = rs;
-  }
-}
-
-// The rows r = blockIdx.x, blockIdx.x + gridDim.x, ... of the backward: with g = dy * gamma and
-// xhat = x * rstd, dx = (g - xhat * mean(g * xhat)) * rstd; the block sums dy * xhat over its
-// rows, each feature by its one thread in row order, into row blockIdx.x of part (gridDim.x,
-// f), whose column sums (taken after, in a fixed order) are gamma's gradient.
-template <typename T>
-__device__ void rms_bwd(const T* __restrict__ dy, const T* __restrict__ x,
-                        const T* __restrict__ gamma, const T* __restrict__ rstd,
-                        T* __restrict__ dx, T* __restrict__ part, long long m, long long f) {
-  __shared__ T buf[BLOCK / 32];
-  const bool kept = f <= (long long)BLOCK * LN_KEEP;
-  T* pg = part + (long long)blockIdx.x * f;
-  T ag[LN_KEEP];
-#pragma unroll
-  for (int k = 0; k < LN_KEEP; ++k) ag[k] = T(0);
-  if (!kept)
-    for (long long j = threadIdx.x; j < f; j += BLOCK) pg[j] = T(0);
-  for (long long r = blockIdx.x; r < m; r += gridDim.x) {
-    const long long o = r * f;
-    const T rs = rstd[r];
-    T sgx = T(0);
-    if (kept) {
-      T h[LN_KEEP], g[LN_KEEP];
-#pragma unroll
-      for (int k = 0; k < LN_KEEP; ++k) {
-        const long long j = threadIdx.x + (long long)k * BLOCK;
-        const T d = j < f ? dy[o + j] : T(0);
-        h[k] = j < f ? x[o + j] * rs : T(0);
-        g[k] = j < f ? d * gamma[j] : T(0);
-        sgx += g[k] * h[k];
-        ag[k] += d * h[k];
-      }
-      sgx = block_sum(sgx, buf) / T(f);
-#pragma unroll
-      for (int k = 0; k < LN_KEEP; ++k) {
-        const long long j = threadIdx.x + (long long)k * BLOCK;
-        if (j < f) dx[o + j] = (g[k] - h[k] * sgx) * rs;
-      }
-    } else {
-      for (long long j = threadIdx.x; j < f; j += BLOCK) {
-        const T d = dy[o + j], h = x[o + j] * rs;
-        sgx += d * gamma[j] * h;
-        pg[j] += d * h;
-      }
-      sgx = block_sum(sgx, buf) / T(f);
-      for (long long j = threadIdx.x; j < f; j += BLOCK)
-        dx[o + j] = (dy[o + j] * gamma[j] - x[o + j] * rs * sgx) * rs;
-    }
-  }
-  if (kept) {
-#pragma unroll
-    for (int k = 0; k < LN_KEEP; ++k) {
-      const long long j = threadIdx.x + (long long)k * BLOCK;
-      if (j < f) pg[j] = ag[k];
     }
   }
 }
@@ -484,21 +406,21 @@ __device__ void lstm_bwd(const T* __restrict__ dh_new, const T* __restrict__ dc_
   }                                                                                             \
   extern "C" __global__ void ln_fwd_##SUF(const T* x, const T* gamma, const T* beta, T* y,      \
                                           T* mean, T* rstd, long long m, long long f, T eps) {  \
-    ln_fwd<T>(x, gamma, beta, y, mean, rstd, m, f, eps);                                        \
+    norm_fwd<T, true>(x, gamma, beta, y, mean, rstd, m, f, eps);                                \
   }                                                                                             \
   extern "C" __global__ void ln_bwd_##SUF(const T* dy, const T* x, const T* gamma,              \
                                           const T* mean, const T* rstd, T* dx, T* part,         \
                                           long long m, long long f) {                           \
-    ln_bwd<T>(dy, x, gamma, mean, rstd, dx, part, m, f);                                        \
+    norm_bwd<T, true>(dy, x, gamma, mean, rstd, dx, part, m, f);                                \
   }                                                                                             \
-  extern "C" __global__ void rms_fwd_##SUF(const T* x, const T* gamma, T* y, T* rstd,          \
+  extern "C" __global__ void rms_fwd_##SUF(const T* x, const T* gamma, T* y, T* rstd,           \
                                            long long m, long long f, T eps) {                   \
-    rms_fwd<T>(x, gamma, y, rstd, m, f, eps);                                                   \
+    norm_fwd<T, false>(x, gamma, nullptr, y, nullptr, rstd, m, f, eps);                         \
   }                                                                                             \
   extern "C" __global__ void rms_bwd_##SUF(const T* dy, const T* x, const T* gamma,             \
                                            const T* rstd, T* dx, T* part, long long m,          \
                                            long long f) {                                       \
-    rms_bwd<T>(dy, x, gamma, rstd, dx, part, m, f);                                             \
+    norm_bwd<T, false>(dy, x, gamma, nullptr, rstd, dx, part, m, f);                            \
   }                                                                                             \
   extern "C" __global__ void gelu_fwd_##SUF(const T* x, T* y, T* t, long long n) {              \
     gelu_fwd<T>(x, y, t, n);                                                                    \
