@@ -80,24 +80,35 @@ def layernorm_backward(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dx, dgamma, dbeta)`` of :func:`layernorm_forward`. The column sums run over all rows
     at once: their order does not depend on how many threads computed the rows."""
+    return (*_norm_backward(dy, x, gamma, mean, rstd), np.einsum("ij->j", dy))
+
+
+def _norm_backward(
+    dy: np.ndarray, x: np.ndarray, gamma: np.ndarray, mean: np.ndarray | None, rstd: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(dx, dgamma)`` of layer norm (``mean`` given) or RMS norm (``mean`` None): with
+    ``g = dy * gamma`` and ``xhat = (x - mean) * rstd`` (``x * rstd``),
+    ``dx = (g - mean(g) - xhat * mean(g * xhat)) * rstd``, without ``mean(g)`` for RMS norm."""
     m, f = x.shape
     xhat, dx = np.empty_like(x), np.empty_like(x)
     inv_f = x.dtype.type(1.0 / f)
 
     def part(lo: int, hi: int) -> None:
         h, g = xhat[lo:hi], dx[lo:hi]
-        np.subtract(x[lo:hi], mean[lo:hi, None], out=h)
-        h *= rstd[lo:hi, None]
+        if mean is None:
+            np.multiply(x[lo:hi], rstd[lo:hi, None], out=h)
+        else:
+            np.subtract(x[lo:hi], mean[lo:hi, None], out=h)
+            h *= rstd[lo:hi, None]
         np.multiply(dy[lo:hi], gamma, out=g)
-        gm = _row_sums(g) * inv_f
         ghm = np.einsum("ij,ij->i", g, h) * inv_f
-        g -= gm[:, None]
+        if mean is not None:
+            g -= (_row_sums(g) * inv_f)[:, None]
         g -= h * ghm[:, None]
         g *= rstd[lo:hi, None]
 
     over_rows(part, m, x.size)
-    dgamma = np.einsum("ij,ij->j", dy, xhat)
-    return dx, dgamma, np.einsum("ij->j", dy)
+    return dx, np.einsum("ij,ij->j", dy, xhat)
 
 
 def rmsnorm_forward(x: np.ndarray, gamma: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
@@ -124,22 +135,8 @@ def rmsnorm_forward(x: np.ndarray, gamma: np.ndarray, eps: float) -> tuple[np.nd
 def rmsnorm_backward(
     dy: np.ndarray, x: np.ndarray, gamma: np.ndarray, rstd: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(dx, dgamma)`` of :func:`rmsnorm_forward`: with ``g = dy * gamma`` and ``xhat = x *
-    rstd``, ``dx = (g - xhat * mean(g * xhat)) * rstd``."""
-    m, f = x.shape
-    xhat, dx = np.empty_like(x), np.empty_like(x)
-    inv_f = x.dtype.type(1.0 / f)
-
-    def part(lo: int, hi: int) -> None:
-        h, g = xhat[lo:hi], dx[lo:hi]
-        np.multiply(x[lo:hi], rstd[lo:hi, None], out=h)
-        np.multiply(dy[lo:hi], gamma, out=g)
-        ghm = np.einsum("ij,ij->i", g, h) * inv_f
-        g -= h * ghm[:, None]
-        g *= rstd[lo:hi, None]
-
-    over_rows(part, m, x.size)
-    return dx, np.einsum("ij,ij->j", dy, xhat)
+    """``(dx, dgamma)`` of :func:`rmsnorm_forward`."""
+    return _norm_backward(dy, x, gamma, None, rstd)
 
 
 # ---------------------------------------------------------------- GELU
