@@ -34,12 +34,18 @@ __device__ T block_reduce(T v, T* buf) {
   return r;
 }
 
-// probs = softmax(row); loss[r] = log(sum exp(row - max)) - (row[label] - max). A label outside
-// [0, c) gives a NaN loss instead of a read outside the row: gpu.py does not read the labels back
-// to check them (a read would wait for the GPU); raysinga.data.check checked them before training.
-template <typename T>
-__device__ void xent_fwd(const T* __restrict__ logits, const long long* __restrict__ labels,
-                         T* __restrict__ probs, T* __restrict__ loss, long long n, long long c) {
+// Per row: loss[r] = log(sum exp(row - max)) - (row[label] - max), and out = softmax(row) (GRAD
+// false: xent_fwd's probabilities) or out = (softmax(row) - onehot(label)) / denom (GRAD true:
+// loss and gradient in one pass of three reads of each row, max, sum, then out written, with the
+// bits of xent_fwd then xent_bwd: the same probability, rounded to T, then the same subtraction
+// and division, and no probs array written or read again; what a training step's loss takes,
+// since its backward always follows). A label outside [0, c) gives a NaN loss instead of a read
+// outside the row: gpu.py does not read the labels back to check them (a read would wait for
+// the GPU); raysinga.data.check checked them before training.
+template <typename T, bool GRAD>
+__device__ void xent_rows(const T* __restrict__ logits, const long long* __restrict__ labels,
+                          T* __restrict__ out, T* __restrict__ loss, long long n, long long c,
+                          T denom) {
   __shared__ T buf[BLOCK];
   for (long long r = blockIdx.x; r < n; r += gridDim.x) {  // uniform per block: syncs are safe
     const T* row = logits + r * c;
@@ -49,11 +55,12 @@ __device__ void xent_fwd(const T* __restrict__ logits, const long long* __restri
     T s = T(0);
     for (long long j = threadIdx.x; j < c; j += BLOCK) s += k_exp(row[j] - m);
     s = block_reduce<T, false>(s, buf);
-    for (long long j = threadIdx.x; j < c; j += BLOCK) probs[r * c + j] = k_exp(row[j] - m) / s;
-    if (threadIdx.x == 0) {
-      const long long l = labels[r];
-      loss[r] = l >= 0 && l < c ? k_log(s) - (row[l] - m) : quiet_nan(T(0));
+    const long long l = labels[r];
+    for (long long j = threadIdx.x; j < c; j += BLOCK) {
+      const T p = k_exp(row[j] - m) / s;
+      out[r * c + j] = GRAD ? (p - (j == l ? T(1) : T(0))) / denom : p;
     }
+    if (threadIdx.x == 0) loss[r] = l >= 0 && l < c ? k_log(s) - (row[l] - m) : quiet_nan(T(0));
   }
 }
 
@@ -68,37 +75,10 @@ __device__ void xent_bwd(const T* __restrict__ probs, const long long* __restric
   }
 }
 
-// Loss and gradient in one pass of three reads of each row (max, sum, then d written): loss[r]
-// as xent_fwd's, d = (softmax(row) - onehot(label)) / denom with the bits of xent_fwd then
-// xent_bwd (the same probability, rounded to T, then the same subtraction and division), and no
-// probs array written or read again. What a training step's loss takes: its backward always
-// follows.
-template <typename T>
-__device__ void xent_grad(const T* __restrict__ logits, const long long* __restrict__ labels,
-                          T* __restrict__ d, T* __restrict__ loss, long long n, long long c,
-                          T denom) {
-  __shared__ T buf[BLOCK];
-  for (long long r = blockIdx.x; r < n; r += gridDim.x) {
-    const T* row = logits + r * c;
-    T m = neg_inf(T(0));
-    for (long long j = threadIdx.x; j < c; j += BLOCK) m = row[j] > m ? row[j] : m;
-    m = block_reduce<T, true>(m, buf);
-    T s = T(0);
-    for (long long j = threadIdx.x; j < c; j += BLOCK) s += k_exp(row[j] - m);
-    s = block_reduce<T, false>(s, buf);
-    const long long l = labels[r];
-    for (long long j = threadIdx.x; j < c; j += BLOCK) {
-      const T p = k_exp(row[j] - m) / s;
-      d[r * c + j] = (p - (j == l ? T(1) : T(0))) / denom;
-    }
-    if (threadIdx.x == 0) loss[r] = l >= 0 && l < c ? k_log(s) - (row[l] - m) : quiet_nan(T(0));
-  }
-}
-
 #define ENTRY_POINTS(T, SUF)                                                                 \
   extern "C" __global__ void xent_fwd_##SUF(const T* logits, const long long* labels,        \
                                             T* probs, T* loss, long long n, long long c) {   \
-    xent_fwd<T>(logits, labels, probs, loss, n, c);                                          \
+    xent_rows<T, false>(logits, labels, probs, loss, n, c, T(1));                            \
   }                                                                                          \
   extern "C" __global__ void xent_bwd_##SUF(const T* probs, const long long* labels, T* d,   \
                                             long long n, long long c, T denom) {             \
@@ -106,7 +86,7 @@ __device__ void xent_grad(const T* __restrict__ logits, const long long* __restr
   }                                                                                          \
   extern "C" __global__ void xent_grad_##SUF(const T* logits, const long long* labels, T* d, \
                                              T* loss, long long n, long long c, T denom) {   \
-    xent_grad<T>(logits, labels, d, loss, n, c, denom);                                      \
+    xent_rows<T, true>(logits, labels, d, loss, n, c, denom);                                \
   }
 
 ENTRY_POINTS(float, f32)
