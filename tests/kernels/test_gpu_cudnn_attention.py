@@ -8,25 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_gpu_attention import _run
 
 from raysinga import kernels
 from raysinga.kernels import precision
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not kernels.gpu_available(),
-        reason=f"no usable GPU: {kernels.gpu_unavailable_reason()}",
-    ),
-]
-
-
-def _run(layer, params, x, r):
-    from raysinga.nn.layers import StepContext  # noqa: PLC0415
-
-    y = layer.forward(params, {}, x, StepContext(train=True))
-    dx, grads = layer.backward(r)
-    return [kernels.to_numpy(a) for a in (y, dx, *(grads[k] for k in sorted(grads)))]
+pytestmark = pytest.mark.gpu  # (skipped without a usable GPU: tests/conftest.py)
 
 
 @pytest.mark.parametrize(
