@@ -151,13 +151,17 @@ class Ours:
         self.ctx = StepContext(train=True)
         self.t = 0
 
+    def step(self) -> None:
+        """One step: forward, backward and the update, on the next batch."""
+        x, y = self.data[self.t % len(self.data)]
+        _, grads, _ = self.net.loss_and_grads(self.params, self.state, x, y, self.ctx)
+        self.opt.update_all(self.t, self.params, grads)
+        self.t += 1
+
     def steps(self, n: int) -> float:
         t0 = time.perf_counter()
         for _ in range(n):
-            x, y = self.data[self.t % len(self.data)]
-            _, grads, _ = self.net.loss_and_grads(self.params, self.state, x, y, self.ctx)
-            self.opt.update_all(self.t, self.params, grads)
-            self.t += 1
+            self.step()
         if self.xp is not np:
             self.xp.cuda.Device().synchronize()
         return (time.perf_counter() - t0) / n

@@ -65,10 +65,7 @@ def profile_round(torch, ours: Ours, steps: int, trace: str | None) -> tuple[flo
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
-            x, y = ours.data[ours.t % len(ours.data)]
-            _, grads, _ = ours.net.loss_and_grads(ours.params, ours.state, x, y, ours.ctx)
-            ours.opt.update_all(ours.t, ours.params, grads)
-            ours.t += 1
+            ours.step()
         ours.xp.cuda.Device().synchronize()
         wall = time.perf_counter() - t0
     waits: dict[str, int] = {}
