@@ -197,7 +197,4 @@ def _bf16(x: cupy.ndarray) -> cupy.ndarray:
         return words
     if x.ndim == 2 and x.flags.f_contiguous and not x.flags.c_contiguous:
         return _bf16(x.T).T
-    x = cupy.ascontiguousarray(x)
-    words = cupy.empty(x.shape, cupy.uint16)
-    precision.write_copy(x, words)
-    return words
+    return precision.words_of(x)

@@ -94,7 +94,7 @@ def attention_forward(qkv: cupy.ndarray, heads: int, scale: float) -> tuple[cupy
     n, t, d3 = qkv.shape
     d = d3 // 3
     g = _graphs_for(_key(qkv.shape, heads), scale)
-    words = _to_bf16(qkv)
+    words = precision.words_of(qkv)
     out16 = cupy.empty((n, t, d), cupy.uint16)
     stats = cupy.empty((n, heads, t, 1), cupy.float32)
     q, k, v = _operands(words, heads)
@@ -113,7 +113,7 @@ def attention_backward(
     n, t, d3 = qkv.shape
     hd = d3 // 3 // heads
     g = _graphs_for(_key(qkv.shape, heads), scale)
-    dout16 = _to_bf16(cupy.ascontiguousarray(dout))
+    dout16 = precision.words_of(dout)
     dwords = cupy.empty((n, t, d3), cupy.uint16)
     q, k, v = _operands(words, heads)
     dq, dk, dv = _operands(dwords, heads)
@@ -238,13 +238,6 @@ def _handle(cudnn: Any) -> Any:
 
 
 # ---------------------------------------------------------------- casts
-
-
-def _to_bf16(x: cupy.ndarray) -> cupy.ndarray:
-    x = cupy.ascontiguousarray(x)
-    words = cupy.empty(x.shape, cupy.uint16)
-    precision.write_copy(x, words)
-    return words
 
 
 def _from_bf16(words: cupy.ndarray, dtype) -> cupy.ndarray:

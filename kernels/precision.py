@@ -177,6 +177,15 @@ def write_copy(param: Any, words: Any) -> None:
     launch(get_kernel("precision.cu", "to_bf16", param.dtype), param.size, param, words, param.size)
 
 
+def words_of(x: Any) -> Any:
+    """A new C-contiguous array of the bfloat16 words of float32 ``x`` (NumPy or CuPy)."""
+    xp = np if isinstance(x, np.ndarray) else _module_of(x)
+    x = xp.ascontiguousarray(x)
+    words = xp.empty(x.shape, np.uint16)
+    write_copy(x, words)
+    return words
+
+
 def _address(a: Any) -> int:
     return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
 

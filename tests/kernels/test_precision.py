@@ -66,6 +66,13 @@ def test_bf16_casts_give_the_bits_of_ml_dtypes_for_every_upper_half():
     assert np.array_equal(P.bf16_bits(strided), P.bf16_bits(strided.copy()))
 
 
+def test_words_of_is_a_new_c_contiguous_array_of_the_bf16_words():
+    x = np.arange(12, dtype=np.float32).reshape(3, 4).T * np.float32(1.01)  # Fortran order
+    words = P.words_of(x)
+    assert words.dtype == np.uint16 and words.flags.c_contiguous and words.shape == (4, 3)
+    assert (words == P.bf16_bits(np.ascontiguousarray(x)).reshape(4, 3)).all()
+
+
 def test_tf32_rounding_keeps_ten_mantissa_bits_to_nearest_ties_away():
     x = _values()
     got = P.round_tf32(x)
