@@ -102,10 +102,12 @@ class Steps:
         stop: int,
         step_fn: Callable[[int], tuple[Any, Message]],
         failed: Message,
+        after: Callable[[], None] | None = None,
     ) -> list[Any]:
         """Steps ``start .. stop-1``: each waited for, run (``step_fn`` gives what the step
-        measured and the done message), and rung as done; what each measured. Where a step
-        raises, ``failed`` is rung first. The doorbells are closed at the end."""
+        measured and the done message), and rung as done, then ``after`` called (the role's
+        own bookkeeping of the step, off the path its peers wait on); what each measured.
+        Where a step raises, ``failed`` is rung first. The doorbells are closed at the end."""
         out = []
         try:
             for step in range(start, stop):
@@ -113,6 +115,8 @@ class Steps:
                 record, msg = step_fn(step)
                 out.append(record)
                 self.done(msg, step, stop)
+                if after is not None:
+                    after()
         except BaseException:
             self.failed(failed)
             raise

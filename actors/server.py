@@ -176,7 +176,8 @@ class ParamServer(Abortable, Fence):
             return (heard, time.time(), seconds), ServerDone(self.index, step, 0, seconds)
 
         failed = ServerDone(self.index, -1, 1, 0.0)  # wakes the stub at once
-        return Steps(wiring, ServerDone, self.check_abort).run(start, stop, step_fn, failed)
+        steps = Steps(wiring, ServerDone, self.check_abort)
+        return steps.run(start, stop, step_fn, failed, self.rec.flush)
 
     @reports_role
     def update_steps(
@@ -198,7 +199,10 @@ class ParamServer(Abortable, Fence):
     ) -> tuple[int, Any, float]:
         """:meth:`_update`, for a stub of ``epoch`` (an older one's is refused: :mod:`.fence`)."""
         self.admit(epoch, f"update of step {step} from group {group} (server {self.index})")
-        return self._update(step, grads, group)
+        try:
+            return self._update(step, grads, group)
+        finally:
+            self.rec.flush()
 
     def _update(
         self, step: int, grads: ShmHandle | np.ndarray | SumViews, group: int = 0
@@ -254,7 +258,7 @@ class ParamServer(Abortable, Fence):
         if self.copies.due(self.guard.version):
             self._start_copy()
         seconds = time.perf_counter() - t0
-        self.rec.step({"update": seconds}, group=group)
+        self.rec.later({"update": seconds}, group=group)  # recorded by the caller
         return self.guard.version, ref, seconds
 
     def _start_copy(self) -> None:

@@ -189,6 +189,7 @@ class Worker(Abortable, Fence):
         self.computed = None
         early = None if send is None else EarlySends(self, send, step, epoch)
         stats = self._compute(step, part, parts, self.fetched(sources), early)
+        self.rec.flush()
         if early is not None:
             stats["sent"] = early.finish()
         self.computed = (epoch, step)  # what a sum of its block may take from its buffer
@@ -240,7 +241,8 @@ class Worker(Abortable, Fence):
             return stats, WorkerDone(part, step, 0, **stats)
 
         failed = WorkerDone(part, -1, 1, 0.0, 0.0, 0.0, 0.0, 0.0)  # wakes the stub at once
-        return Steps(wiring, WorkerDone, self.check_abort).run(start, stop, step_fn, failed)
+        steps = Steps(wiring, WorkerDone, self.check_abort)
+        return steps.run(start, stop, step_fn, failed, self.rec.flush)
 
     @reports_role
     def host_sum(
@@ -285,7 +287,7 @@ class Worker(Abortable, Fence):
             write_state_copy(self.grads.arrays, self._host_state(), step + 1)
             self.state_at = step + 1
         t2 = time.perf_counter()
-        self.rec.step({"fetch": t1 - t0, "compute": t2 - t1})
+        self.rec.later({"fetch": t1 - t0, "compute": t2 - t1})  # recorded by the caller
         return {
             "loss": loss,
             "fetch": t1 - t0,

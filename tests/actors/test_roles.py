@@ -111,6 +111,29 @@ def test_a_role_hears_every_go_of_its_chunk_and_drops_those_a_failed_chunk_left(
             bell.close()
 
 
+def test_a_roles_bookkeeping_of_a_step_comes_after_the_step_is_rung_done(tmp_path):
+    """``after`` (a role's metrics of its step) runs once per step, once the stub can already
+    hear that step's done message: never between the step's work and its ring."""
+    go, done = _bells(tmp_path, "go", "done")
+    ring, stub = Doorbell(go, Go), Doorbell(done, ServerDone)
+    steps = Steps(Wiring(1, go, done), ServerDone, lambda: None)
+    heard: list[int] = []
+
+    def after() -> None:  # the step's done message is in the stub's doorbell already
+        (msg,) = wait_all(stub, 1, lambda: None, timeout_s=5)
+        heard.append(msg.step)
+
+    try:
+        for step in (2, 3):
+            ring.ring(Go(step, 1))
+        work = lambda s: (s, ServerDone(0, s, 0, 0.1))  # noqa: E731
+        assert steps.run(2, 4, work, ServerDone(0, -1, 1, 0.0), after) == [2, 3]
+        assert heard == [2, 3]
+    finally:
+        for bell in (ring, stub):
+            bell.close()
+
+
 def test_a_role_told_to_stop_stops_at_its_next_step_though_its_peers_ring_on(tmp_path):
     go, peer = _bells(tmp_path, "go", "peer")
     role = Abortable()

@@ -60,6 +60,28 @@ def test_a_roles_steps_are_tagged_by_run_role_index_and_group(calls):
     assert up[0] == ("role_up", "set", 1.0, tags) and up[-1] == ("role_up", "set", 0.0, tags)
 
 
+def test_a_step_kept_for_later_is_recorded_at_the_flush_as_it_would_have_been(calls):
+    """A role on doorbells records its step after ringing it done (``later``, then ``flush``):
+    nothing before the flush, then what :meth:`step` records, in the order kept."""
+
+    def steps() -> list:  # role_up comes from a thread of its own, at its own time
+        return [c for c in calls if c[0] != "role_up"]
+
+    now, kept = raymetrics.Recorder("r", "server", 0), raymetrics.Recorder("r", "server", 0)
+    now.step({"update": 0.5}, group=1)
+    now.step({"update": 0.25}, group=2)
+    expected = steps()
+    now.ended()
+    calls.clear()
+    kept.later({"update": 0.5}, group=1)
+    kept.later({"update": 0.25}, group=2)
+    assert calls == []
+    kept.flush()
+    kept.flush()  # nothing twice
+    assert steps() == expected and len(expected) == 4
+    kept.ended()
+
+
 def test_a_role_is_up_from_its_first_step_while_it_lives_and_down_as_it_ends(calls):
     """Ray's agent drops a gauge its process did not set for two report intervals: role_up is
     set again every second; a spare (no step yet) is not up; a spare that takes a lost
