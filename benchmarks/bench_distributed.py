@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from report import Figure, Report, add_json_option
+from report import Figure, Report, add_json_option, quiet
 
 BATCH, HIDDEN, CLASSES, DIM = 256, 1024, 10, 784
 GOAL_VS_LOCAL = 0.85  # raysinga's samples/s against the single process, at least
@@ -132,6 +132,7 @@ def bench_raysinga(
 ):
     from raysinga.distributed import DistributedTrainer
 
+    quiet()  # nothing left of the contender before (its processes exiting) is charged here
     topo = GPU_TOPOLOGY if gpu else {"workers_per_group": 2, "n_servers": 1, **(topology or {})}
     cfg = job(xp, yp, steps, warmup, topo, fault, disp or 20, gpu, more)
     t = DistributedTrainer(cfg, log=lambda s: None)
@@ -147,6 +148,7 @@ def bench_raysinga(
 def bench_local(xp, yp, steps, warmup, gpu: bool = False) -> dict:
     from raysinga.run import Trainer
 
+    quiet()
     cfg = job(xp, yp, steps, warmup, None, disp=20 if gpu else None, gpu=gpu)
     res = Trainer(cfg, log=lambda s: None).fit()
     timed = [r for r in res.history if r["kind"] == "train" and r["step"] > warmup]
@@ -218,6 +220,7 @@ def bench_ray_train(xp, yp, steps, warmup) -> dict:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    quiet()
     out = Path(tempfile.mkdtemp()) / "samples_per_s"
     trainer = TorchTrainer(
         torch_loop,

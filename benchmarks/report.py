@@ -95,6 +95,37 @@ class Report:
         print(f"figures written to {path}")
 
 
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of every CPU since boot, from /proc/stat (Linux)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def quiet(busy_below: float = 0.15, window_s: float = 0.5, at_most_s: float = 30.0) -> float:
+    """Wait until the machine is quiet: less than ``busy_below`` of its CPUs busy over two
+    windows of ``window_s`` running, at most ``at_most_s``. Returns the seconds waited.
+
+    What a run leaves behind goes on after it returns (Ray's role processes exiting, their
+    metrics handed over, shared memory freed) and would be charged to the next contender:
+    after a distributed run, the single process timed at once ran at 0.8x its speed of ten
+    seconds later. Where /proc/stat cannot be read, it waits ``window_s`` once."""
+    t0 = time.monotonic()
+    try:
+        calm, last = 0, _cpu_times()
+    except OSError:
+        time.sleep(window_s)
+        return time.monotonic() - t0
+    while calm < 2 and time.monotonic() - t0 < at_most_s:
+        time.sleep(window_s)
+        now = _cpu_times()
+        busy, total = now[0] - last[0], now[1] - last[1]
+        calm = calm + 1 if total and busy / total < busy_below else 0
+        last = now
+    return time.monotonic() - t0
+
+
 def commit() -> str:
     """The checked-out commit of this repository, ``-dirty`` where tracked files differ."""
     here = Path(__file__).resolve().parent
