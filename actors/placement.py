@@ -266,7 +266,7 @@ def remove_shared_files(tag: str) -> None:
         NodeAffinitySchedulingStrategy,
     )
 
-    from .buffers import remove_files  # noqa: PLC0415
+    from .common.buffers import remove_files  # noqa: PLC0415
 
     remove_files(tag)
     here = ray.get_runtime_context().get_node_id()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,14 +25,10 @@ from raysinga.obs.raymetrics import Recorder
 from raysinga.optim.grads import sum_into
 from raysinga.optim.optimizers import make_optimizer
 
-from . import server_parts, server_shard
-from .buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, UpdateGuard, with_seq
-from .copies import CopyBuffer, ServerCopies
-from .device import ServerDevice
-from .doorbell import Abortable, Steps
-from .errors import reports_role
-from .fence import Fence
-from .protocol import (
+from .common.buffers import SEQ, Attachments, Layout, SharedBuffer, ShmHandle, UpdateGuard, with_seq
+from .common.device import ServerDevice
+from .common.errors import reports_role
+from .common.protocol import (
     HostFrames,
     ServerDone,
     ServerSpec,
@@ -43,11 +38,16 @@ from .protocol import (
     node_ip,
     visible_gpus,
 )
-from .server_grads import SumViews, step_gradient
-from .server_values import ValueReaders
-from .snapshots import Snapshots
-from .tcp import Inbox
-from .wire import parts_of, wire_bytes, words
+from .exchange.doorbell import Abortable, Steps
+from .exchange.fence import Fence
+from .exchange.tcp import Inbox
+from .exchange.wire import parts_of, wire_bytes, words
+from .hostsum import server_side
+from .memory import shard as server_shard
+from .memory.copies import CopyBuffer, ServerCopies
+from .memory.grads_in import SumViews, step_gradient
+from .memory.snapshots import Snapshots
+from .memory.values_out import ValueReaders
 
 
 class ParamServer(Abortable, Fence):
@@ -91,7 +91,8 @@ class ParamServer(Abortable, Fence):
         # the blocks' sum (reduce: hosts) by slice name, reused (views made once: per part, a
         # layout's views cost more than the part's sum)
         self.host_sum: dict[str, np.ndarray] | None = None
-        # reduce: hosts: the blocks' leaders send their sums of its slices here (actors.tcp)
+        # reduce: hosts: the blocks' leaders send their sums of its slices here
+        # (actors.exchange.tcp)
         self.inbox = Inbox(node_ip()) if spec.inbox else None
         self.gpu: ServerDevice | None = None  # device "gpu": the optimizer runs on a GPU
         if spec.device == "gpu":
@@ -144,9 +145,9 @@ class ParamServer(Abortable, Fence):
         ``pushes``: instead, the inbox on each of them to push the values to (their mirrors,
         :mod:`.mirrors`), now and after each update."""
         self.readers.set(remote, nodes, pushes)
-        return self._publish()
+        return self.publish()
 
-    def _publish(self) -> Any:
+    def publish(self) -> Any:
         """Hand this server's values to its readers on other nodes (:mod:`.server_values`)."""
         return self.readers.publish(
             {s.name: self.buf.arrays[s.name] for s in self.slices},
@@ -219,10 +220,10 @@ class ParamServer(Abortable, Fence):
             return self.guard.version, self.readers.published, 0.0
         if isinstance(grads, HostFrames):
             if self.gpu is None and not self.optimizer.bf16_copies:
-                publish = server_parts.update_by_parts(self, step, grads)
+                publish = server_side.update_by_parts(self, step, grads)
                 self.applied[group] = step
                 return self._updated(group, step, t0, publish)
-            grads = server_parts.blocks_sum(self, step, grads)  # all in before anything changes
+            grads = server_side.blocks_sum(self, step, grads)  # all in before anything changes
         self.applied[group] = step
         self.snaps.wait_for_copy()  # a checkpoint's copy of the values must come first
         self.copies.wait_for_copy()  # and a copy kept for a rebuild
@@ -245,7 +246,7 @@ class ParamServer(Abortable, Fence):
             else:
                 with self.guard:
                     self.optimizer.update_all(step, self.buf.arrays, g, self.pool)
-        return self._updated(group, step, t0, self._publish)
+        return self._updated(group, step, t0, self.publish)
 
     def _updated(
         self, group: int, step: int, t0: float, publish: Callable[[], Any]
@@ -262,33 +263,17 @@ class ParamServer(Abortable, Fence):
         return self.guard.version, ref, seconds
 
     def _start_copy(self) -> None:
-        """Take a copy of this server's state at its current version in the background (the
-        next update waits for it). On a GPU the optimizer slots come down to pinned host
-        buffers of the copies' own on the device's copy stream, ordered after this update and
-        before the next, which waits for them on the device; the helper thread waits for them
-        before it writes the copy. The values are in the shared buffer already."""
-        if self.copies.busy():  # the pinned buffers are still being read: skip this one
-            return
-        version, st, applied = self.guard.version, self.optimizer.state_dict(), dict(self.applied)
-        on_device = None
-        if self.gpu is not None:
-            st = {**st}
-            st["slots"], on_device = self.gpu.snapshot_slots(st["slots"], "copies")
+        """A copy of this server's state at its current version, taken in the background."""
         values = {s.name: self.buf.arrays[s.name] for s in self.slices}
-
-        def take() -> dict[str, Any]:
-            if on_device is not None:
-                on_device.synchronize()
-            return self.copies.take(values, st, version, applied)
-
-        self.copies.start(version, take)
+        version, applied = self.guard.version, dict(self.applied)
+        self.copies.copy_now(version, self.optimizer, applied, values, self.gpu)
 
     # ------------------------------------------------------------------ rebuilds
     @reports_role
     def keep_copies(self, every: int, shared: bool = False) -> ShmHandle | None:
         """Take a copy of this server's state now and every ``every`` updates, for its group's
-        stub (:mod:`actors.replay`). ``shared``: the stub is on this node and maps the copies'
-        buffer, whose handle this returns; else it fetches each copy."""
+        stub (:mod:`actors.memory.replay`). ``shared``: the stub is on this node and maps the
+        copies' buffer, whose handle this returns; else it fetches each copy."""
         values = {s.name: self.buf.arrays[s.name] for s in self.slices}
         tag, slots = f"{self.tag}-copies-server{self.index}", self.optimizer.slot_names()
         rows = 16 * every + 64  # the order of far more updates than come between two copies
@@ -315,7 +300,7 @@ class ParamServer(Abortable, Fence):
             self.gpu.reload()
         self.guard.set_version(int(state["version"]))
         self.readers.forget()
-        self._publish()
+        self.publish()
         return int(state["version"])
 
     @reports_role
@@ -370,29 +355,11 @@ class ParamServer(Abortable, Fence):
         }
 
     def _write_snapshot(
-        self,
-        live: server_shard.Tensors,
-        tmp: Any,
-        shard: int,
-        compression: str | None,
-        copied: threading.Event,
-        on_device: Any = None,
+        self, live: Any, tmp: Any, shard: int, compression: str | None, copied: Any, on_device: Any
     ) -> dict[str, Any]:
-        """Copy ``live`` (setting ``copied`` once done), check the copy and write it."""
-        version = self.guard.version  # still until the copy is taken
-        t0 = time.perf_counter()
-        try:
-            if on_device is not None:  # the slots' device-to-host copy (a CUDA event)
-                on_device.synchronize()
-            tensors, image = self.snaps.copy(live, compression)
-        finally:
-            copied.set()  # updates may go on (after a failure too: it is reported at the end)
-        pace = self.snaps.pace
-        record = self.snaps.behind(
-            lambda: server_shard.check_and_write(
-                tensors, version, tmp, shard, compression, image, pace
-            )
-        )
+        """On the helper thread: the shard written (:meth:`.Snapshots.write`), and recorded."""
+        t0, version = time.perf_counter(), self.guard.version  # still until the copy is taken
+        record = self.snaps.write(live, version, tmp, shard, compression, copied, on_device)
         self.rec.checkpoint(time.perf_counter() - t0, record.get("size", 0))
         return record
 
@@ -451,7 +418,7 @@ class ParamServer(Abortable, Fence):
         self.readers.forget()
         if self.gpu is not None:
             self.gpu.reload()
-        self._publish()
+        self.publish()
         return loaded
 
     @reports_role

@@ -22,13 +22,9 @@ from raysinga.kernels.cpu_memory import retain_freed_memory
 from raysinga.obs.raymetrics import Recorder
 from raysinga.optim.grads import chunks, clip_grad_norm, on_threads, sum_into
 
-from .bells import GroupBells, step_record
-from .buffers import Attachments, Layout, SharedBuffer, ShmHandle
-from .errors import ActorLost, cancelled_on_failure, get_all, lost_server, reports_role
-from .fence import Fence
-from .host_sums import block_steps
-from .mirrors import first_on_each_node
-from .protocol import (
+from .common.buffers import Attachments, Layout, SharedBuffer, ShmHandle
+from .common.errors import ActorLost, cancelled_on_failure, get_all, lost_server, reports_role
+from .common.protocol import (
     MirrorAt,
     Published,
     Pushed,
@@ -41,9 +37,13 @@ from .protocol import (
     server_slices,
     worker_buffer_layout,
 )
-from .replay import ReplayLog
-from .traffic import HostNames, group_step_bytes
-from .wire import blocks
+from .exchange.bells import GroupBells, step_record
+from .exchange.fence import Fence
+from .exchange.mirrors import first_on_each_node
+from .exchange.traffic import HostNames, group_step_bytes
+from .exchange.wire import blocks
+from .hostsum.stub_side import block_steps
+from .memory.replay import ReplayLog
 
 
 class Stub(Fence):
@@ -244,7 +244,7 @@ class Stub(Fence):
     def describe(self) -> dict[str, Any]:
         return {"node": self.node, "pid": os.getpid()}
 
-    def _sources(self, i: int) -> tuple[Any, ...]:
+    def sources(self, i: int) -> tuple[Any, ...]:
         return tuple(
             h if h is not None else self._remote_source(k, i)
             for k, h in enumerate(self.local_src[i])
@@ -300,7 +300,7 @@ class Stub(Fence):
                 outs = [(st, None) for st in bells.ring_workers(step, serving)]
             else:
                 outs = self._call_workers(step)
-                published = self._published_bytes()  # the values these workers read
+                published = self.published_bytes()  # the values these workers read
             t1 = time.time()
             grads = [self._grad_flat(i, snap) for i, (_, snap) in enumerate(outs)]
             self._snaps.update({i: snap for i, (_, snap) in enumerate(outs) if snap is not None})
@@ -350,10 +350,10 @@ class Stub(Fence):
             self.refs = [r for _, r in latest]
         parts = len(self.workers)
         futs = [
-            w.compute.remote(step, i, parts, self.snapshot[i], *self._sources(i), epoch=self.epoch)
+            w.compute.remote(step, i, parts, self.snapshot[i], *self.sources(i), epoch=self.epoch)
             for i, w in enumerate(self.workers)
         ]
-        with self._server_snapshots(), cancelled_on_failure(futs):
+        with self.server_snapshots(), cancelled_on_failure(futs):
             return get_all(futs, "worker", self.group)
 
     def _call_servers(self, step: int) -> tuple[list[float], list[int]]:
@@ -370,7 +370,7 @@ class Stub(Fence):
         sent = [a.nbytes if isinstance(a, np.ndarray) else 0 for a in args]
         return [t for _, _, t in results], sent
 
-    def _published_bytes(self) -> list[int]:
+    def published_bytes(self) -> list[int]:
         """The size of each server's published values that a worker elsewhere reads this
         step (0 for a server that publishes none)."""
 
@@ -405,12 +405,12 @@ class Stub(Fence):
         """Test metrics of the current parameters, computed by this group's first worker."""
         if self.n_groups > 1 and any(r is not None for r in self.refs):
             self.refs = [r for _, r in get_all([s.latest.remote() for s in self.servers], "server")]
-        src = self._sources(0)
-        with self._server_snapshots():
+        src = self.sources(0)
+        with self.server_snapshots():
             return get_all([self.workers[0].evaluate.remote(batch_size, *src)], "worker", 0)[0]
 
     @contextlib.contextmanager
-    def _server_snapshots(self) -> Iterator[None]:
+    def server_snapshots(self) -> Iterator[None]:
         """A worker on another node reads a server's published snapshot, which the server
         owns: a lost snapshot means a lost server, named as such (the driver rebuilds it)."""
         try:

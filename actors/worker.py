@@ -27,15 +27,10 @@ from raysinga.obs.raymetrics import Recorder
 from raysinga.run.evaluate import evaluate_splits
 from raysinga.run.graph_step import WorkerGraphStep
 
-from .block_sends import BlockSums, EarlySends, block_sum, summed_members
-from .buffers import SharedBuffer, ShmHandle
-from .device import WorkerDevice, warm
-from .doorbell import Abortable, Steps
-from .errors import reports_role
-from .fence import Fence
-from .mirrors import Mirrors
-from .param_reader import ParamReader
-from .protocol import (
+from .common.buffers import SharedBuffer, ShmHandle
+from .common.device import WorkerDevice, warm
+from .common.errors import reports_role
+from .common.protocol import (
     STATE_TAGS,
     BlockSend,
     MirrorAt,
@@ -51,6 +46,11 @@ from .protocol import (
     worker_buffer_layout,
     write_state_copy,
 )
+from .exchange.doorbell import Abortable, Steps
+from .exchange.fence import Fence
+from .exchange.mirrors import Mirrors
+from .hostsum.worker_side import BlockSums, EarlySends, block_sum, summed_members
+from .memory.param_reader import ParamReader
 
 
 class Worker(Abortable, Fence):

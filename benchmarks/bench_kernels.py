@@ -14,8 +14,8 @@ once), timed the same way just before. Each launch's bandwidth over the copy's m
 round: a kernel's figure is the median of its rounds, with their minimum and maximum. Ratios > 1
 would mean a kernel moves its bytes faster than a copy. Goal: every median at least 0.8.
 
-The snapshot is :class:`raysinga.actors.device.ServerDevice`'s copy of optimizer slots to pinned
-host memory on its own stream; the reference is one ``ndarray.get`` of the same bytes into
+The snapshot is :class:`raysinga.actors.common.device.ServerDevice`'s copy of optimizer slots to
+pinned host memory on its own stream; the reference is one ``ndarray.get`` of the same bytes into
 pinned memory, timed in turn with it. Goal: at least 0.8x.
 
 The fused causal attention (``kernels/attention.cu``, float32) at gpt_small's shape, batch 8, 12
@@ -187,8 +187,8 @@ def main() -> None:
     cp = K.cupy_module()
     import cupyx
 
-    from raysinga.actors.buffers import Layout, SharedBuffer
-    from raysinga.actors.device import ServerDevice
+    from raysinga.actors.common.buffers import Layout, SharedBuffer
+    from raysinga.actors.common.device import ServerDevice
     from raysinga.kernels import gpu
 
     dtype = np.float32

@@ -1,5 +1,5 @@
-"""Ray's object transfers against raysinga's own TCP connections (``actors/tcp.py``) for the
-exchange a group summed by hosts makes twice a step, on emulated hosts that share nothing but a
+"""Ray's object transfers against raysinga's own TCP connections (``actors/exchange/tcp.py``) for
+the exchange a group summed by hosts makes twice a step, on emulated hosts that share nothing but a
 network of finite bandwidth (``tests/hosts.py``: Linux namespaces; needs root and iproute2).
 
 ``--hosts N`` hosts, one actor on each, every link shaped to ``--link`` Mbit/s each way. In one
@@ -10,8 +10,8 @@ or a server's values for one host):
   server did with the leaders' sums, and a node with a server's values, through the object
   store);
 - TCP: each actor sends its array to every actor's inbox (its own too, as a leader does to the
-  server beside it), one receiver at a time in a rotation (:meth:`actors.tcp.Outbox.send`), and
-  takes the others' in.
+  server beside it), one receiver at a time in a rotation (:meth:`actors.exchange.tcp.Outbox.send`),
+  and takes the others' in.
 
 An exchange's time is from the driver's calls to the last actor's answer. Each round is the
 median of ``--exchanges`` exchanges of each side, the sides taking turns; the figures are the
@@ -53,8 +53,8 @@ def exchanges(address: str, n: int, nbytes: int, rounds: int, per_round: int) ->
     @ray.remote(num_cpus=0)
     class Peer:
         def __init__(self, i: int) -> None:
-            from raysinga.actors.protocol import node_ip  # noqa: PLC0415
-            from raysinga.actors.tcp import Inbox, Outbox  # noqa: PLC0415
+            from raysinga.actors.common.protocol import node_ip  # noqa: PLC0415
+            from raysinga.actors.exchange.tcp import Inbox, Outbox  # noqa: PLC0415
 
             self.i = i
             self.data = np.random.default_rng(i).standard_normal(nbytes // 4).astype(np.float32)

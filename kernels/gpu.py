@@ -83,7 +83,7 @@ def bias_act_forward(z: cupy.ndarray, b: cupy.ndarray, act: str) -> cupy.ndarray
     return y
 
 
-def _col_sum(a: cupy.ndarray) -> cupy.ndarray:
+def col_sum(a: cupy.ndarray) -> cupy.ndarray:
     """``a.sum(axis=0)`` in a fixed order: rows chunk by chunk, then the chunk sums, in turn."""
     m, f = a.shape[0], math.prod(a.shape[1:])
     if m == 0:
@@ -104,7 +104,7 @@ def bias_act_backward(
 ) -> tuple[cupy.ndarray, cupy.ndarray]:
     """Gradients w.r.t. the pre-activation and the bias: ``(dz, db)``. The first pass of the
     bias's column sum runs in the activation's backward kernel (``act_bwd_col_sum``): the same
-    bits as :func:`activation_backward` then :func:`_col_sum`, one launch fewer."""
+    bits as :func:`activation_backward` then :func:`col_sum`, one launch fewer."""
     code = _act_code(act)
     _check_like("dy", dy, y=y)
     dy, y = contiguous(dy), contiguous(y)
@@ -115,7 +115,7 @@ def bias_act_backward(
     part = cupy.empty((-(-m // SUM_CHUNK), f), dy.dtype)
     kernel = get_kernel("activation.cu", "act_bwd_col_sum", dy.dtype)
     launch(kernel, part.size, dy, y, dz, part, m, f, SUM_CHUNK, code)
-    db = part if part.shape[0] == 1 else _col_sum(part)
+    db = part if part.shape[0] == 1 else col_sum(part)
     return dz, db.reshape(dy.shape[1:])
 
 
@@ -180,7 +180,7 @@ def softmax_xent_forward(
     launch_blocks(kernel, n, logits, labels, probs, per_row, n, c)
     # denom as a scalar of the logits' dtype (a kernel argument, not an upload a graph cannot
     # capture): the division rounds as it did against a 0-d array of that dtype.
-    loss = _col_sum(per_row)[0] / logits.dtype.type(denom)
+    loss = col_sum(per_row)[0] / logits.dtype.type(denom)
     return loss.astype(logits.dtype, copy=False), probs
 
 
@@ -196,7 +196,7 @@ def softmax_xent(
     denom_t = logits.dtype.type(denom)
     kernel = get_kernel("softmax_xent.cu", "xent_grad", logits.dtype)
     launch_blocks(kernel, n, logits, labels, d, per_row, n, c, denom_t)
-    loss = _col_sum(per_row)[0] / denom_t
+    loss = col_sum(per_row)[0] / denom_t
     return loss.astype(logits.dtype, copy=False), d
 
 

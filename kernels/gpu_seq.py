@@ -9,7 +9,7 @@ from __future__ import annotations
 import cupy
 
 from .common import check_float, check_rows, check_same_dtype, check_token_ids
-from .gpu import _col_sum
+from .gpu import col_sum
 from .gpu_launch import contiguous, get_kernel, launch, launch_blocks
 
 _CU = "seq.cu"
@@ -81,7 +81,7 @@ def layernorm_backward(
     kernel = _kernel("ln_bwd", x.dtype)
     launch_blocks(kernel, blocks, dy, x, contiguous(gamma), contiguous(mean), contiguous(rstd),
                   dx, part, m, f)  # fmt: skip
-    sums = part[0] if blocks == 1 else _col_sum(part.reshape(blocks, 2 * f)).reshape(2, f)
+    sums = part[0] if blocks == 1 else col_sum(part.reshape(blocks, 2 * f)).reshape(2, f)
     return dx, sums[0], sums[1]
 
 
@@ -108,7 +108,7 @@ def rmsnorm_backward(
     dx, part = cupy.empty_like(x), cupy.empty((blocks, f), x.dtype)
     launch_blocks(_kernel("rms_bwd", x.dtype), blocks, dy, x, contiguous(gamma),
                   contiguous(rstd), dx, part, m, f)  # fmt: skip
-    return dx, part[0] if blocks == 1 else _col_sum(part)
+    return dx, part[0] if blocks == 1 else col_sum(part)
 
 
 # ---------------------------------------------------------------- GELU

@@ -2,8 +2,15 @@
 
 Rules the project keeps because they keep the code reviewable and refactorable:
 
-* no import cycles between the project's own modules, lazy (function-level) imports included: a
-  lazy import only hides a cycle until someone moves it to the top of the file;
+* no import cycles between the project's own modules, lazy (function-level) imports and those
+  under ``if TYPE_CHECKING:`` included: a lazy import only hides a cycle until someone moves it
+  to the top of the file, and an annotation that names a class of the module importing this
+  one says that the two are one piece cut in two;
+* no module imports a private name (``_x``) of another: what one module offers another is its
+  public interface, and a name with a leading underscore may change with its module alone;
+* inside ``actors/``, each folder imports only the folders below it (``ACTORS_LAYERS``: the
+  roles on top, then the sums by hosts, then the exchange between roles and a server's
+  memory, then what all of them share), as ``docs/design.md`` draws;
 * no import cycles between its packages (``raysinga.config``, ``raysinga.nn``, ...,
   ``raysinga.actors``, ``raysinga.kernels``): each part of the architecture builds on the parts
   below it, which ``docs/design.md`` draws;
@@ -40,23 +47,22 @@ REVIEW_CLASS_LINES = 300
 REVIEWED = {
     "actors/server.py:ParamServer": (
         "the server role's whole remote interface (updates, copies, snapshots, loads); each "
-        "part it composes (buffers, device, copies, snapshots, shard) lives in its own module "
-        "and every method here is the role's entry point for one of them"
-    ),
-    "actors/server.py": (
-        "ParamServer (listed) with its imports: the module is the server role and nothing else"
+        "part it composes lives in a folder below it (common/ buffers and device, memory/ copies, "
+        "snapshots and shard, hostsum/ its update by parts) and every method here is the role's "
+        "entry point for one of them"
     ),
     "actors/worker.py:Worker": (
         "the worker role's whole remote interface (a step's compute, a chunk of steps, a "
         "block's sum, serving, evaluation, its state for a replacement); the pieces it composes "
-        "(device, block sends, mirrors, doorbells, graph steps) live in their own modules and "
-        "every method here is the role's entry point for one of them"
+        "live in the folders below it (common/ device, hostsum/ block sends, exchange/ mirrors "
+        "and doorbells, memory/ its reader of the values) and every method here is the role's "
+        "entry point for one of them"
     ),
     "actors/stub.py:Stub": (
         "the stub role's whole remote interface (a group's steps, wiring, the copies it keeps "
-        "and the log a rebuild replays, the lost roles' state); the pieces it composes (bells, "
-        "replay log, buffers) live in their own modules and every method here is the role's "
-        "entry point for one of them"
+        "and the log a rebuild replays, the lost roles' state); the pieces it composes live in "
+        "the folders below it (exchange/ bells, memory/ replay log, common/ buffers, hostsum/ "
+        "its steps summed by hosts) and every method here is the role's entry point for one"
     ),
     "raysinga/distributed/controller.py:Controller": (
         "the run's state machine: one method per state (placing, launching, running, "
@@ -122,27 +128,13 @@ class Import:
         return f"{path}:{self.line} ({'lazy import' if self.lazy else 'import'})"
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    """``TYPE_CHECKING`` or ``typing.TYPE_CHECKING``: a block that never runs."""
-    if isinstance(test, ast.Name):
-        return test.id == "TYPE_CHECKING"
-    return isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-
-
 class _ImportCollector(ast.NodeVisitor):
-    """Every import statement that runs at some point: module level, in classes, in functions,
-    but not under ``if TYPE_CHECKING:`` (those exist for annotations only and cannot cycle)."""
+    """Every import statement: module level, in classes, in functions, and under
+    ``if TYPE_CHECKING:`` (an import for annotations alone still ties the two modules)."""
 
     def __init__(self) -> None:
         self.found: list[tuple[ast.Import | ast.ImportFrom, bool]] = []
         self._depth = 0  # functions we are inside of
-
-    def visit_If(self, node: ast.If) -> None:
-        if _is_type_checking(node.test):
-            for child in node.orelse:  # an ``else:`` does run
-                self.visit(child)
-        else:
-            self.generic_visit(node)
 
     def _visit_function(self, node: ast.AST) -> None:
         self._depth += 1
@@ -278,6 +270,89 @@ def test_no_import_cycles():
     cycles = import_cycles(graph)
     report = "\n".join(describe_cycle(graph, c) for c in cycles)
     assert not cycles, f"{len(cycles)} import cycle(s) among the project's modules:\n{report}"
+
+
+# ---------------------------------------------------------------- private names
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_imports(modules: dict[str, Path]) -> list[str]:
+    """Every import of a private name (``_x``) of another project module, or of a private
+    module: ``from .a import _helper``, ``from pkg import _mod``, ``import pkg._mod``."""
+    found = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        rel = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = _from_base(node, module, path)
+                if _longest_known_prefix(base, modules) is None:
+                    continue  # not one of ours
+                private = any(_private(p) for p in base.split(".")[1:])
+                for alias in node.names:
+                    if private or _private(alias.name):
+                        found.append(f"{rel}:{node.lineno}: from {base} import {alias.name}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    parts = alias.name.split(".")
+                    ours = _longest_known_prefix(alias.name, modules) is not None
+                    if ours and any(_private(p) for p in parts[1:]):
+                        found.append(f"{rel}:{node.lineno}: import {alias.name}")
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another():
+    found = private_imports(module_files(REPO, ROOTS))
+    assert not found, (
+        f"{len(found)} import(s) of another module's private names (make the name public, "
+        "or move the code that needs it to where it lives):\n  " + "\n  ".join(found)
+    )
+
+
+# ---------------------------------------------------------------- actors/ by concept
+
+# The folders of actors/, top to bottom: each imports only itself and the folders below it.
+# The roles (the modules at the top of actors/) stand above everything that serves them.
+ACTORS_LAYERS = ["roles", "hostsum", "memory", "exchange", "common"]
+
+
+def actors_layer(module: str) -> str | None:
+    """``raysinga.actors.exchange.tcp`` -> ``exchange``; a module at the top -> ``roles``."""
+    parts = module.split(".")
+    if parts[:2] != ["raysinga", "actors"] or len(parts) < 3:
+        return None  # the package's __init__ imports nothing of its own
+    return parts[2] if len(parts) > 3 else "roles"
+
+
+def layer_breaches(graph: dict[str, list[Import]]) -> list[str]:
+    """Every import in actors/ of a folder above the importer's (or of one not in the list)."""
+    found = []
+    for module, imports in graph.items():
+        mine = actors_layer(module)
+        if mine is None:
+            continue
+        for imp in imports:
+            theirs = actors_layer(imp.target)
+            if theirs is None:
+                continue
+            if mine not in ACTORS_LAYERS or theirs not in ACTORS_LAYERS:
+                found.append(f"{imp.where()}: {module} or {imp.target} is in no layer")
+            elif ACTORS_LAYERS.index(theirs) < ACTORS_LAYERS.index(mine):
+                found.append(f"{imp.where()}: {module} ({mine}) imports {imp.target} ({theirs})")
+    return found
+
+
+def test_actors_folders_import_only_the_folders_below_them():
+    graph = import_graph(module_files(REPO, ROOTS))
+    layers = {actors_layer(m) for m in graph} - {None}
+    assert layers == set(ACTORS_LAYERS), (
+        f"actors/ has folders {layers}, ACTORS_LAYERS says {ACTORS_LAYERS}"
+    )
+    found = layer_breaches(graph)
+    assert not found, f"{len(found)} import(s) up the layers of actors/:\n  " + "\n  ".join(found)
 
 
 # ---------------------------------------------------------------- sizes
@@ -432,7 +507,7 @@ def test_checker_resolves_imports_as_python_does(toy):
         "pkg": {"pkg.a"},
         "pkg.a": {"pkg.b"},
         "pkg.b": {"pkg.a"},
-        "pkg.c": set(),
+        "pkg.c": {"pkg.d"},  # under TYPE_CHECKING: an edge all the same
         "pkg.d": {"pkg.c", "pkg"},
         "pkg.sub": set(),
         "pkg.sub.e": {"pkg.d", "pkg.sub.f"},
@@ -440,10 +515,10 @@ def test_checker_resolves_imports_as_python_does(toy):
     }
 
 
-def test_checker_reports_cycles_but_not_type_checking_ones(toy):
+def test_checker_reports_cycles_type_checking_ones_included(toy):
     graph = import_graph(module_files(toy, {"pkg": "pkg", "pkg.sub": "sub"}))
     cycles = import_cycles(graph)
-    assert cycles == [["pkg.a", "pkg.b"], ["pkg.sub.e", "pkg.sub.f"]]
+    assert cycles == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"], ["pkg.sub.e", "pkg.sub.f"]]
     assert describe_cycle(graph, cycles[0]).splitlines()[0].strip() == "pkg.a -> pkg.b -> pkg.a"
 
 
@@ -464,7 +539,36 @@ def test_checker_folds_modules_into_their_packages(toy):
         "pkg": {"pkg.a"},
         "pkg.a": {"pkg.b"},
         "pkg.b": {"pkg.a"},
-        "pkg.c": set(),
+        "pkg.c": {"pkg.d"},
         "pkg.d": {"pkg", "pkg.c"},
         "pkg.sub": {"pkg.d"},
     }
+
+
+def test_checker_finds_private_names_imported_from_another_module(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "_x = 1\n__all__ = []\n",
+            "pkg/_m.py": "",
+            "pkg/b.py": "from .a import _x, __all__\nfrom . import _m\nimport pkg._m\n",
+            "pkg/c.py": "from os import _exit\nfrom .a import __all__\n",  # not ours; dunder
+        },
+    )
+    found = private_imports(module_files(tmp_path, {"pkg": "pkg"}))
+    assert [f.split(": ", 1)[1] for f in found] == [
+        "from pkg.a import _x",
+        "from pkg import _m",
+        "import pkg._m",
+    ]
+
+
+def test_checker_places_actors_modules_in_their_layers():
+    assert actors_layer("raysinga.actors.server") == "roles"
+    assert actors_layer("raysinga.actors.exchange.tcp") == "exchange"
+    assert actors_layer("raysinga.actors") is None and actors_layer("raysinga.run.trainer") is None
+    up = Import("raysinga.actors.common.buffers", "raysinga.actors.memory.copies", REPO, 1, False)
+    down = Import("raysinga.actors.server", "raysinga.actors.common.buffers", REPO, 2, False)
+    graph = {"raysinga.actors.common.buffers": [up], "raysinga.actors.server": [down]}
+    assert len(layer_breaches(graph)) == 1 and "(common) imports" in layer_breaches(graph)[0]

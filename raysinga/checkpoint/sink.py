@@ -61,7 +61,7 @@ def _unpaced() -> None:
 
 class ShardSink:
     """``pace``: called before each piece of the hashing and each write on local disk; a
-    writer that must leave room to other work waits in it (see ``actors.snapshots``)."""
+    writer that must leave room to other work waits in it (see ``actors.memory.snapshots``)."""
 
     def __init__(
         self,

@@ -6,7 +6,7 @@ the key path."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
@@ -17,8 +17,33 @@ from .section import ConfigError, explain, path
 
 if TYPE_CHECKING:
     from .fault import FaultConfig
-    from .job import DataConfig, JobConfig
     from .topology import Topology
+
+
+class DataConfig(Protocol):
+    """What the rules read of a job's ``data`` section (:class:`.job.DataConfig`, whose module
+    calls these rules and so is not imported here)."""
+
+    source: dict[str, Any]
+    batch_size: int
+    eval_batch_size: int
+    validation: Any  # a hold-out of the training split, or None
+
+
+class JobConfig(Protocol):
+    """What the rules read of a whole job (:class:`.job.JobConfig`)."""
+
+    model: ModelSpec
+    data: DataConfig
+    topology: Topology | None
+    fault: FaultConfig
+    checkpoint: Any  # best_split, keep_best
+    precision: Any  # compute
+    device: str
+    dtype: str
+
+    @property
+    def clip_norm(self) -> float | None: ...
 
 
 def check_job(cfg: JobConfig) -> None:

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from .arrow import ArrowDataset, ParquetDataset
 from .builtin import TeacherDataset, digits
-from .check import DEFAULT_SCAN_BYTES, DataError, check_splits
+from .check import DEFAULT_SCAN_BYTES, check_splits
 from .cursor import DataCursor
+from .errors import DataError
 from .kinds import has_split, load_dataset
 from .order import FEISTEL_THRESHOLD, BatchPlan, FeistelPermutation
 from .ray_dataset import from_ray_dataset

@@ -21,7 +21,7 @@ import pyarrow.ipc
 import pyarrow.parquet as pq
 
 from .cache import CacheSpec
-from .check import DataError
+from .errors import DataError
 from .remote import Source, ipc_batch_rows, open_source
 from .sources import Dataset, check_indices, label_kind, resolve_sample_shape
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .check import DataError
+from .errors import DataError
 
 MiB = 2**20
 DEFAULT_BLOCK_BYTES = 4 * MiB

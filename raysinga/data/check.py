@@ -10,18 +10,17 @@ No Ray and no kernels here: the module runs anywhere a data set opens.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from raysinga.checkpoint.storage import redact
 from raysinga.nn.losses import CLASSIFYING
 
-if TYPE_CHECKING:
-    from .sources import Dataset
+from .errors import DataError
+from .sources import Dataset
 
 # A full scan of this much costs a fraction of a second from the page cache.
 DEFAULT_SCAN_BYTES = 128 * 2**20
@@ -29,47 +28,6 @@ _CHUNK_BYTES = 4 * 2**20  # per get(): large enough to amortise the call, small 
 # A sample is read as this many evenly spread runs of consecutive rows: consecutive rows share
 # pages (.npy) and chunks (Arrow, Parquet), so a run costs about what one row does.
 _SAMPLE_RUNS = 32
-
-
-def where(file: str | None = None, key: str | None = None, split: str | None = None) -> str:
-    """``"train split, data/x.npy (x array)"``: the prefix of every data error message."""
-    head = ", ".join(p for p in (f"{split} split" if split else None, file) if p)
-    return f"{head} ({key})" if head and key else head or key or "data"
-
-
-class DataError(ValueError):
-    """A data set that cannot be trained on. The message names the split, the file (as the job
-    gives it), the key or column, and for a bad value the row; the same parts are attributes,
-    so callers and tests need not parse the text."""
-
-    def __init__(
-        self,
-        problem: str,
-        *,
-        file: str | None = None,
-        key: str | None = None,
-        split: str | None = None,
-        row: int | None = None,
-    ) -> None:
-        self.problem, self.file, self.key, self.split = problem, file, key, split
-        self.row = None if row is None else int(row)
-        at = "" if row is None else f"row {row}: "
-        super().__init__(f"{where(file, key, split)}: {at}{problem}")
-
-    def __reduce__(self) -> tuple:
-        # Rebuilt from its parts, not from the message: a worker's error crosses Ray pickled.
-        parts = {"file": self.file, "key": self.key, "split": self.split, "row": self.row}
-        return functools.partial(DataError, **parts), (self.problem,)
-
-    def at(self, *, split: str | None = None, row_offset: int = 0) -> DataError:
-        """The same error with the split named, or its row shifted from a chunk's start."""
-        return DataError(
-            self.problem,
-            file=self.file,
-            key=self.key,
-            split=split or self.split,
-            row=None if self.row is None else self.row + row_offset,
-        )
 
 
 @dataclass(frozen=True)

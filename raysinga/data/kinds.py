@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .arrow import ArrowDataset, ParquetDataset
 from .builtin import SPLITS, TeacherDataset, digits
 from .cache import DEFAULT_BLOCK_BYTES, DEFAULT_CACHE_BYTES, CacheSpec
-from .check import DataError
+from .errors import DataError
 from .sources import Dataset, NpyDataset, NpzDataset
 from .text import CORPORA, open_split
 

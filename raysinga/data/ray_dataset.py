@@ -24,7 +24,7 @@ import xxhash
 
 from raysinga.checkpoint.storage import fsync_path, redact_text
 
-from .check import DataError
+from .errors import DataError
 from .remote import is_uri, what
 
 ROWS_PER_BATCH = 8192  # rows per record batch of the file: one header read each when remote

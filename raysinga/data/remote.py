@@ -30,7 +30,7 @@ import pyarrow.fs as pafs
 from raysinga.checkpoint.storage import redact, redact_text
 
 from .cache import BlockCache, CacheSpec
-from .check import DataError
+from .errors import DataError
 from .sources import open_map
 
 MEMORY_BLOCKS = 2  # blocks a file keeps in memory: a footer is read in several small pieces

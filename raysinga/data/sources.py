@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .check import DataError, where
+from .errors import DataError, where
 
 # Where an array comes from, for error messages: DataError's ``file`` and ``key``.
 Origin = Mapping[str, Any]

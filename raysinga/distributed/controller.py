@@ -38,7 +38,7 @@ from ray.exceptions import ObjectLostError
 from ray.util.placement_group import remove_placement_group
 
 from raysinga.actors import placement
-from raysinga.actors.errors import ActorLost
+from raysinga.actors.common.errors import ActorLost
 from raysinga.obs.events import EventHub, RunStarted, StateChanged
 from raysinga.obs.metrics import TrainResult, recording
 from raysinga.run.session import RunSession
@@ -379,7 +379,7 @@ class Controller:
 
     def _fence(self) -> None:
         """A new epoch, told to every role before training goes on (a role replaced while cut
-        off is refused from now on, :mod:`raysinga.actors.fence`), and the heartbeat to the
+        off is refused from now on, :mod:`raysinga.actors.exchange.fence`), and the heartbeat to the
         roles as they now are. Nodes Ray has since marked dead need no avoiding."""
         assert self.roles is not None
         self.epoch += 1

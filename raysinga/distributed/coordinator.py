@@ -16,7 +16,7 @@ from typing import Any
 
 from ray.exceptions import ObjectLostError
 
-from raysinga.actors.errors import ActorLost
+from raysinga.actors.common.errors import ActorLost
 from raysinga.checkpoint import CheckpointError, storage, writer
 from raysinga.data.cursor import DataCursor
 from raysinga.run.session import RunSession

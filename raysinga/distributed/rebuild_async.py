@@ -2,8 +2,8 @@
 
 Each group's steps reach every server, in an order that only the server knows: a server on its
 group 0's stub's node notes, after each update, which group's step it applied at which version
-(:meth:`~raysinga.actors.copies.CopyBuffer.note`, in its copies' file, which that stub maps).
-Every group's stub logs its own steps' summed gradients (:class:`~raysinga.actors.replay.
+(:meth:`~raysinga.actors.memory.copies.CopyBuffer.note`, in its copies' file, which that stub maps).
+Every group's stub logs its own steps' summed gradients (:class:`~raysinga.actors.memory.replay.
 ReplayLog`). So a new server that loads the lost one's newest copy and applies the noted updates
 since, each gradient from its own group's stub, in the noted order, ends with the lost server's
 bits at its last update noted. An update the lost server applied and did not note (the kill came
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from raysinga.actors.errors import get_all
+from raysinga.actors.common.errors import get_all
 
 from .replace import Replaced, Replacer, answers
 from .spares import live_nodes

@@ -4,12 +4,12 @@ keeps its process, buffers and state.
 A worker's batch and randomness are functions of seed, step and part, and a stub's buffer holds
 one step's summed gradient. A worker's own state (batch norm's running statistics) is copied
 into its shared buffer after every step, tagged with the step it is the state at the start of
-(:func:`actors.protocol.worker_buffer_layout`); the stub maps that buffer. So the group needs
+(:func:`actors.common.protocol.worker_buffer_layout`); the stub maps that buffer. So the group needs
 only a new role in the lost one's place, started from the lost worker's copy, and redoes the
 step it was interrupted in from the servers' update count (its live workers take their own
 copies of that step back). A server holds state: a new one is rebuilt from the copy of the lost
 one that the group's stub keeps, and the summed gradients the stub logged since
-(:mod:`actors.replay`). Spares waiting on the group's node and on a standby node
+(:mod:`actors.memory.replay`). Spares waiting on the group's node and on a standby node
 (:mod:`.spares`) take the lost roles' places, so that no process need be started.
 """
 
@@ -24,7 +24,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group_table
 
-from raysinga.actors.errors import get_all
+from raysinga.actors.common.errors import get_all
 from raysinga.data.cursor import DataCursor
 
 from .role_group import RoleGroup

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from raysinga.actors.errors import get_all
+from raysinga.actors.common.errors import get_all
 from raysinga.checkpoint import Checkpoint, CheckpointError
 from raysinga.data.cursor import DataCursor
 from raysinga.run import sources as run_sources
@@ -30,7 +30,7 @@ class RoleCheckpoints:
     notice: Callable[[str], None] = print
 
     def _get(self, refs: list[Any], role: str, group: int | None = None) -> list[Any]:
-        """:func:`~raysinga.actors.errors.get_all`, waiting as a chunk waits where the roles
+        """:func:`~raysinga.actors.common.errors.get_all`, waiting as a chunk waits where the roles
         are watched: a host lost while they are asked for a checkpoint is noticed by the run
         itself (:class:`~.silence.Silent`), not after Ray's verdict, a minute later."""
         if self.watch is not None:

@@ -19,9 +19,9 @@ import ray
 from ray.util.placement_group import placement_group_table, remove_placement_group
 
 from raysinga.actors import placement
-from raysinga.actors.errors import get_all
-from raysinga.actors.mirrors import first_on_each_node
-from raysinga.actors.protocol import ServerSpec, StubSpec, WorkerSpec
+from raysinga.actors.common.errors import get_all
+from raysinga.actors.common.protocol import ServerSpec, StubSpec, WorkerSpec
+from raysinga.actors.exchange.mirrors import first_on_each_node
 from raysinga.kernels.cpu_threads import compute_threads
 from raysinga.nn.layers import dw_row_blocks
 from raysinga.run.graph_step import graphs_mode
@@ -150,7 +150,7 @@ class RoleGroup(RoleCheckpoints):
         return out
 
     def fence(self, epoch: int, timeout_s: float = 20.0) -> None:
-        """Tell every role the run's epoch (:mod:`raysinga.actors.fence`): from now on each
+        """Tell every role the run's epoch (:mod:`raysinga.actors.exchange.fence`): from now on each
         stamps it on what it sends and refuses what an older one sends."""
         for role, actors in (
             ("stub", self.stubs),
@@ -244,7 +244,7 @@ class RoleGroup(RoleCheckpoints):
         """Tell each server whether workers on other nodes read it (it then publishes a
         snapshot of its values after each update); keep the snapshot's ref. Summed by hosts,
         each server pushes its values to the inbox of the first worker of each such node
-        instead (:mod:`actors.mirrors`)."""
+        instead (:mod:`actors.exchange.mirrors`)."""
         worker_nodes = {w["node"] for row in self.worker_infos for w in row}
         hosts = self.topo.reduce == "hosts"
         firsts = first_on_each_node(w for row in self.worker_infos for w in row)
@@ -285,7 +285,7 @@ class RoleGroup(RoleCheckpoints):
 
     def keep_copies(self, which: list[int] | None = None) -> None:
         """Where the stub logs its steps, have each server (of ``which``; default all) hand
-        it a copy of itself now and every half of the log (:mod:`actors.replay`)."""
+        it a copy of itself now and every half of the log (:mod:`actors.memory.replay`)."""
         if self.replay:
             ks = list(range(len(self.servers))) if which is None else which
             get_all([self.stubs[0].keep_copies.remote(ks)], "stub", 0)

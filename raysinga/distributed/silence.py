@@ -15,8 +15,8 @@ The run knows better: it sends every role a heartbeat (``alive``, answered in th
 
 Either way the roles are killed through Ray (their pending calls fail at once, and Ray ends
 their processes when it next reaches them), replaced on other nodes, and fenced off by the
-run's epoch (:mod:`raysinga.actors.fence`) in case they are heard from again. The heartbeat's
-answer also carries how many messages a role refused from replaced ones, which the run
+run's epoch (:mod:`raysinga.actors.exchange.fence`) in case they are heard from again. The
+heartbeat's answer also carries how many messages a role refused from replaced ones, which the run
 reports.
 """
 
@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import ray
 
-from raysinga.actors.errors import ActorLost
+from raysinga.actors.common.errors import ActorLost
 from raysinga.cluster.connect import host_answers
 
 CONNECT_S = 0.25  # a host that is up answers a connection in far less (its kernel does)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from raysinga.actors.traffic import HostNames
+from raysinga.actors.exchange.traffic import HostNames
 from raysinga.obs.events import (
     CheckpointCommitted,
     Event,

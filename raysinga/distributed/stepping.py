@@ -14,9 +14,9 @@ from typing import Any
 
 import ray
 
-from raysinga.actors.errors import get_all
-from raysinga.actors.protocol import TIMINGS, StepStats
-from raysinga.actors.traffic import host_names, per_host
+from raysinga.actors.common.errors import get_all
+from raysinga.actors.common.protocol import TIMINGS, StepStats
+from raysinga.actors.exchange.traffic import host_names, per_host
 from raysinga.obs.events import Evaluated, EventHub, TrainStep
 from raysinga.run.divergence import Guard, describe_topology
 
@@ -143,7 +143,7 @@ class StepRunner:
         after :attr:`max_chunk` steps where that boundary is further than half as many again.
         A boundary a little past :attr:`max_chunk` is taken whole rather than reached in a
         full chunk and a sliver: each chunk costs its group a round trip through this driver
-        and one step taken alone (:func:`raysinga.actors.host_sums.block_steps`)."""
+        and one step taken alone (:func:`raysinga.actors.hostsum.stub_side.block_steps`)."""
         cfg = self.cfg
         ends = [cfg.train_steps, (s // cfg.disp_freq + 1) * cfg.disp_freq]
         if cfg.test_freq:

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from raysinga.actors.common.slicing import plan_slices
 from raysinga.actors.server import ParamServer
-from raysinga.actors.slicing import plan_slices
 from raysinga.actors.stub import Stub
 from raysinga.actors.worker import Worker
 from raysinga.cluster import ray_messages, reach, shipping

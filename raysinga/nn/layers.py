@@ -127,7 +127,7 @@ def _fan_init(shape: Shape, fan_in: int, fan_out: int, act: str, rng) -> np.ndar
     return rng.uniform(-limit, limit, size=shape)
 
 
-def _check_positive_int(layer: Layer, **vals: Any) -> None:
+def check_positive_int(layer: Layer, **vals: Any) -> None:
     for k, v in vals.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise layer._fail(f"{k} must be a positive integer, got {v!r}")
@@ -136,12 +136,12 @@ def _check_positive_int(layer: Layer, **vals: Any) -> None:
 # In a job summed by hosts (topology.reduce: hosts), a dense layer's weight gradient of at
 # least DW_BLOCKED_ELEMENTS elements is computed on a CPU as DW_ROW_BLOCKS GEMMs, each over a
 # block of its rows: a worker sends each block's rows to their servers while it computes the
-# next (actors.block_sends.EarlySends), instead of waiting for the whole GEMM. Every path of
+# next (actors.hostsum.worker_side.EarlySends), instead of waiting for the whole GEMM. Every path of
 # such a job computes it so (its workers, and the single process of --local: the same bits);
 # any other job keeps one GEMM (the blocks cost a single process with two BLAS threads about
 # 5% of a step of a 784-1024-1024-10 MLP). A smaller weight is one part's worth
-# (actors.wire.PART_BYTES) or less: its blocks would let nothing go sooner, and each costs a
-# call (about 5 us).
+# (actors.exchange.wire.PART_BYTES) or less: its blocks would let nothing go sooner, and each costs
+# a call (about 5 us).
 DW_ROW_BLOCKS = 4
 DW_BLOCKED_ELEMENTS = 1 << 16
 
@@ -154,7 +154,7 @@ def dw_row_blocks(reduce: str) -> int:
 
 class RowsHook(Protocol):
     """Told of a parameter's gradient final by blocks of flat elements as a layer computes it
-    (:class:`actors.block_sends.EarlySends`)."""
+    (:class:`actors.hostsum.worker_side.EarlySends`)."""
 
     def first_block(self, key: str, bounds: Sequence[int]) -> int:
         """Which block (of those ``bounds`` cut parameter ``key`` into) to compute first."""
@@ -170,7 +170,7 @@ class Dense(Layer):
     options = {"units": ..., "activation": "linear"}
 
     def _out_shape(self, in_shape: Shape) -> Shape:
-        _check_positive_int(self, units=self.opts["units"])
+        check_positive_int(self, units=self.opts["units"])
         K.common.check_activation(self.opts["activation"])
         if len(in_shape) not in (1, 2):
             raise self._fail(
@@ -229,7 +229,7 @@ class Conv2D(Layer):
 
     def _out_shape(self, in_shape: Shape) -> Shape:
         o = self.opts
-        _check_positive_int(self, filters=o["filters"], kernel=o["kernel"], stride=o["stride"])
+        check_positive_int(self, filters=o["filters"], kernel=o["kernel"], stride=o["stride"])
         if not isinstance(o["padding"], int) or o["padding"] < 0:
             raise self._fail(f"padding must be a non-negative integer, got {o['padding']!r}")
         K.common.check_activation(o["activation"])
@@ -275,7 +275,7 @@ class _Pool(Layer):
         o = self.opts
         if o["stride"] is None:
             o["stride"] = o["kernel"]
-        _check_positive_int(self, kernel=o["kernel"], stride=o["stride"])
+        check_positive_int(self, kernel=o["kernel"], stride=o["stride"])
         if len(in_shape) != 3:
             raise self._fail(f"wants (channels, height, width) inputs, got {in_shape}")
         k, st, pd = o["kernel"], o["stride"], o["padding"]

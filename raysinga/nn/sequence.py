@@ -20,7 +20,7 @@ import numpy as np
 
 from raysinga import kernels as K
 
-from .layers import Layer, Shape, _check_positive_int
+from .layers import Layer, Shape, check_positive_int
 
 
 def _xp(a: Any) -> Any:
@@ -36,7 +36,7 @@ class Embedding(Layer):
     takes_tokens = True
 
     def _out_shape(self, in_shape: Shape) -> Shape:
-        _check_positive_int(self, vocab=self.opts["vocab"], dim=self.opts["dim"])
+        check_positive_int(self, vocab=self.opts["vocab"], dim=self.opts["dim"])
         if len(in_shape) != 1:
             raise self._fail(f"wants a sequence of token ids (T,), got per-sample {in_shape}")
         return (in_shape[0], self.opts["dim"])
@@ -195,7 +195,7 @@ class Attention(Layer):
     options = {"heads": ...}
 
     def _out_shape(self, in_shape: Shape) -> Shape:
-        _check_positive_int(self, heads=self.opts["heads"])
+        check_positive_int(self, heads=self.opts["heads"])
         if len(in_shape) != 2:
             raise self._fail(f"wants a sequence of vectors (T, dim), got per-sample {in_shape}")
         if in_shape[1] % self.opts["heads"]:
@@ -292,7 +292,7 @@ class _Recurrent(Layer):
     gates = 0
 
     def _out_shape(self, in_shape: Shape) -> Shape:
-        _check_positive_int(self, units=self.opts["units"])
+        check_positive_int(self, units=self.opts["units"])
         if len(in_shape) != 2:
             raise self._fail(f"wants a sequence of vectors (T, features), got {in_shape}")
         return (in_shape[0], self.opts["units"])

@@ -188,7 +188,7 @@ class Recorder:
             self.step(phases, **tags)
 
     def steps(self, records: Any, address: Callable[[str], str]) -> None:
-        """A group's steps (a stub's :class:`~raysinga.actors.protocol.StepStats`): each
+        """A group's steps (a stub's :class:`~raysinga.actors.common.protocol.StepStats`): each
         one's phases, and the bytes it moved by route (nodes named by ``address``)."""
         if self.on:
             self.stepping()

@@ -17,7 +17,7 @@ from .schedules import Schedule, make_schedule, schedule_from_state
 from .server_updates import ServerUpdates, check_float
 
 
-def _number(opt: str, key: str, v: Any, upper: float | None = None) -> float:
+def hparam_number(opt: str, key: str, v: Any, upper: float | None = None) -> float:
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise TypeError(f"optimizer {opt!r}: {key} must be a number, got {v!r}")
     v = float(v)
@@ -27,13 +27,13 @@ def _number(opt: str, key: str, v: Any, upper: float | None = None) -> float:
     return v
 
 
-def _flag(opt: str, key: str, v: Any) -> bool:
+def hparam_flag(opt: str, key: str, v: Any) -> bool:
     if not isinstance(v, bool):
         raise TypeError(f"optimizer {opt!r}: {key} must be true or false, got {v!r}")
     return v
 
 
-def _lerp_(a: Any, b: Any, w: float) -> None:
+def lerp_(a: Any, b: Any, w: float) -> None:
     # torch's lerp: two formulas, picked by |w| < 0.5 so the result stays exact at both ends.
     if abs(w) < 0.5:
         a += w * (b - a)
@@ -73,7 +73,7 @@ class Optimizer(ServerUpdates):
         """Validate and normalise ``h`` in place."""
         for k in ("eps", "weight_decay"):
             if k in h:
-                h[k] = _number(self.name, k, h[k])
+                h[k] = hparam_number(self.name, k, h[k])
 
     def slot_names(self) -> tuple[str, ...]:
         """The slots each parameter name gets, e.g. ("m", "v") for Adam."""

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from raysinga.kernels.common import adam_step_values
 
-from .base import Optimizer, _flag, _lerp_, _number
+from .base import Optimizer, hparam_flag, hparam_number, lerp_
 
 __all__ = [
     "OPTIMIZERS",
@@ -38,8 +38,8 @@ class SGD(Optimizer):
 
     def _check(self, h: dict[str, Any]) -> None:
         super()._check(h)
-        h["momentum"] = _number(self.name, "momentum", h["momentum"])
-        h["nesterov"] = _flag(self.name, "nesterov", h["nesterov"])
+        h["momentum"] = hparam_number(self.name, "momentum", h["momentum"])
+        h["nesterov"] = hparam_flag(self.name, "nesterov", h["nesterov"])
         if h["nesterov"] and h["momentum"] == 0:
             raise ValueError("optimizer 'sgd': nesterov needs momentum > 0")
 
@@ -77,7 +77,7 @@ class AdaGrad(Optimizer):
     def _check(self, h: dict[str, Any]) -> None:
         super()._check(h)
         key = "initial_accumulator_value"
-        h[key] = _number(self.name, key, h[key])
+        h[key] = hparam_number(self.name, key, h[key])
 
     @staticmethod
     def _slot_names(h: dict[str, Any]) -> tuple[str, ...]:
@@ -101,11 +101,11 @@ class RMSProp(Optimizer):
 
     def _check(self, h: dict[str, Any]) -> None:
         super()._check(h)
-        h["alpha"] = _number(self.name, "alpha", h["alpha"])
+        h["alpha"] = hparam_number(self.name, "alpha", h["alpha"])
         if h["alpha"] > 1:
             raise ValueError(f"optimizer 'rmsprop': alpha must be <= 1, got {h['alpha']!r}")
-        h["momentum"] = _number(self.name, "momentum", h["momentum"])
-        h["centered"] = _flag(self.name, "centered", h["centered"])
+        h["momentum"] = hparam_number(self.name, "momentum", h["momentum"])
+        h["centered"] = hparam_flag(self.name, "centered", h["centered"])
 
     @staticmethod
     def _slot_names(h: dict[str, Any]) -> tuple[str, ...]:
@@ -123,7 +123,7 @@ class RMSProp(Optimizer):
         sq += (1 - h["alpha"]) * g * g
         if h["centered"]:
             ga = s["grad_avg"]
-            _lerp_(ga, g, 1 - h["alpha"])
+            lerp_(ga, g, 1 - h["alpha"])
             avg = sq - ga * ga
             xp.sqrt(avg, out=avg)
         else:
@@ -149,8 +149,8 @@ class Adam(Optimizer):
         if not isinstance(b, (list, tuple)) or len(b) != 2:
             raise ValueError(f"optimizer {self.name!r}: betas must be a pair, got {b!r}")
         h["betas"] = (
-            _number(self.name, "betas[0]", b[0], upper=1.0),
-            _number(self.name, "betas[1]", b[1], upper=1.0),
+            hparam_number(self.name, "betas[0]", b[0], upper=1.0),
+            hparam_number(self.name, "betas[1]", b[1], upper=1.0),
         )
 
     @staticmethod
@@ -167,7 +167,7 @@ class Adam(Optimizer):
         elif wd:
             g = grad + wd * param
         m, v = s["m"], s["v"]
-        _lerp_(m, g, 1 - beta1)
+        lerp_(m, g, 1 - beta1)
         v *= beta2
         v += (1 - beta2) * g * g
         step_size = lr / (1 - beta1**t)

@@ -48,7 +48,7 @@ from .events import TrialReported, TrialStarted
 from .handover import Handover, held_steps
 from .lineage import POINTER, continue_lineage, job_for, last_metrics
 from .release import SHM_ROOT, drop_earlier
-from .trials import TrialSpec, _Reporter, fetch_newest, trial_spec
+from .trials import Reporter, TrialSpec, fetch_newest, trial_spec
 
 try:
     from ray import tune
@@ -173,7 +173,7 @@ class _Segment:
         self.thread.join()
 
 
-class _HeldReporter(_Reporter):
+class _HeldReporter(Reporter):
     """The reports of an in-place trial's run. At a report step the run holds after the
     step's last event (its evaluation, or its training window) and before the checkpoint's
     commit; the committed checkpoint goes to the object store in the background

@@ -249,7 +249,7 @@ def _registered(reg: Any, key: str, step: int, wait: float = 120.0) -> dict[str,
 
 
 @dataclass
-class _Reporter:
+class Reporter:
     """Subscribes to a trial's run: at each committed checkpoint, hands it to the object store
     and reports the metrics since the last report to Tune, with a pointer to it."""
 
@@ -398,7 +398,7 @@ def _run(
     Path(cfg.run_path).mkdir(parents=True, exist_ok=True)
     Path(cfg.run_path, "lineage.json").write_text(json.dumps(lineage, indent=1))
     key = f"tune/{experiment}/{trial}"
-    reporter = _Reporter(
+    reporter = Reporter(
         key,
         trial,
         lineage,

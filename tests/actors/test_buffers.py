@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from raysinga.actors.buffers import (
+from raysinga.actors.common.buffers import (
     SEQ,
     Attachments,
     Layout,
@@ -55,7 +55,7 @@ def test_another_process_reads_the_buffer_in_place_and_sees_updates():
 def test_files_of_dead_processes_are_swept_and_live_ones_kept():
     import subprocess
 
-    from raysinga.actors import buffers
+    from raysinga.actors.common import buffers
 
     gone = subprocess.Popen(["true"])
     gone.wait()  # its pid names no process now

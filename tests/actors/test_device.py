@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from raysinga.actors.buffers import Layout, SharedBuffer
-from raysinga.actors.device import ServerDevice, WorkerDevice, warm
+from raysinga.actors.common.buffers import Layout, SharedBuffer
+from raysinga.actors.common.device import ServerDevice, WorkerDevice, warm
 from raysinga.data import BatchPlan
 from raysinga.data.splits import open_splits
 from raysinga.nn.model import ModelSpec, Net

@@ -1,5 +1,5 @@
 """A block of one worker sends its gradient as its backward pass makes it
-(actors/host_sums.py, EarlySends): which server's part may go when. A part goes once its
+(actors/hostsum/stub_side.py, EarlySends): which server's part may go when. A part goes once its
 gradients are final, a GEMM before its layer's dx, except where a reader could still be
 reading the values the part would have a server change: the server beside the worker (read
 in place there) waits for the layer to be done. A server on another node is read from a
@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-import actors.wire as wire
-from actors.block_sends import BlockSums, EarlySends
-from actors.protocol import BlockSend, server_layouts
-from actors.slicing import plan_slices
+import actors.exchange.wire as wire
+from actors.common.protocol import BlockSend, server_layouts
+from actors.common.slicing import plan_slices
+from actors.hostsum.worker_side import BlockSums, EarlySends
 
 SHAPES = {"fc1/W": (8, 8), "fc1/b": (8,), "fc2/W": (8, 8), "fc2/b": (8,)}
 LAYERS = [["fc2/W", "fc2/b"], ["fc1/W", "fc1/b"]]  # as the backward pass finishes them

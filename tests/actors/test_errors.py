@@ -11,7 +11,7 @@ import time
 import pytest
 from ray import cloudpickle
 
-from raysinga.actors.errors import ActorLost, get_all, lost_server
+from raysinga.actors.common.errors import ActorLost, get_all, lost_server
 
 
 class Sleeper:

@@ -1,5 +1,5 @@
-"""A node's mirrors of the servers' values (actors/mirrors.py): what a server pushes lands in
-shared memory under its version, as it crossed; a reader waits for the version it was named,
+"""A node's mirrors of the servers' values (actors/exchange/mirrors.py): what a server pushes lands
+in shared memory under its version, as it crossed; a reader waits for the version it was named,
 and values that never come report their server lost."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import time
 import numpy as np
 import pytest
 
-import actors.mirrors as mirrors
-from actors.buffers import SEQ, Attachments, Layout, SharedBuffer, UpdateGuard, with_seq
-from actors.errors import ActorLost
-from actors.protocol import MirrorAt, Published, ServerAt, mirror_seq, updates_later
-from actors.tcp import Outbox
-from actors.wire import encode, rounded
+import actors.exchange.mirrors as mirrors
+from actors.common.buffers import SEQ, Attachments, Layout, SharedBuffer, UpdateGuard, with_seq
+from actors.common.errors import ActorLost
+from actors.common.protocol import MirrorAt, Published, ServerAt, mirror_seq, updates_later
+from actors.exchange.tcp import Outbox
+from actors.exchange.wire import encode, rounded
 
 LAYOUTS = [
     Layout.of({"a": ((6,), "float32"), "b": ((3,), "float32")}),
@@ -120,7 +120,7 @@ def test_a_frame_that_is_not_a_servers_values_is_dropped(node):
 
 
 def test_a_version_is_written_once_every_part_is_in_and_a_taken_back_one_never(monkeypatch):
-    import actors.wire as wire
+    import actors.exchange.wire as wire
 
     monkeypatch.setattr(wire, "PART_BYTES", 16)  # server 0's 9 values in 3 parts of 3
     m = mirrors.Mirrors("test-mirrors-parts", LAYOUTS, "node", "127.0.0.1")
@@ -172,7 +172,7 @@ def test_a_version_crosses_in_place_into_the_mirror_the_one_before_is_not_read_f
     version 7 stays whole where its readers read it; the float32 parts are received where
     they are read (no copy aside); the mirror version 9 takes names no version from its first
     part on."""
-    import actors.wire as wire
+    import actors.exchange.wire as wire
 
     monkeypatch.setattr(wire, "PART_BYTES", 16)  # server 0's 9 values in 3 parts of 3
     m = mirrors.Mirrors("test-mirrors-turns", LAYOUTS, "node", "127.0.0.1")
@@ -230,8 +230,8 @@ def test_a_compressed_push_sends_the_difference_to_a_mirror_that_holds_the_versi
     previous version whole only the difference of the words: the mirror ends with every bit
     of the new values (as they cross), in fewer bytes. A mirror that lacks the version before never
     takes the difference in; after the values are reloaded, the next push is whole."""
-    from actors.server_values import ValueReaders
-    from actors.wire import parts_of
+    from actors.exchange.wire import parts_of
+    from actors.memory.values_out import ValueReaders
 
     lay = Layout.of({"w": ((4096,), "float32"), "b": ((64,), "float32")})
     m, maps = mirrors.Mirrors("test-deltas", [lay], "node", "127.0.0.1"), Attachments()
@@ -280,8 +280,8 @@ def test_what_a_mirror_held_before_a_reload_never_passes_for_the_same_version_af
     up a version its mirrors held before, with other values. The push after it is of a new
     generation: a reader named that version of the new values waits for them, never reading
     what the mirrors held."""
-    from actors.server_values import ValueReaders
-    from actors.wire import parts_of
+    from actors.exchange.wire import parts_of
+    from actors.memory.values_out import ValueReaders
 
     lay = LAYOUTS[1]
     m, maps = mirrors.Mirrors("test-reload", [lay], "node", "127.0.0.1"), Attachments()

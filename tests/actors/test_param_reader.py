@@ -1,4 +1,4 @@
-"""A worker's reading of the servers' values (actors/param_reader.py): whole parameters,
+"""A worker's reading of the servers' values (actors/memory/param_reader.py): whole parameters,
 each server's slices joined as soon as that server's values are in."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import uuid
 
 import numpy as np
 
-from actors.buffers import SEQ, SharedBuffer, UpdateGuard, with_seq
-from actors.param_reader import ParamReader
-from actors.protocol import ServerAt, server_layouts
-from actors.slicing import plan_slices
+from actors.common.buffers import SEQ, SharedBuffer, UpdateGuard, with_seq
+from actors.common.protocol import ServerAt, server_layouts
+from actors.common.slicing import plan_slices
+from actors.memory.param_reader import ParamReader
 
 SHAPES = {"W": (8, 16), "b": (16,), "V": (16, 2)}
 

@@ -8,11 +8,11 @@ import threading
 import numpy as np
 import pytest
 
-from raysinga.actors.buffers import Layout
-from raysinga.actors.copies import CopyBuffer, ServerCopies, take_state
-from raysinga.actors.protocol import server_layouts
-from raysinga.actors.replay import ReplayLog
-from raysinga.actors.slicing import plan_slices
+from raysinga.actors.common.buffers import Layout
+from raysinga.actors.common.protocol import server_layouts
+from raysinga.actors.common.slicing import plan_slices
+from raysinga.actors.memory.copies import CopyBuffer, ServerCopies, take_state
+from raysinga.actors.memory.replay import ReplayLog
 from raysinga.config import FaultConfig
 from raysinga.distributed.replace import replay_steps
 from raysinga.optim.optimizers import make_optimizer

@@ -19,16 +19,7 @@ import numpy as np
 import pytest
 
 from raysinga.actors import server as server_module
-from raysinga.actors.bells import step_stats
-from raysinga.actors.doorbell import (
-    Abortable,
-    Doorbell,
-    DoorbellTimeout,
-    ServeAborted,
-    Steps,
-    wait_all,
-)
-from raysinga.actors.protocol import (
+from raysinga.actors.common.protocol import (
     Go,
     ServerDone,
     ServerSpec,
@@ -37,8 +28,17 @@ from raysinga.actors.protocol import (
     WorkerDone,
     WorkerSpec,
 )
+from raysinga.actors.common.slicing import plan_slices
+from raysinga.actors.exchange.bells import step_stats
+from raysinga.actors.exchange.doorbell import (
+    Abortable,
+    Doorbell,
+    DoorbellTimeout,
+    ServeAborted,
+    Steps,
+    wait_all,
+)
 from raysinga.actors.server import ParamServer
-from raysinga.actors.slicing import plan_slices
 from raysinga.checkpoint import Checkpoint, CheckpointError, writer
 from raysinga.nn.model import ModelSpec, Net
 from raysinga.run import state as run_state
@@ -293,7 +293,7 @@ def test_a_checkpoint_is_written_at_low_priority_and_the_update_threads_keep_the
 ):
     """On cores the workers keep busy, a checkpoint's check, hashing and writes take what
     they leave: their threads run at BACKGROUND_NICE, the server's own at its priority."""
-    from raysinga.actors import snapshots
+    from raysinga.actors.memory import snapshots
 
     seen: dict[str, int] = {}
     real = server_module.server_shard.write_shard
@@ -471,7 +471,7 @@ def test_a_checkpoints_background_work_waits_while_the_server_updates():
     as the last update took: updates back to back slow a write, never stop it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from raysinga.actors.snapshots import PACE_WAIT_MAX, Snapshots
+    from raysinga.actors.memory.snapshots import PACE_WAIT_MAX, Snapshots
 
     snaps = Snapshots(ThreadPoolExecutor(1))
     try:
@@ -500,7 +500,7 @@ def test_a_checkpoints_background_work_waits_while_the_server_updates():
 
 
 def test_a_server_refuses_an_update_from_a_replaced_stub_and_counts_it(make_server):
-    from raysinga.actors.errors import RoleError
+    from raysinga.actors.common.errors import RoleError
 
     s = make_server(0, fresh_tag())
     buf = np.ones(s.layout.nbytes // 4, np.float32).view(np.uint8)
@@ -532,10 +532,10 @@ def test_a_server_updates_the_blocks_sums_part_by_part_and_takes_a_step_back_who
     those of one update of the whole sum. A step aborted part way (a leader lost) is taken
     back: values, optimizer state, version and the nodes' mirrors are as before it, and the
     step redone gives the same bits."""
-    from raysinga.actors import mirrors, wire
-    from raysinga.actors.buffers import SEQ, Attachments
-    from raysinga.actors.protocol import HostFrames, MirrorAt, mirror_seq
-    from raysinga.actors.tcp import Outbox
+    from raysinga.actors.common.buffers import SEQ, Attachments
+    from raysinga.actors.common.protocol import HostFrames, MirrorAt, mirror_seq
+    from raysinga.actors.exchange import mirrors, wire
+    from raysinga.actors.exchange.tcp import Outbox
     from raysinga.optim.grads import sum_into
 
     monkeypatch.setattr(wire, "PART_BYTES", 512)  # 128 values a part
@@ -640,9 +640,9 @@ def test_a_chunks_updates_in_one_call_are_the_steps_applied_one_by_one(monkeypat
     """``update_steps`` (the steps of a chunk whose blocks are one worker each, in one call):
     each step's sums taken in from the inbox as they come, the next step's already waiting
     there; the same bits and versions as one ``update`` per step, and when each was done."""
-    from raysinga.actors import wire
-    from raysinga.actors.protocol import HostFrames
-    from raysinga.actors.tcp import Outbox
+    from raysinga.actors.common.protocol import HostFrames
+    from raysinga.actors.exchange import wire
+    from raysinga.actors.exchange.tcp import Outbox
     from raysinga.optim.grads import sum_into
 
     monkeypatch.setattr(wire, "PART_BYTES", 512)

@@ -1,4 +1,4 @@
-"""Waiting asleep for a counter in shared memory (actors/seqwait.py): a process asleep on a
+"""Waiting asleep for a counter in shared memory (actors/common/seqwait.py): a process asleep on a
 counter another process moves wakes as it is woken, not when its wait runs out."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from actors import seqwait
-from actors.buffers import SEQ, Attachments, Layout, SharedBuffer, UpdateGuard, with_seq
+from actors.common import seqwait
+from actors.common.buffers import SEQ, Attachments, Layout, SharedBuffer, UpdateGuard, with_seq
 
 LONG_S = 30.0  # a sleep that only a wake (or the counter already moved) ends early
 

@@ -1,13 +1,13 @@
-"""A worker's copies of its own state in its shared buffer (actors.protocol): laid out after the
-gradient, two slots tagged with their step, a copy being written never taken, the gradient part
+"""A worker's copies of its own state in its shared buffer (actors.common.protocol): laid out after
+the gradient, two slots tagged with their step, a copy being written never taken, the gradient part
 of the layout what the stub and the servers sum."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from raysinga.actors.buffers import Layout
-from raysinga.actors.protocol import (
+from raysinga.actors.common.buffers import Layout
+from raysinga.actors.common.protocol import (
     STATE_TAGS,
     gradient_layout,
     read_state_copy,

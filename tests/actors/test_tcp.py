@@ -1,4 +1,4 @@
-"""Frames of arrays between roles over TCP connections of their own (actors/tcp.py): what a
+"""Frames of arrays between roles over TCP connections of their own (actors/exchange/tcp.py): what a
 block's leader sends a server's inbox, taken in sender order, under the run's epoch; what a
 broken, cut off or foreign connection leaves (nothing)."""
 
@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from actors.squeeze import squeeze, unsqueeze
-from actors.tcp import (
+from actors.exchange.squeeze import squeeze, unsqueeze
+from actors.exchange.tcp import (
     ENTRY,
     HEAD,
     HELLO,
@@ -387,7 +387,7 @@ def test_a_reading_thread_runs_below_its_roles_other_threads():
     process's (Linux)."""
     import os
 
-    from actors.tcp import READER_NICE
+    from actors.exchange.tcp import READER_NICE
 
     def nices() -> dict[str, int]:  # by thread id
         out = {}

@@ -1,10 +1,15 @@
 """The bytes a group's step moves between nodes, counted from what its roles hand one another
-(:mod:`actors.traffic`). Held against the interfaces of emulated hosts in
+(:mod:`actors.exchange.traffic`). Held against the interfaces of emulated hosts in
 ``tests/cluster/test_traffic_hosts.py``."""
 
 from __future__ import annotations
 
-from raysinga.actors.traffic import block_step_bytes, group_step_bytes, host_names, per_host
+from raysinga.actors.exchange.traffic import (
+    block_step_bytes,
+    group_step_bytes,
+    host_names,
+    per_host,
+)
 
 
 def test_a_group_on_one_node_moves_nothing():

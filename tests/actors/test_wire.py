@@ -1,13 +1,13 @@
 """What crosses between roles under ``topology.wire`` and the blocks of a group summed by
-hosts (:mod:`actors.wire`)."""
+hosts (:mod:`actors.exchange.wire`)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from raysinga.actors.buffers import Layout
-from raysinga.actors.squeeze import Squeezed, unsqueeze
-from raysinga.actors.wire import (
+from raysinga.actors.common.buffers import Layout
+from raysinga.actors.exchange.squeeze import Squeezed, unsqueeze
+from raysinga.actors.exchange.wire import (
     TAIL_BYTES,
     apply_delta,
     blocks,

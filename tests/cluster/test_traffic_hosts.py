@@ -1,5 +1,5 @@
 """The bytes a run reports moving between hosts (``metrics.jsonl``'s ``net``, counted by the
-roles from what they hand one another: :mod:`actors.traffic`) against what the hosts'
+roles from what they hand one another: :mod:`actors.exchange.traffic`) against what the hosts'
 interfaces counted, on hosts that share nothing but a network (tests/hosts.py).
 
 A driver on the head reads every host's interface counters at two progress reports of one run
@@ -118,7 +118,7 @@ def counted_run(address: str, run_dir: str, topology: str) -> None:
 
 
 STUB = "{preset: sandblaster, n_servers: 2, workers_per_group: 2, worker: {cpus: 2}}"
-# one worker and one server on each of the three hosts, summed by hosts (actors.wire)
+# one worker and one server on each of the three hosts, summed by hosts (actors.exchange.wire)
 HOSTS = "{preset: allreduce, reduce: hosts, workers_per_group: 3, worker: {cpus: 2}}"
 # the same, compressed without loss on the wire
 ZSTD = HOSTS.replace("workers_per_group: 3,", "workers_per_group: 3, wire: f32+zstd,")
@@ -171,8 +171,8 @@ def test_the_bytes_counted_per_host_are_what_the_interfaces_carried(counted, top
 @pytest.mark.parametrize("topology", [HOSTS, ZSTD, DELTA], ids=["f32", "f32+zstd", "f32+delta"])
 def test_summed_by_hosts_over_the_network_ends_as_on_one_machine(cluster, counted, alone, topology):
     """Three hosts, the sums sent to the servers' inboxes and the values pushed to mirrors
-    on each host (actors/tcp.py, actors/mirrors.py): every tensor of the final checkpoint
-    the bits of the same job run on this machine alone, where every read is local; so too
+    on each host (actors/exchange/tcp.py, actors/exchange/mirrors.py): every tensor of the final
+    checkpoint the bits of the same job run on this machine alone, where every read is local; so too
     with the wire compressed (``f32+zstd``, ``f32+delta``: lossless). (The runs whose bytes
     are counted.)"""
     run, _ = counted(topology)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raysinga.actors.slicing import plan_slices, server_loads
+from raysinga.actors.common.slicing import plan_slices, server_loads
 from raysinga.config.topology import Topology, TopologyError
 
 MLP = {

@@ -12,7 +12,7 @@ import pytest
 from ray import cloudpickle
 
 from raysinga import config
-from raysinga.actors.errors import RoleError
+from raysinga.actors.common.errors import RoleError
 from raysinga.actors.placement import ResourceError
 from raysinga.actors.server import ParamServer
 from raysinga.actors.worker import Worker

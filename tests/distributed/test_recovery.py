@@ -18,9 +18,9 @@ from helpers import load_job, start_ray
 from ray import cloudpickle
 
 from raysinga import config
+from raysinga.actors.memory.grads_in import SumViews
 from raysinga.actors.placement import ResourceError
 from raysinga.actors.server import ParamServer
-from raysinga.actors.server_grads import SumViews
 from raysinga.checkpoint import Checkpoint, CheckpointError, steps
 from raysinga.distributed import DistributedTrainer, FailuresExceeded
 from raysinga.obs.events import CheckpointCommitted, Event, StateChanged, TrainStep

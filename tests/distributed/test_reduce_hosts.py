@@ -1,5 +1,5 @@
-"""A synchronous group summed by hosts (``topology.reduce: hosts``, :mod:`actors.wire`): the
-workers of each block summed by the block's leader, the blocks' sums by the servers, in an
+"""A synchronous group summed by hosts (``topology.reduce: hosts``, :mod:`actors.exchange.wire`):
+the workers of each block summed by the block's leader, the blocks' sums by the servers, in an
 order the job fixes; and ``wire: bf16``. On one node here (the traffic it saves on hosts that
 share nothing is ``tests/cluster/test_traffic_hosts.py``'s)."""
 

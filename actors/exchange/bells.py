@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..common.errors import get_all, settle
+from ..common.protocol import Go, ServerDone, StepStats, Wiring, WorkerDone
 from .doorbell import Doorbell, Message, wait_all
-from .errors import get_all, settle
-from .protocol import Go, ServerDone, StepStats, Wiring, WorkerDone
 
 ENDED_GRACE_S = 5.0  # how long a doorbell may stay silent after a serve call ended normally
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .server_shard import ShardImage, Tensors, copy_in_chunks
+from .shard import ShardImage, Tensors, check_and_write, copy_in_chunks
 
 # The nice value of the thread that checks and writes a server's checkpoint copy, and of the
 # hashing and writing threads it starts (a new thread takes its creator's): on a node whose
@@ -119,6 +119,31 @@ class Snapshots:
                 copied.set()  # whatever failed, the next update must not wait for ever
 
         self._writer = self._io.submit(run)
+
+    def write(
+        self,
+        live: Tensors,
+        version: int,
+        tmp: Any,
+        shard: int,
+        compression: str | None,
+        copied: threading.Event,
+        on_device: Any = None,
+    ) -> dict[str, Any]:
+        """On the helper thread (:meth:`start`): copy ``live``, a server's shard at
+        ``version``, setting ``copied`` once done (``on_device``: the CUDA event of its slots'
+        copy from the device, waited for first), then check the copy and write it as shard
+        ``shard`` of the checkpoint being made in ``tmp``. Returns the shard's record."""
+        try:
+            if on_device is not None:
+                on_device.synchronize()
+            tensors, image = self.copy(live, compression)
+        finally:
+            copied.set()  # updates may go on (after a failure too: it is reported at the end)
+        pace = self.pace
+        return self.behind(
+            lambda: check_and_write(tensors, version, tmp, shard, compression, image, pace)
+        )
 
     def behind(self, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """``fn()`` on the low-priority thread (see ``BACKGROUND_NICE``), waited for: a write's

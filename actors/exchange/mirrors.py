@@ -29,10 +29,10 @@ import numpy as np
 
 from raysinga.kernels.precision import from_bf16_bits
 
-from .buffers import SEQ, Attachments, Layout, SharedBuffer, with_seq
-from .errors import ActorLost
-from .protocol import MirrorAt, ServerAt, node_ip
-from .seqwait import sleep_while, wake
+from ..common.buffers import SEQ, Attachments, Layout, SharedBuffer, with_seq
+from ..common.errors import ActorLost
+from ..common.protocol import MirrorAt, ServerAt, node_ip
+from ..common.seqwait import sleep_while, wake
 from .tcp import Inbox
 from .wire import DELTA, Span, apply_delta, parts_of
 

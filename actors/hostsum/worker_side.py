@@ -9,22 +9,42 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from raysinga.optim.grads import sum_into
 
-from .buffers import Attachments, Layout, ShmHandle
-from .errors import ActorLost
-from .protocol import BlockSend
-from .server_grads import own_slices
-from .tcp import Outbox, PeerLost, payload_bytes
-from .wire import Span, cut, frame, parts_of
+from ..common.buffers import Attachments, Layout, ShmHandle
+from ..common.errors import ActorLost
+from ..common.protocol import BlockSend
+from ..exchange.tcp import Outbox, PeerLost, payload_bytes
+from ..exchange.wire import Span, cut, frame, parts_of
+from ..memory.grads_in import own_slices
 
 if TYPE_CHECKING:
-    from .slicing import Slice
-    from .worker import Worker
+    from ..common.slicing import Slice
+    from ..memory.param_reader import ParamReader
+
+
+class Worker(Protocol):
+    """What a block's sum and its sends read of the worker that makes them
+    (:class:`~raysinga.actors.worker.Worker`, which this module does not import: the role
+    stands above what serves it)."""
+
+    index: int
+    slices: Sequence[Slice]  # the servers' slices of the parameters
+    wire: str  # ``topology.wire``
+    grads: Any  # its gradient buffer (:class:`~raysinga.actors.common.buffers.SharedBuffer`)
+    reader: ParamReader
+    block_sums: BlockSums
+    computed: tuple[int, int] | None  # (epoch, step) of the gradient in its buffer
+
+    def check_abort(self) -> None: ...
+
+    def fetch(self, refs: list[Any]) -> list[Any]: ...
+
+    def fetched(self, sources: tuple[Any, ...]) -> tuple[Any, ...]: ...
 
 
 class BlockSums:

@@ -37,7 +37,7 @@ import numpy as np
 
 from raysinga.kernels.precision import bf16_bits, from_bf16_bits, round_bf16
 
-from .buffers import Layout
+from ..common.buffers import Layout
 from .squeeze import Squeezed, squeeze
 
 PART_BYTES = 256 << 10  # float32 bytes of a server's slices in one part, at most

@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from .buffers import Attachments, Layout, SharedBuffer, shm_room
+from ..common.buffers import Attachments, Layout, SharedBuffer, shm_room
+from ..common.protocol import server_slices
 from .copies import CopyBuffer
-from .protocol import server_slices
 
 
 class ReplayLog:
@@ -47,7 +47,7 @@ class ReplayLog:
     ) -> None:
         """``tag`` names the rows' file in shared memory: servers on the stub's node that sum
         the workers' gradients themselves write each step's sum straight into its row (a
-        :class:`~actors.protocol.SummedGrads`); with ``capacity`` 0 there is one, unlogged.
+        :class:`~actors.common.protocol.SummedGrads`); with ``capacity`` 0 there is one, unlogged.
         Where shared memory lacks the room, the rows are the stub's own (``shared`` False).
 
         Each of the ``n_servers`` servers marks its slices of each row in the same file
@@ -263,7 +263,7 @@ class ReplayLog:
         """Bring ``actor``, a new server ``server``, to version ``target``: load the lost
         one's newest copy, then apply each logged step since, in order. Returns the number of
         steps replayed; None where there is nothing to rebuild from (:meth:`plan`)."""
-        from .errors import get_all  # noqa: PLC0415
+        from ..common.errors import get_all  # noqa: PLC0415
 
         plan = self.plan(server, target)
         if plan is None:

@@ -39,8 +39,8 @@ class ServerSpec:
     tag: str  # names the run's shared-memory files
     device: str = "cpu"
     lr_scale: float = 1.0  # on every update's learning rate (JobConfig.lr_scale)
-    wire: str = "f32"  # topology.wire: what its values are published as (actors.wire)
-    inbox: bool = False  # topology.reduce hosts: it takes the blocks' sums in (actors.tcp)
+    wire: str = "f32"  # topology.wire: what its values are published as (actors.exchange.wire)
+    inbox: bool = False  # topology.reduce hosts: it takes the blocks' sums in (actors.exchange.tcp)
     metrics: str | None = None  # the run's name, where it records Ray metrics (obs.raymetrics)
 
 
@@ -65,7 +65,7 @@ class WorkerSpec:
     validation: dict[str, Any] | None = None  # data.validation: held out of the training split
     graphs: str = "off"  # a GPU worker's steps as CUDA graphs: run.graph_step.graphs_mode
     precision: str = "f32"  # the matrix products' precision.compute (kernels.precision)
-    wire: str = "f32"  # topology.wire: what gradients and values cross as (actors.wire)
+    wire: str = "f32"  # topology.wire: what gradients and values cross as (actors.exchange.wire)
     mirrors: bool = False  # topology.reduce hosts: it can take the servers' values in (.mirrors)
     metrics: str | None = None  # the run's name, where it records Ray metrics (obs.raymetrics)
     dw_row_blocks: int = 1  # a dense weight's gradient in blocks of rows (nn.layers.dw_row_blocks)
@@ -85,7 +85,7 @@ class StubSpec:
     tag: str
     replay: int = 0  # steps of summed gradients logged for rebuilding a lost server
     block: int = 0  # topology.reduce: hosts: workers summed together per host (0: the stub sums)
-    wire: str = "f32"  # topology.wire (actors.wire)
+    wire: str = "f32"  # topology.wire (actors.exchange.wire)
     metrics: str | None = None  # the run's name, where it records Ray metrics (obs.raymetrics)
 
 
@@ -101,7 +101,7 @@ class Published:
 
 
 def mirror_seq(generation: int, version: int) -> int:
-    """What a node's mirror of a server's values names them by (:mod:`actors.mirrors`): the
+    """What a node's mirror of a server's values names them by (:mod:`actors.exchange.mirrors`): the
     version in the low 32 bits, and above it the generation of the server's values, which
     changes whenever they change other than by an update (loaded, restored, rewired), so that
     a mirror's values from before never pass for the same version after."""
@@ -111,7 +111,7 @@ def mirror_seq(generation: int, version: int) -> int:
 @dataclass(frozen=True)
 class Pushed:
     """A server's values as it pushed them to a worker's inbox on each node that reads them
-    (``topology.reduce: hosts``, :mod:`actors.mirrors`): after ``version`` updates, of
+    (``topology.reduce: hosts``, :mod:`actors.exchange.mirrors`): after ``version`` updates, of
     ``generation`` (:func:`mirror_seq`); ``nbytes``: what each reader node was sent of them
     (compressed, under ``wire: *+zstd`` and ``*+delta``)."""
 
@@ -122,8 +122,8 @@ class Pushed:
 
 @dataclass(frozen=True)
 class MirrorAt:
-    """A server's values in its mirror on a worker's node (:mod:`actors.mirrors`), to be read
-    once the mirror holds those after ``version`` updates of server ``server``, of
+    """A server's values in its mirror on a worker's node (:mod:`actors.exchange.mirrors`), to be
+    read once the mirror holds those after ``version`` updates of server ``server``, of
     ``generation`` (:func:`mirror_seq`)."""
 
     handles: tuple[Any, Any]  # the ShmHandles of the server's two mirrors there, taken in turn
@@ -147,7 +147,7 @@ class ServerAt:
     """A server's own buffer on a worker's node, to be read once it holds the values after
     ``version`` updates of server ``server`` (its sequence lock at ``2 * version``): for a
     step whose call went out before the step before it was done
-    (:func:`actors.host_sums.block_steps`)."""
+    (:func:`actors.hostsum.stub_side.block_steps`)."""
 
     handle: Any  # the server's ShmHandle
     version: int
@@ -166,8 +166,8 @@ def updates_later(source: MirrorAt | ServerAt, n: int) -> MirrorAt | ServerAt:
 class HostFrames:
     """A server's share of one step of a group summed by hosts (``topology.reduce: hosts``):
     the frames of the ``blocks`` blocks' leaders, each the block's sum of this server's slices
-    in its order (as they cross: :func:`actors.wire.encode`), sent under ``epoch`` straight
-    to the server's inbox (:mod:`actors.tcp`; :meth:`~actors.worker.Worker.host_sum`)."""
+    in its order (as they cross: :func:`actors.exchange.wire.encode`), sent under ``epoch`` straight
+    to the server's inbox (:mod:`actors.exchange.tcp`; :meth:`~actors.worker.Worker.host_sum`)."""
 
     epoch: int
     blocks: int
@@ -191,8 +191,8 @@ class SummedGrads:
     """What a server on its stub's node sums its gradient from, in its own update: its
     workers' gradient buffers (``parts``, in worker order, each laid out as the parameters and
     then any state copies, :func:`worker_buffer_layout`), and the stub's log rows (``rows``,
-    :class:`~actors.replay.ReplayLog`), into whose row ``step % n_rows`` it writes its slices of
-    the sum, marking its share of the row in the same file (the row is logged once every
+    :class:`~actors.memory.replay.ReplayLog`), into whose row ``step % n_rows`` it writes its slices
+    of the sum, marking its share of the row in the same file (the row is logged once every
     server's mark names the step). The stub's own pass over the gradients, summing them, is
     saved."""
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from .buffers import Attachments, Layout, ShmHandle
-from .protocol import SummedGrads, gradient_layout
+from ..common.buffers import Attachments, Layout, ShmHandle
+from ..common.protocol import SummedGrads, gradient_layout
 
 
 def step_gradient(

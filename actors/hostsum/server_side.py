@@ -5,17 +5,45 @@ update applied a part at a time while the later parts still cross, whole or not 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
 
 import numpy as np
 
 from raysinga.optim.grads import sum_into
 
-from .protocol import HostFrames
-from .wire import Span, cut, decode, deltas
+from ..common.buffers import Layout, SharedBuffer, UpdateGuard
+from ..common.protocol import HostFrames
+from ..common.slicing import Slice
+from ..exchange.tcp import Inbox
+from ..exchange.wire import Span, cut, decode, deltas
+from ..memory.copies import ServerCopies
+from ..memory.snapshots import Snapshots
+from ..memory.values_out import ValueReaders
 
-if TYPE_CHECKING:
-    from .server import ParamServer
+
+class ParamServer(Protocol):
+    """What a server's update summed by hosts reads and changes of the server
+    (:class:`~raysinga.actors.server.ParamServer`, which this module does not import: the
+    role stands above what serves it)."""
+
+    slices: list[Slice]  # its own slices
+    layout: Layout  # of its slices, as they cross
+    parts: list[list[Span]]  # its slices cut into the parts that cross one after another
+    wire: str  # ``topology.wire``
+    buf: SharedBuffer  # its values
+    guard: UpdateGuard  # its version, odd while an update is under way
+    optimizer: Any  # :class:`raysinga.optim.base.Optimizer`
+    pool: ThreadPoolExecutor
+    snaps: Snapshots
+    copies: ServerCopies
+    readers: ValueReaders
+    inbox: Inbox | None
+    host_sum: dict[str, np.ndarray] | None  # the blocks' sums of its slices, by slice name
+
+    def check_abort(self) -> None: ...
+
+    def publish(self) -> Any: ...
 
 
 def take_part(server: ParamServer, step: int, frames: HostFrames, c: int) -> list[Span]:
@@ -63,7 +91,7 @@ def update_by_parts(server: ParamServer, step: int, frames: HostFrames) -> Calla
             if c == 0:
                 # odd from here: an update under way. Until every block's first part is in,
                 # no worker of the step is left to read the values, save one whose call went
-                # out early (actors.host_sums.block_steps), which waits for them even
+                # out early (actors.hostsum.stub_side.block_steps), which waits for them even
                 guard.__enter__()
             before = [a.copy() for a in cut(values, part)] if diffs else None
             with server.snaps.updating():  # a checkpoint's write in the background pauses
@@ -80,4 +108,4 @@ def update_by_parts(server: ParamServer, step: int, frames: HostFrames) -> Calla
     guard.__exit__()
     if server.readers.pushes:
         return lambda: server.readers.pushed(guard.version)
-    return server._publish
+    return server.publish

@@ -11,11 +11,11 @@ the calls: no gradient passes through it.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
-from .bells import step_record
-from .errors import cancel, cancelled_on_failure, get_all
-from .protocol import (
+from ..common.errors import cancel, cancelled_on_failure, get_all
+from ..common.protocol import (
     BlockSend,
     HostFrames,
     MirrorAt,
@@ -25,10 +25,36 @@ from .protocol import (
     StepStats,
     worker_buffer_layout,
 )
-from .traffic import block_step_bytes
+from ..exchange.bells import step_record
+from ..exchange.traffic import block_step_bytes
 
-if TYPE_CHECKING:
-    from .stub import Stub
+
+class Stub(Protocol):
+    """What a group's steps summed by hosts read of its stub (:class:`~raysinga.actors.stub.
+    Stub`, which this module does not import: the role stands above what serves it)."""
+
+    group: int
+    epoch: int
+    dtype: Any
+    shapes: dict[str, tuple[int, ...]]
+    blocks: list[list[int]]  # each block's workers, its leader first
+    servers: list[Any]  # the servers' actor handles
+    server_infos: list[dict[str, Any]]
+    refs: list[Any]  # what each server last handed over of its values
+    workers: list[Any]  # the workers' actor handles
+    worker_handles: list[Any]  # their gradient buffers
+    worker_nodes: list[str]
+    worker_state: list[dict[str, Any]]
+    snapshot: list[bool]  # whether each worker's gradient crosses as a snapshot
+    local_src: list[list[Any]]
+    mirror_src: list[list[Any]]
+    heard: float  # when the last step was heard back
+
+    def sources(self, i: int) -> tuple[Any, ...]: ...
+
+    def published_bytes(self) -> list[int]: ...
+
+    def server_snapshots(self) -> AbstractContextManager[None]: ...
 
 
 def block_steps(stub: Stub, start: int, stop: int) -> list[StepStats]:
@@ -114,7 +140,7 @@ def _at_once(stub: Stub, start: int, stop: int, at: list[int]) -> list[StepStats
     ]
     frames = HostFrames(stub.epoch, len(stub.blocks))
     ups = [s.update_steps.remote(start, stop, frames, stub.group, stub.epoch) for s in stub.servers]
-    with stub._server_snapshots(), cancelled_on_failure(computes + ups):
+    with stub.server_snapshots(), cancelled_on_failure(computes + ups):
         by_worker = get_all(computes, "worker", stub.group)
         by_server = get_all(ups, "server")
     nodes = [s["node"] for s in stub.server_infos]
@@ -123,7 +149,7 @@ def _at_once(stub: Stub, start: int, stop: int, at: list[int]) -> list[StepStats
         stats = [w[j] for w in by_worker]
         done = [s[j] for s in by_server]
         _one_update_on(step, [v + j for v in at], [v for v, _, _, _ in done])
-        published = stub._published_bytes()  # the values this step's workers read
+        published = stub.published_bytes()  # the values this step's workers read
         stub.refs = [ref for _, ref, _, _ in done]
         out = [stats[m[0]].pop("sent") for m in stub.blocks]
         traffic = block_step_bytes(stub.worker_nodes, stub.blocks, [0] * n, nodes, out, published)
@@ -192,10 +218,10 @@ def _dispatch(stub: Stub, step: int, at: list[int] | None = None) -> _Step:
 
 
 def _sources(stub: Stub, i: int, at: list[int] | None) -> tuple[Any, ...]:
-    """Worker ``i``'s sources of the servers' values: as :meth:`~.stub.Stub._sources`, or
+    """Worker ``i``'s sources of the servers' values: as :meth:`~.stub.Stub.sources`, or
     (``at``) those after ``at[k]`` updates of server ``k``, waited for where it reads them."""
     if at is None:
-        return stub._sources(i)
+        return stub.sources(i)
     return tuple(
         ServerAt(h, at[k], k)
         if h is not None
@@ -228,9 +254,9 @@ def _one_update_on(step: int, read: list[int], after: list[int]) -> None:
 def _collect(stub: Stub, sent: _Step) -> StepStats:
     """Wait for ``sent``'s calls: the step's record. Where one fails, the others are
     cancelled (:func:`.errors.cancelled_on_failure`) and the failure raised."""
-    published = stub._published_bytes()  # the values its workers read: the last step's
+    published = stub.published_bytes()  # the values its workers read: the last step's
     summed = [b for b, m in enumerate(stub.blocks) if len(m) > 1]
-    with stub._server_snapshots(), cancelled_on_failure(sent.calls()):
+    with stub.server_snapshots(), cancelled_on_failure(sent.calls()):
         stats = get_all([c[0] for c in sent.computes], "worker", stub.group)
         t1 = time.time()
         leaders = [stub.blocks[b][0] for b in summed]

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from .protocol import Pushed, mirror_seq
-from .tcp import Outbox, PeerLost, payload_bytes
-from .wire import DELTA, WHOLE, Span, cut, delta_frame, encode, frame, words
+from ..common.protocol import Pushed, mirror_seq
+from ..exchange.tcp import Outbox, PeerLost, payload_bytes
+from ..exchange.wire import DELTA, WHOLE, Span, cut, delta_frame, encode, frame, words
 
 
 class ValueReaders:
@@ -67,7 +67,7 @@ class ValueReaders:
             return self.pushed(version)
         import ray  # noqa: PLC0415
 
-        # by slices, rounded as they cross (actors.wire) under bf16; float32 as it is (Ray
+        # by slices, rounded as they cross (actors.exchange.wire) under bf16; float32 as it is (Ray
         # copies it into its store as it puts it)
         snap: Any = flat if words(self.wire) == "f32" else encode(list(slices.values()), self.wire)
         nodes = self.nodes

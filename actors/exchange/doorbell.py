@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from .protocol import Go, Published, Wiring
+from ..common.protocol import Go, Published, Wiring
 
 # A message class of :mod:`.protocol`: a NamedTuple whose ``FORMAT`` is its struct format.
 Message = TypeVar("Message", bound=tuple)

@@ -8,11 +8,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .buffers import SEQ, Attachments, Layout, ShmHandle, stable_copy
-from .mirrors import wait_for
-from .protocol import MirrorAt, ServerAt, server_layouts
-from .slicing import Slice
-from .wire import decode, rounded
+from ..common.buffers import SEQ, Attachments, Layout, ShmHandle, stable_copy
+from ..common.protocol import MirrorAt, ServerAt, server_layouts
+from ..common.slicing import Slice
+from ..exchange.mirrors import wait_for
+from ..exchange.wire import decode, rounded
 
 
 class ParamReader:
@@ -79,7 +79,7 @@ class ParamReader:
         if isinstance(src, ServerAt):  # a server beside it, once its update is done
             wait_for(self._att, src, self.check)
             src = src.handle
-        if isinstance(src, list):  # published by slices (actors.wire): consistent copies
+        if isinstance(src, list):  # published by slices (actors.exchange.wire): consistent copies
             return dict(zip((e.name for e in lay.entries), decode(src), strict=True))
         if not isinstance(src, ShmHandle):  # a snapshot: a consistent copy already
             return lay.views(src)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .buffers import Layout, SharedBuffer
+from ..common.buffers import Layout, SharedBuffer
 from .snapshots import CopyGate
 
 POLL_S = 30.0  # how long a keeper's call waits on a server for its next copy
@@ -76,6 +76,34 @@ class ServerCopies:
 
     def due(self, version: int) -> bool:
         return self.every > 0 and version - self.version >= self.every
+
+    def copy_now(
+        self,
+        version: int,
+        optimizer: Any,
+        applied: dict[int, int],
+        values: dict[str, np.ndarray],
+        gpu: Any = None,
+    ) -> None:
+        """Take a copy of a server's state at ``version`` in the background (its next update
+        waits for it): its ``values`` (in its shared buffer already), its ``optimizer``'s state
+        and each group's last step ``applied``. On a GPU (``gpu``, the server's device side)
+        the optimizer slots come down to pinned host buffers of the copies' own on the
+        device's copy stream, ordered after this update and before the next, which waits for
+        them on the device; the helper thread waits for them before it writes the copy."""
+        if self.busy():  # the pinned buffers are still being read: skip this one
+            return
+        state, on_device = optimizer.state_dict(), None
+        if gpu is not None:
+            state = {**state}
+            state["slots"], on_device = gpu.snapshot_slots(state["slots"], "copies")
+
+        def take() -> dict[str, Any]:
+            if on_device is not None:
+                on_device.synchronize()
+            return self.take(values, state, version, applied)
+
+        self.start(version, take)
 
     def start(self, version: int, take: Callable[[], dict[str, Any]]) -> None:
         """Copy the state (``take()``) in the background; the next update waits for the copy
