@@ -189,7 +189,11 @@ class Attention(Layer):
     ``heads`` heads of ``dim / heads``), ``Wo`` (dim, dim) projects the heads' concatenation
     back. On a CPU the softmax of the scaled, masked scores is one fused op between two
     matrix products; on a GPU with float32 products and heads of at most 64, scores, softmax
-    and the product with the values are one pass that never writes the (T, T) scores."""
+    and the product with the values are one pass that never writes the (T, T) scores.
+
+    The heads' width is read off the parameters: ``Wqkv`` (dim, 3 w) and ``Wo`` (w, dim) for
+    ``w`` = dim, or a share of the heads' when the layer's heads are split across workers
+    (:mod:`raysinga.nn.partition`), each part computing its own heads."""
 
     kind = "attention"
     options = {"heads": ...}
@@ -215,19 +219,19 @@ class Attention(Layer):
     def forward(self, p, s, x, ctx):
         xp = _xp(x)
         n, t, d = x.shape
-        h = self.opts["heads"]
-        hd = d // h
+        h, w = self.opts["heads"], p["Wqkv"].shape[1] // 3  # w: the heads' width
+        hd = w // h
         rows = x.reshape(n * t, d)
         qkv = _dense(rows, p["Wqkv"], p["bqkv"])
         # The queries scaled by 1/sqrt(hd) where they lie (a quarter of the scores' size), so
         # that the scores need no pass of their own; the backward pass scales dq the same way.
-        qkv[:, :d] *= qkv.dtype.type(1.0 / math.sqrt(hd))
-        self._fused = K.fused_attention_fits(qkv.reshape(n, t, 3 * d), hd)
+        qkv[:, :w] *= qkv.dtype.type(1.0 / math.sqrt(hd))
+        self._fused = K.fused_attention_fits(qkv.reshape(n, t, 3 * w), hd)
         if self._fused:
             # One pass on the GPU, keeping each row's log-sum-exp instead of the (T, T)
             # probabilities; heads wider than the kernels' tiles take the products below.
-            merged, lse = K.fused_attention_forward(qkv.reshape(n, t, 3 * d), h, 1.0)
-            merged = merged.reshape(n * t, d)
+            merged, lse = K.fused_attention_forward(qkv.reshape(n, t, 3 * w), h, 1.0)
+            merged = merged.reshape(n * t, w)
             y = _dense(merged, p["Wo"], p["bo"])
             self._cache = (rows, qkv, lse, merged, y, p["Wqkv"], p["Wo"])
             return y.reshape(n, t, d)
@@ -236,7 +240,7 @@ class Attention(Layer):
         probs = K.causal_softmax_forward(scores, 1.0).reshape(n, h, t, t)
         merged = xp.empty((n, t, h, hd), x.dtype)
         K.matmul(probs, v, out=merged.transpose(0, 2, 1, 3))  # the heads side by side
-        merged = merged.reshape(n * t, d)
+        merged = merged.reshape(n * t, w)
         y = _dense(merged, p["Wo"], p["bo"])
         self._cache = (rows, qkv, q, k, v, probs, merged, y, p["Wqkv"], p["Wo"])
         return y.reshape(n, t, d)
@@ -247,7 +251,7 @@ class Attention(Layer):
         rows, qkv, q, k, v, probs, merged, y, wqkv, wo = self._cache
         xp = _xp(dy)
         n, h, t, hd = q.shape
-        d = h * hd
+        d = wo.shape[1]
         dmerged, dwo, dbo = K.dense_backward(merged, wo, y, dy.reshape(n * t, d), "linear", True)
         dheads = dmerged.reshape(n, t, h, hd).transpose(0, 2, 1, 3)
         dprobs = K.matmul(dheads, v.transpose(0, 1, 3, 2))
@@ -264,9 +268,10 @@ class Attention(Layer):
     def _fused_backward(self, dy):
         rows, qkv, lse, merged, y, wqkv, wo = self._cache
         n, t, d = dy.shape
+        w = wo.shape[0]  # the heads' width
         dmerged, dwo, dbo = K.dense_backward(merged, wo, y, dy.reshape(n * t, d), "linear", True)
         dqkv = K.fused_attention_backward(
-            dmerged.reshape(n, t, d), qkv.reshape(n, t, 3 * d), merged.reshape(n, t, d), lse,
+            dmerged.reshape(n, t, w), qkv.reshape(n, t, 3 * w), merged.reshape(n, t, w), lse,
             self.opts["heads"], 1.0,
         )  # fmt: skip
         return self._projection_backward(rows, wqkv, qkv, dqkv, dwo, dbo, (n, t, d))
@@ -275,8 +280,9 @@ class Attention(Layer):
         """The input projection's gradients from ``dqkv`` (laid out as ``qkv``), its queries'
         part still to be scaled as the forward pass scaled the queries; ``shape`` is x's."""
         n, t, d = shape
-        dqkv = dqkv.reshape(n * t, 3 * d)
-        dqkv[:, :d] *= dqkv.dtype.type(1.0 / math.sqrt(d // self.opts["heads"]))
+        w = wqkv.shape[1] // 3  # the heads' width
+        dqkv = dqkv.reshape(n * t, 3 * w)
+        dqkv[:, :w] *= dqkv.dtype.type(1.0 / math.sqrt(w // self.opts["heads"]))
         dx, dwqkv, dbqkv = K.dense_backward(rows, wqkv, qkv, dqkv, "linear", self.need_dx)
         grads = {"Wqkv": dwqkv, "bqkv": dbqkv, "Wo": dwo, "bo": dbo}
         return (None if dx is None else dx.reshape(n, t, d)), grads
