@@ -191,33 +191,61 @@ def _qkv_columns(width: int, a: int, b: int) -> np.ndarray:
 # ---------------------------------------------------------------- one part of a split layer
 
 
-class ColumnDense:
+class _Part:
+    """What a net asks of a layer, for one part of a split one: its name and kind, its part's
+    parameter shapes, ``forward(p, s, x, ctx)`` and ``backward(dy)`` (so that a net of parts,
+    :func:`part_net`, is a :class:`~.model.Net` whose split layers are these)."""
+
+    def __init__(self, layer: Layer, by: str, ex: Exchange) -> None:
+        self.name, self.kind, self.by, self.ex = layer.name, layer.kind, by, ex
+        self.in_shape, self.out_shape = layer.in_shape, layer.out_shape
+        whole = {k: np.empty(v, np.float32) for k, v in layer.param_shapes().items()}
+        self._shapes = {k: v.shape for k, v in split(layer, by, whole, ex.parts)[ex.part].items()}
+        self.need_dx = layer.need_dx
+        # what a net sets around a call; a part computes its gradients into new arrays
+        self.grads_into: dict[str, Any] = {}
+        self.grads_ready = self.rows_hook = None
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._shapes)
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {}
+
+    def key(self, local: str) -> str:
+        return f"{self.name}/{local}"
+
+
+class ColumnDense(_Part):
     """Part ``ex.part`` of a dense layer split by output columns: the whole input in, its
     columns of the output (activation applied) out; backward, the input's gradient summed
     over the parts."""
 
     def __init__(self, layer: Dense, ex: Exchange) -> None:
-        self.layer, self.ex = copy.copy(layer), ex  # its own copy: a layer keeps one call's state
+        super().__init__(layer, "columns", ex)
+        self.layer = copy.copy(layer)  # its own copy: a layer keeps one call's state
 
-    def forward(self, p: dict, x: Any, ctx: StepContext) -> Any:
-        return self.layer.forward(p, {}, x, ctx)
+    def forward(self, p: dict, s: dict, x: Any, ctx: StepContext) -> Any:
+        return self.layer.forward(p, s, x, ctx)
 
     def backward(self, dy: Any) -> tuple[Any, dict]:
+        self.layer.need_dx = self.need_dx
         dx, grads = self.layer.backward(dy)
         return (None if dx is None else self.ex.sum(dx)), grads
 
 
-class RowDense:
+class RowDense(_Part):
     """Part ``ex.part`` of a dense layer split by input rows: its columns of the input in (a
     :class:`ColumnDense`'s output), the parts' products summed, then the bias and activation
     applied, the whole output out on every part; backward, the gradient of its own input
     columns, no exchange."""
 
     def __init__(self, layer: Dense, ex: Exchange) -> None:
-        self.layer, self.ex = layer, ex
+        super().__init__(layer, "rows", ex)
+        self.layer = layer
         self._cache: tuple = ()
 
-    def forward(self, p: dict, x: Any, ctx: StepContext) -> Any:
+    def forward(self, p: dict, s: dict, x: Any, ctx: StepContext) -> Any:
         rows = x.reshape(-1, x.shape[-1])
         partial = K.matmul(rows, p["W"])
         y = K.bias_act_forward(self.ex.sum(partial), p["b"], self.layer.opts["activation"])
@@ -228,27 +256,26 @@ class RowDense:
         x_shape, rows, w, y = self._cache
         dz, db = K.bias_act_backward(dy.reshape(y.shape), y, self.layer.opts["activation"])
         dw = K.matmul(rows.T, dz)
-        dx = K.matmul(dz, w.T).reshape(x_shape) if self.layer.need_dx else None
+        dx = K.matmul(dz, w.T).reshape(x_shape) if self.need_dx else None
         return dx, {"W": dw, "b": db}
 
 
-class HeadAttention:
+class HeadAttention(_Part):
     """Part ``ex.part`` of an attention layer split by heads: the whole input in, its heads'
     attention projected back by its rows of ``Wo``, the parts summed, then the output bias
     added; the whole output out on every part. Backward, the input's gradient summed over the
     parts."""
 
     def __init__(self, layer: Attention, ex: Exchange) -> None:
+        super().__init__(layer, "heads", ex)
         heads = layer.opts["heads"]
-        ranges(heads, ex.parts, "heads", layer.name)
-        self.ex = ex
         # the same computation on this part's heads, without the output bias (added once,
         # after the sum)
         self.inner = Attention(layer.name, heads=heads // ex.parts)
         self.inner.build(layer.in_shape)
         self.inner.need_dx = layer.need_dx
 
-    def forward(self, p: dict, x: Any, ctx: StepContext) -> Any:
+    def forward(self, p: dict, s: dict, x: Any, ctx: StepContext) -> Any:
         xp = K.get_array_module(x)
         own = {**p, "bo": xp.zeros_like(p["bo"])}
         partial = self.inner.forward(own, {}, x, ctx)
@@ -257,20 +284,23 @@ class HeadAttention:
         return y.reshape(n, t, d)
 
     def backward(self, dy: Any) -> tuple[Any, dict]:
+        self.inner.need_dx = self.need_dx
         dx, grads = self.inner.backward(dy)  # its "bo" is the sum of dy's rows: bo's gradient
         return (None if dx is None else self.ex.sum(dx)), grads
 
 
-class VocabEmbedding:
+class VocabEmbedding(_Part):
     """Part ``ex.part`` of an embedding split by vocabulary: the rows of its range of ids,
     zeros for the others, summed over the parts; backward, its rows' gradient."""
 
     def __init__(self, layer: Embedding, ex: Exchange) -> None:
-        self.layer, self.ex = layer, ex
+        super().__init__(layer, "vocab", ex)
+        self.layer = layer
         self.start, self.stop = ranges(layer.opts["vocab"], ex.parts, "vocab", layer.name)[ex.part]
         self._cache: tuple = ()
+        self.takes_tokens = True
 
-    def forward(self, p: dict, x: Any, ctx: StepContext) -> Any:
+    def forward(self, p: dict, s: dict, x: Any, ctx: StepContext) -> Any:
         xp = K.get_array_module(x)
         idx = x.reshape(-1)
         if idx.dtype.kind not in "iu":
@@ -288,16 +318,18 @@ class VocabEmbedding:
         return None, {"W": K.embedding_backward(local, d, self.stop - self.start)}
 
 
-class DimEmbedding:
+class DimEmbedding(_Part):
     """Part ``ex.part`` of an embedding split by dimension: its columns of every id's row,
     concatenated over the parts; backward, its columns' gradient."""
 
     def __init__(self, layer: Embedding, ex: Exchange) -> None:
-        self.layer, self.ex = layer, ex
+        super().__init__(layer, "dim", ex)
+        self.layer = layer
         self.start, self.stop = ranges(layer.opts["dim"], ex.parts, "dims", layer.name)[ex.part]
         self._cache: tuple = ()
+        self.takes_tokens = True
 
-    def forward(self, p: dict, x: Any, ctx: StepContext) -> Any:
+    def forward(self, p: dict, s: dict, x: Any, ctx: StepContext) -> Any:
         idx = x.reshape(-1)
         self._cache = (idx,)
         rows = K.embedding_forward(idx, p["W"])
@@ -322,6 +354,45 @@ def part_of(layer: Layer, by: str, ex: Exchange) -> Any:
         return HeadAttention(layer, ex)
     assert isinstance(layer, Embedding)
     return VocabEmbedding(layer, ex) if by == "vocab" else DimEmbedding(layer, ex)
+
+
+def part_net(net: Any, splits: dict[str, str], ex: Exchange) -> Any:
+    """Part ``ex.part`` of ``net`` (a :class:`~.model.Net`) with the layers named in ``splits``
+    split as it says (checked first, :func:`check_plan`): the same net, its split layers
+    replaced by their parts, so that its ``loss_and_grads`` takes the part's parameters
+    (:func:`split_params`) and gives the part's gradients. Every part computes the whole
+    output, the same bits on each."""
+    check_plan(net.layers, splits, ex.parts)
+    out = copy.copy(net)
+    out.layers = [
+        part_of(ly, splits[ly.name], ex) if ly.name in splits else copy.copy(ly)
+        for ly in net.layers
+    ]
+    return out
+
+
+def split_params(net: Any, splits: dict[str, str], params: dict, parts: int) -> list[dict]:
+    """The whole net's parameters (by full name) as each of ``parts`` holds them: its part of
+    each split layer's, every other layer's whole."""
+    out: list[dict] = [{} for _ in range(parts)]
+    for ly in net.layers:
+        local = {k: params[ly.key(k)] for k in ly.param_shapes()}
+        shares = split(ly, splits[ly.name], local, parts) if ly.name in splits else [local] * parts
+        for mine, share in zip(out, shares, strict=True):
+            mine.update({ly.key(k): v for k, v in share.items()})
+    return out
+
+
+def join_params(net: Any, splits: dict[str, str], shares: Sequence[dict]) -> dict:
+    """The whole net's parameters (or gradients) from the parts' (:func:`split_params`'
+    inverse); a layer not split is part 0's."""
+    out: dict = {}
+    for ly in net.layers:
+        names = list(ly.param_shapes())
+        local = [{k: share[ly.key(k)] for k in names} for share in shares]
+        whole = join(ly, splits[ly.name], local) if ly.name in splits else local[0]
+        out.update({ly.key(k): v for k, v in whole.items()})
+    return out
 
 
 # Layers that may stand between the two halves of a split dense pair: element by element and

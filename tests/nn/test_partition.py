@@ -12,12 +12,16 @@ import numpy as np
 import pytest
 
 from raysinga.nn.layers import Dense, Dropout, ReLU, StepContext
+from raysinga.nn.model import ModelSpec, Net
 from raysinga.nn.partition import (
     LocalExchange,
     check_plan,
     join,
+    join_params,
+    part_net,
     part_of,
     split,
+    split_params,
 )
 from raysinga.nn.sequence import Attention, Embedding
 
@@ -63,7 +67,7 @@ def test_a_dense_pair_split_by_columns_then_rows_gives_the_unsplit_pairs_values(
 
     def work(ex):
         a, b = part_of(first, "columns", ex), part_of(second, "rows", ex)
-        out = b.forward(rows[ex.part], a.forward(cols[ex.part], x, CTX), CTX)
+        out = b.forward(rows[ex.part], {}, a.forward(cols[ex.part], {}, x, CTX), CTX)
         dh_part, gb = b.backward(dy)
         dx_part, ga = a.backward(dh_part)
         return out, dx_part, ga, gb
@@ -94,7 +98,7 @@ def test_attention_split_by_heads_gives_the_unsplit_layers_values(k):
 
     def work(ex):
         part = part_of(layer, "heads", ex)
-        out = part.forward(shares[ex.part], x, CTX)
+        out = part.forward(shares[ex.part], {}, x, CTX)
         return (out, *part.backward(dy))
 
     got = on_parts(k, work)
@@ -120,7 +124,7 @@ def test_an_embedding_split_by_vocabulary_or_dimension_gives_the_unsplit_layers_
 
     def work(ex):
         part = part_of(layer, by, ex)
-        out = part.forward(shares[ex.part], x, CTX)
+        out = part.forward(shares[ex.part], {}, x, CTX)
         return out, part.backward(dy)[1]
 
     got = on_parts(k, work)
@@ -174,3 +178,95 @@ def test_what_cannot_be_split_is_refused_naming_the_layer():
     with pytest.raises(ValueError, match="names no layer of the net: nope"):
         check_plan([fc1], {"nope": "columns"}, 2)
     check_plan([fc1, act, fc2, attn], {"fc1": "columns", "fc2": "rows", "attn": "heads"}, 2)
+
+
+def train(net, params, batches, lr, splits=None, k=1):
+    """SGD on ``batches``: each step's loss, and the parameters after (with ``splits``, as
+    ``k`` parts, each a thread, joined at the end)."""
+    if splits is None:
+        losses = []
+        for i, (x, y) in enumerate(batches):
+            loss, grads, _ = net.loss_and_grads(params, {}, x, y, StepContext(True, 1, i))
+            for name, g in grads.items():
+                params[name] = params[name] - lr * g
+            losses.append(loss)
+        return losses, params
+    shares = split_params(net, splits, params, k)
+
+    def work(ex):
+        mine, partial, losses = dict(shares[ex.part]), part_net(net, splits, ex), []
+        for i, (x, y) in enumerate(batches):
+            loss, grads, _ = partial.loss_and_grads(mine, {}, x, y, StepContext(True, 1, i))
+            for name, g in grads.items():
+                mine[name] = mine[name] - lr * g
+            losses.append(loss)
+        return losses, mine
+
+    got = on_parts(k, work)
+    assert all(losses == got[0][0] for losses, _ in got)  # the same loss on every part
+    return got[0][0], join_params(net, splits, [mine for _, mine in got])
+
+
+def digits_batches(steps: int, batch: int = 32):
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    rng = np.random.default_rng(0)
+    order = [rng.permutation(len(x))[:batch] for _ in range(steps)]
+    return [(x[o], y[o].astype(np.int64)) for o in order]
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_an_mlp_with_its_dense_pair_split_trains_as_the_unsplit_one_for_200_steps(k):
+    """The digits: 64 -> 32 (relu) -> 10, the pair split ``k`` ways: the same losses to float
+    rounding, step by step, and the same parameters at the end."""
+    spec = ModelSpec.from_dict(
+        {
+            "input_shape": [64],
+            "layers": [
+                {"kind": "dense", "name": "fc1", "units": 32, "activation": "relu"},
+                {"kind": "dense", "name": "fc2", "units": 10},
+            ],
+        }
+    )
+    net, batches = Net(spec), digits_batches(200)
+    start = {k: v.astype(np.float32) for k, v in net.init_params(seed=3).items()}
+    want, whole = train(net, dict(start), batches, 0.1)
+    got, joined = train(net, dict(start), batches, 0.1, {"fc1": "columns", "fc2": "rows"}, k)
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    assert want[-1] < 0.5 * want[0]  # it trains
+    for name, a in whole.items():
+        np.testing.assert_allclose(joined[name], a, rtol=1e-3, atol=1e-5)
+
+
+def test_a_small_language_model_split_by_vocabulary_heads_and_a_dense_pair_trains_alike():
+    """Tokens -> embedding (by vocabulary) -> attention (by heads) -> dense pair -> logits at
+    every position, 2 parts: the same losses as unsplit to float rounding over 50 steps."""
+    spec = ModelSpec.from_dict(
+        {
+            "input_shape": [8],
+            "layers": [
+                {"kind": "embedding", "name": "emb", "vocab": 16, "dim": 12},
+                {"kind": "attention", "name": "attn", "heads": 4},
+                {"kind": "dense", "name": "up", "units": 24, "activation": "relu"},
+                {"kind": "dense", "name": "down", "units": 16},
+            ],
+            "loss": "sequence_cross_entropy",
+        }
+    )
+    net = Net(spec)
+    rng = np.random.default_rng(5)
+    text = rng.integers(0, 16, size=4000)
+    starts = [rng.integers(0, len(text) - 9, size=8) for _ in range(50)]
+    batches = [
+        (np.stack([text[s : s + 8] for s in b]), np.stack([text[s + 1 : s + 9] for s in b]))
+        for b in starts
+    ]
+    start = {k: v.astype(np.float32) for k, v in net.init_params(seed=4).items()}
+    splits = {"emb": "vocab", "attn": "heads", "up": "columns", "down": "rows"}
+    want, whole = train(net, dict(start), batches, 0.05)
+    got, joined = train(net, dict(start), batches, 0.05, splits, 2)
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    for name, a in whole.items():
+        np.testing.assert_allclose(joined[name], a, rtol=1e-3, atol=1e-5)
