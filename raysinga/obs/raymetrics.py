@@ -183,8 +183,11 @@ class Recorder:
 
     def flush(self) -> None:
         """Record what :meth:`later` kept, in the order it came."""
-        while self._pending:
-            phases, tags = self._pending.pop(0)
+        while True:
+            try:  # a role's call threads may flush at once: each record is taken once
+                phases, tags = self._pending.pop(0)
+            except IndexError:
+                return
             self.step(phases, **tags)
 
     def steps(self, records: Any, address: Callable[[str], str]) -> None:
