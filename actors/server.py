@@ -148,7 +148,7 @@ class ParamServer(Abortable, Fence):
         return self.publish()
 
     def publish(self) -> Any:
-        """Hand this server's values to its readers on other nodes (:mod:`.server_values`)."""
+        """Hand this server's values to its readers on other nodes (:mod:`.values_out`)."""
         return self.readers.publish(
             {s.name: self.buf.arrays[s.name] for s in self.slices},
             self.buf.flat,
@@ -185,7 +185,7 @@ class ParamServer(Abortable, Fence):
         self, start: int, stop: int, frames: HostFrames, group: int = 0, epoch: int = 0
     ) -> list[tuple[int, Any, float, float]]:
         """Group ``group``'s updates of steps ``start .. stop-1`` summed by hosts, each as
-        :meth:`update` applies it, in one call (:func:`.host_sums.block_steps`): each step's
+        :meth:`update` applies it, in one call (:func:`.stub_side.block_steps`): each step's
         blocks' sums are taken in from this server's inbox as they come. Returns, for each
         step, what :meth:`update` returns and when (wall clock) it was done."""
         out = []

@@ -182,7 +182,7 @@ class Worker(Abortable, Fence):
         of its workers' gradients. Returns timings and, when the stub is on another node, a
         snapshot of the gradient buffer. ``send`` (a block of one worker, ``topology.reduce:
         hosts``): the gradient goes to the servers as the backward pass makes it
-        (:class:`.block_sends.EarlySends`); the timings then carry the bytes sent to each
+        (:class:`.worker_side.EarlySends`); the timings then carry the bytes sent to each
         server (``"sent"``).
         """
         self.admit(epoch, f"compute step {step} (worker {self.index} of group {self.group})")
@@ -207,7 +207,7 @@ class Worker(Abortable, Fence):
         send: BlockSend | None = None,
     ) -> list[dict[str, Any]]:
         """Steps ``start .. stop-1`` of a group summed by hosts (``topology.reduce: hosts``),
-        each as :meth:`compute` computes it, in one call (:func:`.host_sums.block_steps`):
+        each as :meth:`compute` computes it, in one call (:func:`.stub_side.block_steps`):
         ``sources`` are the servers' values step ``start`` reads, and each step after reads
         those after one more update of every server. A step waits for its values asleep, so
         the loop keeps pace with the servers without a call per step. Returns each step's
@@ -257,7 +257,7 @@ class Worker(Abortable, Fence):
         """As the leader of block ``block`` (``topology.reduce: hosts``): the sum of the
         block's workers' gradients of ``step`` (``members``, in worker order: the buffer of
         one on this node, the published snapshot of one elsewhere; ``done``: the others'
-        results, :func:`.block_sends.summed_members`), added in that order, cut into each
+        results, :func:`.worker_side.summed_members`), added in that order, cut into each
         server's slices, laid out as they cross (:mod:`.wire`) and sent to each server's
         inbox (``to``, in server order)."""
         self.admit(epoch, f"sum step {step} of its block (worker {self.index})")
@@ -388,7 +388,7 @@ def _into_buffer(
 ) -> Callable[[dict[str, Any]], None]:
     """What a CPU worker's backward pass hands each layer's gradients to: each put into the
     worker's shared ``buffer`` (those the layer did not write there), then ``then`` told
-    their names (:meth:`.block_sends.EarlySends.ready`, :meth:`~.block_sends.EarlySends.done`)."""
+    their names (:meth:`.worker_side.EarlySends.ready`, :meth:`~.worker_side.EarlySends.done`)."""
 
     def tell(grads: dict[str, Any]) -> None:
         for k, g in grads.items():

@@ -177,7 +177,7 @@ class HostFrames:
 class BlockSend:
     """What a block of one worker (``topology.reduce: hosts``) sends its gradient to, as it
     computes it: the servers' inboxes ``to`` (in server order, each ``(host, port, key)``),
-    as block ``block`` (:class:`.block_sends.EarlySends`)."""
+    as block ``block`` (:class:`.worker_side.EarlySends`)."""
 
     to: tuple[tuple[str, int, bytes], ...]
     block: int

@@ -2,7 +2,7 @@
 counter's word, shared between processes that map the same file.
 
 A worker of a group summed by hosts (``topology.reduce: hosts``) is handed its step before the
-servers' values it reads are in (:func:`.host_sums.block_steps`); it waits for the counter of
+servers' values it reads are in (:func:`.stub_side.block_steps`); it waits for the counter of
 its node's mirror of each server (:mod:`.mirrors`) or of a server beside it
 (:class:`.buffers.UpdateGuard`). A loop that looks every half millisecond costs the cores
 that the step's own work needs (four such loops measured no faster than no step sent ahead, on

@@ -52,7 +52,7 @@ def parts_of(layout: Layout, part_bytes: int | None = None) -> list[list[Span]]:
     bytes each; each part lists its flat ranges of the arrays, in order. The parts run from
     the layout's end to its start: a server's slices follow the model's parameters, whose
     last layer's gradients a backward pass finishes first, so a worker can send the first
-    parts while it computes the rest (:class:`.block_sends.EarlySends`). A pure function of
+    parts while it computes the rest (:class:`.worker_side.EarlySends`). A pure function of
     its inputs: a server and the nodes it sends to agree on it without a word.
 
     The part sent last is halved, and its second half again, down to parts of

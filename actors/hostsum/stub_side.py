@@ -1,5 +1,5 @@
 """A synchronous group summed by hosts (``topology.reduce: hosts``, :mod:`.wire`): the
-stub's side of its steps (a block's sum on its way to the servers is :mod:`.block_sends`).
+stub's side of its steps (a block's sum on its way to the servers is :mod:`.worker_side`).
 
 Each worker computes its gradient into its shared-memory buffer. Each block's leader, once its
 members are done, sums their buffers in worker order and sends each server its slices of the
@@ -63,7 +63,7 @@ def block_steps(stub: Stub, start: int, stop: int) -> list[StepStats]:
     the sum into the servers' slices and sends each its own (:mod:`.tcp`); each server takes
     its slices of every block in and sums them in block order. A block of one worker sends
     its gradient as it computes it, the last layers' first
-    (:class:`~.block_sends.EarlySends`), and needs no sum. A step's computes, sums and updates
+    (:class:`~.worker_side.EarlySends`), and needs no sum. A step's computes, sums and updates
     go out at once (a leader sums once its members are done, a server updates each part once
     every block's sum of it is in); this stub never touches a gradient.
 
@@ -164,7 +164,7 @@ def _at_once(stub: Stub, start: int, stop: int, at: list[int]) -> list[StepStats
 
 def _alone(stub: Stub) -> dict[int, BlockSend]:
     """What each worker that is a block of its own sends its gradient to as it computes it
-    (:class:`~.block_sends.EarlySends`), by worker."""
+    (:class:`~.worker_side.EarlySends`), by worker."""
     to = tuple(s["inbox"] for s in stub.server_infos)
     return {
         m[0]: BlockSend(to, b, tuple(h is not None for h in stub.local_src[m[0]]))

@@ -2,7 +2,7 @@
 :mod:`.wire`): a leader's sum of its block's members, and the parts of a sum or of a lone
 worker's gradient sent to each server's inbox over the block's own connections (:mod:`.tcp`),
 the latter as its backward pass finishes them (:class:`EarlySends`). The stub's side of the
-step is :mod:`.host_sums`.
+step is :mod:`.stub_side`.
 """
 
 from __future__ import annotations
