@@ -471,6 +471,18 @@ def test_a_checkout_without_an_install_maps_actors_and_kernels_only(tmp_path):
     ]
 
 
+def test_no_two_test_modules_share_a_name():
+    """pytest imports the test modules and their helpers under their file names (no packages
+    under tests/): a second ``test_x.py`` anywhere stops the collection of the whole suite."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        if path.name == "conftest.py":  # pytest loads each by its folder
+            continue
+        seen.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    twice = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not twice, f"test modules of one name: {twice}"
+
+
 # ---------------------------------------------------------------- the checker checks itself
 # A checker that silently finds nothing passes forever; these pin down what it must see.
 
