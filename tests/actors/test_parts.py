@@ -80,7 +80,7 @@ def test_a_split_dense_pair_through_shared_memory_gives_the_bits_of_the_parts_in
 
     def step(ex) -> tuple[np.ndarray, np.ndarray]:
         a, b = part_of(first, "columns", ex), part_of(second, "rows", ex)
-        y = b.forward(rows[ex.part], a.forward(cols[ex.part], x, ctx), ctx)
+        y = b.forward(rows[ex.part], {}, a.forward(cols[ex.part], {}, x, ctx), ctx)
         dx, _ = a.backward(b.backward(dy)[0])
         return y, dx
 
@@ -100,7 +100,7 @@ def _child(handle, part: int, queue) -> None:
 
 def test_parts_in_two_processes_exchange_through_the_file(shared):
     handle = shared(2)
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")  # not fork: pytest-xdist runs threads
     queue = ctx.Queue()
     procs = [ctx.Process(target=_child, args=(handle, p, queue)) for p in range(2)]
     for pr in procs:
