@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from raysinga.optim.grads import sum_into
+
 from ..common.buffers import Attachments, Layout, SharedBuffer, ShmHandle
 from ..common.seqwait import sleep_while, wake
 
@@ -72,7 +74,7 @@ class PartsExchange:
         self.count = int(self.written[part])  # exchanges made (a replacement goes on from here)
 
     def sum(self, x: Any) -> Any:
-        return self._swap(x, _added)
+        return self._swap(x, _added)  # in part order
 
     def gather(self, x: Any, axis: int) -> Any:
         return self._swap(x, lambda xs: np.concatenate(xs, axis=axis))
@@ -125,8 +127,7 @@ class PartsExchange:
 
 
 def _added(xs: list[np.ndarray]) -> np.ndarray:
-    """The arrays added in order, into a new one."""
-    out = xs[0].copy()
-    for y in xs[1:]:
-        out += y
+    """The arrays added in the given order, into a new one."""
+    out = np.empty_like(xs[0])
+    sum_into(out, xs)
     return out

@@ -183,26 +183,20 @@ def test_what_cannot_be_split_is_refused_naming_the_layer():
 def train(net, params, batches, lr, splits=None, k=1):
     """SGD on ``batches``: each step's loss, and the parameters after (with ``splits``, as
     ``k`` parts, each a thread, joined at the end)."""
-    if splits is None:
+
+    def sgd(model, mine: dict) -> tuple[list[float], dict]:
         losses = []
         for i, (x, y) in enumerate(batches):
-            loss, grads, _ = net.loss_and_grads(params, {}, x, y, StepContext(True, 1, i))
-            for name, g in grads.items():
-                params[name] = params[name] - lr * g
-            losses.append(loss)
-        return losses, params
-    shares = split_params(net, splits, params, k)
-
-    def work(ex):
-        mine, partial, losses = dict(shares[ex.part]), part_net(net, splits, ex), []
-        for i, (x, y) in enumerate(batches):
-            loss, grads, _ = partial.loss_and_grads(mine, {}, x, y, StepContext(True, 1, i))
+            loss, grads, _ = model.loss_and_grads(mine, {}, x, y, StepContext(True, 1, i))
             for name, g in grads.items():
                 mine[name] = mine[name] - lr * g
             losses.append(loss)
         return losses, mine
 
-    got = on_parts(k, work)
+    if splits is None:
+        return sgd(net, params)
+    shares = split_params(net, splits, params, k)
+    got = on_parts(k, lambda ex: sgd(part_net(net, splits, ex), dict(shares[ex.part])))
     assert all(losses == got[0][0] for losses, _ in got)  # the same loss on every part
     return got[0][0], join_params(net, splits, [mine for _, mine in got])
 
